@@ -1,0 +1,44 @@
+# tf_fusedemb: one-command setup on a fresh machine (see README.md).
+# Installs the pinned stack of ../shared/ENVIRONMENT.md into .venv, builds Horovod from
+# source with Gloo, builds the custom-op library and installs the package (editable).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.stack-installed
+HVD_STAMP := $(VENV)/.horovod-installed
+export TF_USE_LEGACY_KERAS := 1
+export TF_CPP_MIN_LOG_LEVEL := 2
+
+.PHONY: setup ops test train bench clean
+
+setup: $(HVD_STAMP) ops
+
+$(STAMP): requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade "pip<25" "setuptools<70" wheel
+	$(PIP) install -r requirements.txt
+	touch $@
+
+# Horovod must compile against the TensorFlow that runs it: no build isolation.
+$(HVD_STAMP): $(STAMP)
+	$(PIP) install cmake
+	HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
+	HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_CPU_OPERATIONS=GLOO \
+	CMAKE_POLICY_VERSION_MINIMUM=3.5 MAKEFLAGS=-j2 \
+	PATH=$(abspath $(VENV))/bin:$$PATH \
+	$(PIP) install --no-build-isolation horovod==0.28.1
+	$(PY) -c "import horovod.tensorflow as hvd; assert hvd.gloo_built(), 'horovod built without gloo'"
+	touch $@
+
+# Build the custom-op library in place and install the package in editable mode.
+ops: $(STAMP)
+	$(PIP) install --no-build-isolation --no-deps -e .
+	$(PY) setup.py build_ext --inplace
+
+test: setup
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf build tf_fusedemb/_fusedemb_ops.so *.egg-info

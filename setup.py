@@ -1,0 +1,77 @@
+"""Build and install tf_fusedemb.
+
+The custom ops in custom_ops/*.cc are compiled into ONE library,
+tf_fusedemb/_fusedemb_ops.so, against the TensorFlow installed in the running Python
+(its tf.sysconfig flags). Install without build isolation so that TensorFlow is the one
+that will load the library:  pip install --no-build-isolation -e .
+Set TF_FUSEDEMB_JOBS to change the number of parallel compile jobs (default: CPU count).
+"""
+import glob
+import os
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+LIB_NAME = "tf_fusedemb._fusedemb_ops"
+SOURCES = sorted(glob.glob(os.path.join("custom_ops", "*.cc")))
+
+
+def _tf_flags():
+    try:
+        import tensorflow as tf
+    except ImportError as e:  # pragma: no cover - build-time message
+        raise RuntimeError(
+            "tf_fusedemb compiles its ops against the installed TensorFlow; install "
+            "tensorflow==2.16.2 first and build with --no-build-isolation") from e
+    return tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()
+
+
+class BuildTfOps(build_ext):
+    """Compiles the op library with g++ and TensorFlow's own flags (no Bazel needed)."""
+
+    def get_ext_filename(self, ext_name):
+        # A fixed name, no Python ABI tag: the library is loaded by TF, not imported.
+        return os.path.join(*ext_name.split(".")) + ".so"
+
+    def build_extension(self, ext):
+        compile_flags, link_flags = _tf_flags()
+        out = self.get_ext_fullpath(ext.name)
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        obj_dir = os.path.join(self.build_temp, "custom_ops")
+        os.makedirs(obj_dir, exist_ok=True)
+        cxx = os.environ.get("CXX", "g++")
+        base = [cxx, "-fPIC", "-O3", "-std=c++17", "-Wall", "-Wno-sign-compare",
+                "-Icustom_ops"] + compile_flags
+
+        def compile_one(src):
+            obj = os.path.join(obj_dir, os.path.basename(src)[:-3] + ".o")
+            if not (os.path.exists(obj) and os.path.getmtime(obj) >= max(
+                    os.path.getmtime(p) for p in [src] + glob.glob("custom_ops/*.h"))):
+                subprocess.run(base + ["-c", src, "-o", obj], check=True)
+            return obj
+
+        jobs = int(os.environ.get("TF_FUSEDEMB_JOBS", os.cpu_count() or 2))
+        with ThreadPoolExecutor(jobs) as pool:
+            objs = list(pool.map(compile_one, ext.sources))
+        subprocess.run([cxx, "-shared", "-o", out] + objs + link_flags, check=True)
+
+
+setup(
+    name="tf_fusedemb",
+    version="0.1.0",
+    description="Fused, Horovod-sharded embedding tables for TensorFlow recommenders",
+    long_description=open("README.md").read() if os.path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.9",
+    packages=find_packages(include=["tf_fusedemb", "tf_fusedemb.*"]),
+    package_data={"tf_fusedemb": ["_fusedemb_ops.so"], "tf_fusedemb.data": ["*.json"]},
+    ext_modules=[Extension(LIB_NAME, sources=SOURCES)],
+    cmdclass={"build_ext": BuildTfOps},
+    install_requires=["tensorflow==2.16.2", "tf_keras==2.16.0", "numpy>=1.26,<2"],
+    extras_require={"tfra": ["tensorflow-recommenders-addons==0.8.1"],
+                    "test": ["pytest>=7", "pytest-timeout>=2.1"]},
+    zip_safe=False,
+)

@@ -1,0 +1,19 @@
+"""Shared pytest setup: Keras 2 for TF, quiet logs, paths of the repository and data."""
+import os
+import pathlib
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import pytest  # noqa: E402
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+
+@pytest.fixture
+def shared_data():
+    """Path of ../shared/data; skips the test with a message when it is absent."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"real data samples not found at {SHARED_DATA}")
+    return SHARED_DATA

@@ -1,0 +1,18 @@
+"""tf_fusedemb custom ops: Python wrappers, gradients and their pure-TF references.
+
+Importing this module registers the gradients but does not load the op library; the
+library loads on the first call of a wrapper (see :mod:`tf_fusedemb.ops._loader`).
+"""
+from tf_fusedemb.ops._loader import is_loaded, load_library, register_ops
+from tf_fusedemb.ops.category_hash import (CategoryHashResult, category_hash,
+                                           category_key_strings, collision_partner)
+from tf_fusedemb.ops.rankwise_sort import RankwiseSortResult, owner_rank, rankwise_sort
+from tf_fusedemb.ops.recovery import recover_features, recovery_gather, recovery_pool
+from tf_fusedemb.ops.segment_unique import SegmentUniqueResult, segment_unique
+
+__all__ = [
+    "CategoryHashResult", "RankwiseSortResult", "SegmentUniqueResult", "category_hash",
+    "category_key_strings", "collision_partner", "is_loaded", "load_library", "owner_rank",
+    "rankwise_sort", "recover_features", "recovery_gather", "recovery_pool", "register_ops",
+    "segment_unique",
+]

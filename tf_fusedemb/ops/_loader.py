@@ -1,0 +1,48 @@
+"""Lazy loader of tf_fusedemb/_fusedemb_ops.so.
+
+The library is loaded on the first call of an op wrapper, never at import, so
+``import tf_fusedemb`` stays cheap and works before the library is built.
+"""
+import os
+import threading
+
+import tensorflow as tf
+
+LIBRARY_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            "_fusedemb_ops.so")
+OP_NAMES = ("SegmentUnique", "RankwiseSort", "OwnerRank", "CategoryHash",
+            "RecoveryGather", "RecoveryPool", "RecoveryPoolGrad")
+
+_lock = threading.Lock()
+_library = None
+
+
+def is_loaded():
+    """True once the op library has been loaded into this process."""
+    return _library is not None
+
+
+def load_library():
+    """Loads the op library once (thread-safe) and returns its module of raw ops."""
+    global _library
+    if _library is None:
+        with _lock:
+            if _library is None:
+                if not os.path.exists(LIBRARY_PATH):
+                    raise FileNotFoundError(
+                        f"tf_fusedemb op library not found at {LIBRARY_PATH}; build it with "
+                        "`make setup` or `python setup.py build_ext --inplace`")
+                _library = tf.load_op_library(LIBRARY_PATH)
+    return _library
+
+
+def raw_op(name):
+    """The generated Python function of op ``FusedEmb>{name}``."""
+    snake = "fused_emb_" + "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
+    return getattr(load_library(), snake)
+
+
+def register_ops():
+    """Loads the library and the gradient registrations; call before loading a SavedModel."""
+    from tf_fusedemb import ops  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    return load_library()

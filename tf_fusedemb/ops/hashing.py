@@ -1,0 +1,80 @@
+"""The one hash of tf_fusedemb, mirrored in numpy and pure TF.
+
+The C++ kernels (custom_ops/fusedemb_common.h) decide owners and unified keys with
+these exact functions; the mirrors let host code (checkpoint resharding, reports)
+and tests compute the same values without the op library.
+
+* ``mix64``: MurmurHash3's fmix64, a bijection on 64-bit words.
+* ``owner_rank(id, N) = mix64(uint64(id)) % N``: depends on the ID only.
+* ``category_tag(name) = mix64(fnv1a64(utf8(name)))``.
+* hashed unified key ``H(c, id) = mix64(uint64(id) ^ tag(c))`` as int64.
+* packed unified key ``(c << id_bits) | id`` with ``id_bits = 63 - ceil(log2(M))``.
+"""
+import numpy as np
+
+_M1 = np.uint64(0xFF51AFD7ED558CCD)
+_M2 = np.uint64(0xC4CEB9FE1A85EC53)
+_S33 = np.uint64(33)
+
+
+def mix64(x):
+    """fmix64 of ``x`` (any integer array, reinterpreted as uint64) -> uint64 array."""
+    x = np.asarray(x)
+    # Signed IDs are reinterpreted as in C++: int64 -> uint64 keeps the bits.
+    x = x.astype(np.uint64) if x.dtype == np.uint64 else x.astype(np.int64).view(np.uint64)
+    with np.errstate(over="ignore"):
+        x = x ^ (x >> _S33)
+        x = x * _M1
+        x = x ^ (x >> _S33)
+        x = x * _M2
+        x = x ^ (x >> _S33)
+    return x
+
+
+def owner_rank(ids, num_ranks):
+    """Owner rank of each ID: ``mix64(uint64(id)) % num_ranks`` -> int32 array."""
+    if num_ranks <= 0:
+        raise ValueError(f"num_ranks must be positive, got {num_ranks}")
+    return (mix64(ids) % np.uint64(num_ranks)).astype(np.int32)
+
+
+def category_tag(name):
+    """64-bit tag of a category name: ``mix64(fnv1a64(name.encode()))`` -> np.uint64."""
+    h = 0xCBF29CE484222325
+    for byte in name.encode("utf-8"):
+        h = ((h ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return mix64(np.array([h], dtype=np.uint64))[0]
+
+
+def hashed_unified_keys(ids, category_names):
+    """Hashed unified keys ``mix64(uint64(id) ^ tag(c))`` as int64; ``category_names[i]``
+    is the category of ``ids[i]``."""
+    tags = np.array([category_tag(c) for c in category_names], dtype=np.uint64)
+    ids = np.asarray(ids).astype(np.int64).view(np.uint64)
+    return mix64(ids ^ tags).view(np.int64)
+
+
+def default_id_bits(num_categories):
+    """Bits left for IDs by packed mode: ``63 - ceil(log2(M))``."""
+    return 63 - int(num_categories - 1).bit_length()
+
+
+def packed_unified_keys(ids, segment_ids, num_categories, id_bits=None):
+    """Exact packed keys ``(segment << id_bits) | id`` as int64 (IDs must fit)."""
+    bits = default_id_bits(num_categories) if id_bits is None else id_bits
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= (1 << bits)):
+        raise ValueError(f"packed mode needs IDs in [0, 2^{bits})")
+    return (np.asarray(segment_ids, dtype=np.int64) << np.int64(bits)) | ids
+
+
+def tf_mix64(x):
+    """Pure-TF fmix64 on an int64/int32 tensor -> uint64 tensor (for reference routes)."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    x = tf.bitcast(tf.cast(x, tf.int64), tf.uint64)
+    m1, m2, s = (tf.constant(int(v), tf.uint64) for v in (_M1, _M2, _S33))
+    x = tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, s))
+    x = x * m1
+    x = tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, s))
+    x = x * m2
+    return tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, s))

@@ -1,0 +1,110 @@
+"""Recovery (FusedRec step c.1): from received rows back to per-feature embeddings.
+
+``recovery_gather`` builds I_r = I_s[I_u] and gathers the rows in one kernel;
+``recovery_pool`` gathers and pools (sum/mean/sqrtn) per sample for a whole group in
+one kernel; ``recover_features`` is what a layer calls for one fused group.
+"""
+import tensorflow as tf
+
+from tf_fusedemb.ops import _loader, _validate
+
+COMBINERS = ("sum", "mean", "sqrtn")
+
+
+def recovery_gather(rows, sort_indices, unique_inverse, name=None):
+    """Rows of the fused layout from the received rank-sorted rows.
+
+    Args:
+      rows: float32/float64[m, D] rows received from the owners, in rank-sorted order.
+      sort_indices: int32[u], the paper's I_s (``rankwise_sort(...).indices``).
+      unique_inverse: int32[n], the paper's I_u (``segment_unique(...).inverse``).
+
+    Returns:
+      (output: [n, D] with ``output[i] = rows[sort_indices[unique_inverse[i]]]``,
+       recover_indices: int32[n], I_r). The gradient w.r.t. ``rows`` is the unsorted
+      segment sum of the output gradient by I_r.
+    """
+    with tf.name_scope(name or "recovery_gather"):
+        rows = _validate.float_tensor(rows, "rows")
+        sort_indices = _validate.int_tensor(sort_indices, tf.int32, "sort_indices")
+        unique_inverse = _validate.int_tensor(unique_inverse, tf.int32, "unique_inverse")
+        return _loader.raw_op("RecoveryGather")(rows, sort_indices, unique_inverse)
+
+
+def recovery_pool(rows, recover_indices, pool_splits, feature_pool_splits, combiners,
+                  name=None):
+    """Gather and pool the rows of all features of a group in one kernel.
+
+    Args:
+      rows: float32/float64[m, D] received rows.
+      recover_indices: int32[n], I_r.
+      pool_splits: int64[P+1] row splits of the P pooled outputs over the n keys.
+      feature_pool_splits: int64[F+1] row splits of the F features over the P outputs.
+      combiners: F strings in ('sum', 'mean', 'sqrtn'); empty segments give zeros.
+
+    Returns:
+      float[P, D] pooled rows; differentiable w.r.t. ``rows``.
+    """
+    combiners = list(combiners)
+    for i, c in enumerate(combiners):
+        if c not in COMBINERS:
+            raise _validate.invalid(f"combiners[{i}] = {c!r} is not one of {COMBINERS}")
+    with tf.name_scope(name or "recovery_pool"):
+        rows = _validate.float_tensor(rows, "rows")
+        rec = _validate.int_tensor(recover_indices, tf.int32, "recover_indices")
+        splits = _validate.int_tensor(pool_splits, tf.int64, "pool_splits")
+        fsplits = _validate.int_tensor(feature_pool_splits, tf.int64, "feature_pool_splits")
+        return _loader.raw_op("RecoveryPool")(rows, rec, splits, fsplits, combiners=combiners)
+
+
+def recover_features(rows, sort_indices, unique_inverse, feature_row_splits, combiners):
+    """Per-feature embeddings of one fused group, with one pooling kernel for the group.
+
+    Args:
+      rows: float[m, D] received rows (rank-sorted order).
+      sort_indices: int32[u] I_s.  unique_inverse: int32[n] I_u.
+      feature_row_splits: F int64 tensors; feature f's keys are the next ``rs_f[-1]``
+        keys of the fused order and ``rs_f`` [B_f+1] splits them per sample.
+      combiners: F entries, 'sum' | 'mean' | 'sqrtn' to pool, or None to keep one row
+        per key (one-hot or sequence features).
+
+    Returns:
+      F tensors: [B_f, D] for pooled features, [n_f, D] for the others.
+    """
+    if len(feature_row_splits) != len(combiners):
+        raise _validate.invalid(f"{len(feature_row_splits)} feature_row_splits but "
+                                f"{len(combiners)} combiners")
+    rec = tf.gather(_validate.int_tensor(sort_indices, tf.int32, "sort_indices"),
+                    _validate.int_tensor(unique_inverse, tf.int32, "unique_inverse"))
+    pool_parts, sizes, key_offset = [], [], tf.constant(0, tf.int64)
+    for rs, combiner in zip(feature_row_splits, combiners):
+        rs = tf.cast(rs, tf.int64)
+        if combiner is None:  # one output row per key: unit segments, identity "sum"
+            rs = tf.range(rs[-1] + 1, dtype=tf.int64)
+        pool_parts.append(rs[1:] + key_offset)
+        sizes.append(tf.shape(rs, out_type=tf.int64)[0] - 1)
+        key_offset += rs[-1]
+    pool_splits = tf.concat([tf.zeros([1], tf.int64)] + pool_parts, axis=0)
+    feature_splits = tf.concat([tf.zeros([1], tf.int64), tf.cumsum(tf.stack(sizes))], axis=0)
+    pooled = recovery_pool(rows, rec, pool_splits, feature_splits,
+                           [c or "sum" for c in combiners])
+    return tf.split(pooled, tf.stack(sizes), axis=0, num=len(combiners))
+
+
+@tf.RegisterGradient("FusedEmb>RecoveryGather")
+def _recovery_gather_grad(op, grad_output, _grad_indices):
+    rows = op.inputs[0]
+    rows_grad = tf.math.unsorted_segment_sum(grad_output, op.outputs[1], tf.shape(rows)[0])
+    return rows_grad, None, None
+
+
+@tf.RegisterGradient("FusedEmb>RecoveryPool")
+def _recovery_pool_grad(op, grad):
+    rows, rec, splits, fsplits = op.inputs
+    rows_grad = _loader.raw_op("RecoveryPoolGrad")(
+        grad, rec, splits, fsplits, tf.shape(rows, out_type=tf.int32)[0],
+        combiners=op.get_attr("combiners"))
+    return rows_grad, None, None, None
+
+
+tf.no_gradient("FusedEmb>RecoveryPoolGrad")

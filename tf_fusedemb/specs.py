@@ -1,0 +1,553 @@
+"""Embedding specifications and the fusion planner (FusedRec, equation (1)).
+
+FusedRec fuses the features whose embedding specification ``spec(E) = (dim,
+optimizer, initializer)`` matches into one group, so that a group needs one
+SegmentUnique, one table per rank and 3 AlltoAll rounds per step instead of 3
+per feature. This module is pure standard library (importing it never imports
+TensorFlow); every rank runs :func:`plan_fusion` on the same feature list and
+must get the same plan, which :meth:`FusionPlan.fingerprint` lets it check.
+
+Example::
+
+    >>> t = TableSpec("C1", dim=16, optimizer=OptimizerSpec.adagrad(0.01))
+    >>> u = TableSpec("C2", dim=16, optimizer=OptimizerSpec.adagrad(0.01))
+    >>> plan = plan_fusion([FeatureSpec("C1", t), FeatureSpec("C2", u)])
+    >>> [(g.name, g.feature_names) for g in plan.groups]
+    [('g0_d16_adagrad', ('C1', 'C2'))]
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from typing import Any, Mapping, Optional, Sequence
+
+__all__ = ["OptimizerSpec", "InitializerSpec", "TableSpec", "FeatureSpec", "FusedGroup",
+           "FusionPlan", "plan_fusion", "unfused_plan", "COMBINERS", "KEY_DTYPES"]
+
+COMBINERS = ("sum", "mean", "sqrtn")
+KEY_DTYPES = ("int64", "int32")
+_PLAN_FORMAT = 1  # bump when to_dict() changes shape: old fingerprints then no longer match
+
+# Hyper-parameter defaults follow tf.keras optimizers (Adam epsilon 1e-7, accumulators 0.1).
+_OPTIMIZERS = {
+    "sgd": {},
+    "adagrad": {"initial_accumulator_value": 0.1},
+    "adam": {"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-7},
+    "ftrl": {"learning_rate_power": -0.5, "initial_accumulator_value": 0.1, "l1": 0.0, "l2": 0.0},
+}
+_SLOTS = {"sgd": (), "adagrad": ("accumulator",), "adam": ("m", "v"), "ftrl": ("accumulator", "linear")}
+_INITIALIZERS = {
+    "uniform": {"minval": -0.05, "maxval": 0.05},  # tf.keras.layers.Embedding's default
+    "normal": {"mean": 0.0, "stddev": 0.05},
+    "truncated_normal": {"mean": 0.0, "stddev": 0.05},
+    "zeros": {},
+}
+_NONNEG = (lambda v: v >= 0, ">= 0")
+_CHECKS = {
+    "initial_accumulator_value": _NONNEG, "l1": _NONNEG, "l2": _NONNEG,
+    "beta1": (lambda v: 0 <= v < 1, "in [0, 1)"), "beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "epsilon": (lambda v: v > 0, "> 0"), "learning_rate_power": (lambda v: v <= 0, "<= 0"),
+    "stddev": (lambda v: v > 0, "> 0"),
+}
+
+
+def _fail(kind: str, name: Any, msg: str):
+    raise ValueError(f"{kind} {name!r}: {msg}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(kind: str, name: str, field: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        _fail(kind, name, f"{field} must be a finite number, got {v!r}")
+    return float(v)  # 0 and 0.0 must give the same JSON, hence the same fingerprint
+
+
+def _check_name(kind: str, name) -> None:
+    # '/' is reserved: reports spell a key as "feature/ID".
+    if not isinstance(name, str) or not name or "/" in name:
+        raise ValueError(f"{kind}: name must be a non-empty str without '/', got {name!r}")
+
+
+def _canonical(kind: str, name: str, defaults: Mapping[str, float], given) -> tuple:
+    """Merges ``given`` (mapping or (key, value) pairs) over ``defaults``: sorted, validated."""
+    params = dict(defaults)
+    for key, value in dict(given).items():
+        if key not in defaults:
+            _fail(kind, name, f"unknown hyper-parameter {key!r}; expected one of {tuple(defaults)}")
+        params[key] = _number(kind, name, key, value)
+        check, rule = _CHECKS.get(key, (None, ""))
+        if check is not None and not check(params[key]):
+            _fail(kind, name, f"{key} must be {rule}, got {value!r}")
+    return tuple(sorted(params.items()))
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class OptimizerSpec:
+    """Sparse optimizer of a table; part of the fusion key (hashable, ordered).
+
+    Args:
+        name: one of "sgd", "adagrad", "adam", "ftrl".
+        learning_rate: float > 0.
+        params: hyper-parameters, a mapping or (key, value) pairs; missing ones take the
+            tf.keras defaults, so ``OptimizerSpec("adam", 1e-3) == OptimizerSpec.adam(1e-3)``.
+            Stored as a sorted tuple of (key, float) pairs.
+
+    Example::
+
+        >>> OptimizerSpec.adam(1e-3, beta1=0.8).hparams["beta1"]
+        0.8
+        >>> OptimizerSpec.ftrl(0.1).slot_names
+        ('accumulator', 'linear')
+    """
+    name: str
+    learning_rate: float
+    params: tuple = ()
+
+    def __post_init__(self):
+        if self.name not in _OPTIMIZERS:
+            _fail("OptimizerSpec", self.name, f"name is not one of {tuple(_OPTIMIZERS)}")
+        lr = _number("OptimizerSpec", self.name, "learning_rate", self.learning_rate)
+        if lr <= 0:
+            _fail("OptimizerSpec", self.name, f"learning_rate must be > 0, got {self.learning_rate!r}")
+        object.__setattr__(self, "learning_rate", lr)
+        object.__setattr__(self, "params", _canonical(
+            "OptimizerSpec", self.name, _OPTIMIZERS[self.name], self.params))
+
+    @classmethod
+    def sgd(cls, learning_rate: float) -> "OptimizerSpec":
+        return cls("sgd", learning_rate)
+
+    @classmethod
+    def adagrad(cls, learning_rate: float, initial_accumulator_value: float = 0.1) -> "OptimizerSpec":
+        return cls("adagrad", learning_rate, {"initial_accumulator_value": initial_accumulator_value})
+
+    @classmethod
+    def adam(cls, learning_rate: float, beta1: float = 0.9, beta2: float = 0.999,
+             epsilon: float = 1e-7) -> "OptimizerSpec":
+        return cls("adam", learning_rate, {"beta1": beta1, "beta2": beta2, "epsilon": epsilon})
+
+    @classmethod
+    def ftrl(cls, learning_rate: float, learning_rate_power: float = -0.5,
+             initial_accumulator_value: float = 0.1, l1: float = 0.0, l2: float = 0.0) -> "OptimizerSpec":
+        return cls("ftrl", learning_rate, {"learning_rate_power": learning_rate_power, "l1": l1, "l2": l2,
+                                           "initial_accumulator_value": initial_accumulator_value})
+
+    @property
+    def hparams(self) -> dict:
+        return dict(self.params)
+
+    @property
+    def slot_names(self) -> tuple:
+        """Per-row optimizer state kept next to each embedding row, e.g. ("m", "v") for adam."""
+        return _SLOTS[self.name]
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "learning_rate": self.learning_rate, "params": self.hparams}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "OptimizerSpec":
+        return cls(d["name"], d["learning_rate"], d.get("params", {}))
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class InitializerSpec:
+    """Initial value distribution of new rows; part of the fusion key.
+
+    Args:
+        name: one of "uniform" (minval < maxval), "normal" / "truncated_normal" (mean,
+            stddev > 0), "zeros".
+        params: mapping or (key, value) pairs; missing ones take the defaults
+            (uniform(-0.05, 0.05) and stddev 0.05, like tf.keras).
+
+    Example::
+
+        >>> InitializerSpec.normal(stddev=0.01).hparams
+        {'mean': 0.0, 'stddev': 0.01}
+    """
+    name: str = "uniform"
+    params: tuple = ()
+
+    def __post_init__(self):
+        if self.name not in _INITIALIZERS:
+            _fail("InitializerSpec", self.name, f"name is not one of {tuple(_INITIALIZERS)}")
+        params = _canonical("InitializerSpec", self.name, _INITIALIZERS[self.name], self.params)
+        object.__setattr__(self, "params", params)
+        p = dict(params)
+        if self.name == "uniform" and not p["minval"] < p["maxval"]:
+            _fail("InitializerSpec", self.name, f"minval must be < maxval, got {p['minval']} >= {p['maxval']}")
+
+    @classmethod
+    def uniform(cls, minval: float = -0.05, maxval: float = 0.05) -> "InitializerSpec":
+        return cls("uniform", {"minval": minval, "maxval": maxval})
+
+    @classmethod
+    def normal(cls, mean: float = 0.0, stddev: float = 0.05) -> "InitializerSpec":
+        return cls("normal", {"mean": mean, "stddev": stddev})
+
+    @classmethod
+    def truncated_normal(cls, mean: float = 0.0, stddev: float = 0.05) -> "InitializerSpec":
+        return cls("truncated_normal", {"mean": mean, "stddev": stddev})
+
+    @classmethod
+    def zeros(cls) -> "InitializerSpec":
+        return cls("zeros")
+
+    @property
+    def hparams(self) -> dict:
+        return dict(self.params)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "params": self.hparams}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "InitializerSpec":
+        return cls(d["name"], d.get("params", {}))
+
+
+@dataclasses.dataclass(frozen=True)
+class TableSpec:
+    """One logical embedding table: rows of ``dim`` values, one per ID.
+
+    Args:
+        name: non-empty, no '/'. Features naming the same table share its rows.
+        dim: int > 0.
+        optimizer: the table's sparse optimizer.
+        initializer: default uniform(-0.05, 0.05), as tf.keras.layers.Embedding.
+        vocabulary_size: None for a dynamic hash table (any ID); an int > 0 for a static
+            table, whose IDs must lie in [0, vocabulary_size).
+        key_dtype: "int64" or "int32" (a tf/numpy dtype with that ``.name`` is accepted).
+    """
+    name: str
+    dim: int
+    optimizer: OptimizerSpec
+    initializer: InitializerSpec = dataclasses.field(default_factory=InitializerSpec)
+    vocabulary_size: Optional[int] = None
+    key_dtype: str = "int64"
+
+    def __post_init__(self):
+        _check_name("TableSpec", self.name)
+        if not _is_int(self.dim) or self.dim <= 0:
+            _fail("TableSpec", self.name, f"dim must be an int > 0, got {self.dim!r}")
+        if not isinstance(self.optimizer, OptimizerSpec):
+            _fail("TableSpec", self.name, f"optimizer must be an OptimizerSpec, got {self.optimizer!r}")
+        if not isinstance(self.initializer, InitializerSpec):
+            _fail("TableSpec", self.name, f"initializer must be an InitializerSpec, got {self.initializer!r}")
+        v = self.vocabulary_size
+        if v is not None and (not _is_int(v) or v <= 0):
+            _fail("TableSpec", self.name, f"vocabulary_size must be None (dynamic) or an int > 0, got {v!r}")
+        dtype = getattr(self.key_dtype, "name", self.key_dtype)  # tf.int64 / np.int64 -> "int64"
+        if dtype not in KEY_DTYPES:
+            _fail("TableSpec", self.name, f"key_dtype {self.key_dtype!r} is not one of {KEY_DTYPES}")
+        object.__setattr__(self, "key_dtype", dtype)
+
+    @property
+    def is_static(self) -> bool:
+        return self.vocabulary_size is not None
+
+    @property
+    def fusion_key(self) -> tuple:
+        """FusedRec's spec(E) = (dim, optimizer, initializer), plus what one fused table
+        cannot mix: the key dtype and static vs. dynamic storage. The optimizer compares
+        with its learning rate and hyper-parameters: one group takes one optimizer step."""
+        return (self.dim, self.optimizer, self.initializer, self.key_dtype, self.is_static)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "dim": self.dim, "optimizer": self.optimizer.to_dict(),
+                "initializer": self.initializer.to_dict(), "vocabulary_size": self.vocabulary_size,
+                "key_dtype": self.key_dtype}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "TableSpec":
+        return cls(d["name"], d["dim"], OptimizerSpec.from_dict(d["optimizer"]),
+                   InitializerSpec.from_dict(d["initializer"]), d.get("vocabulary_size"),
+                   d.get("key_dtype", "int64"))
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureSpec:
+    """One sparse input feature (a FusedRec "category") looked up in ``table``.
+
+    Args:
+        name: non-empty, no '/'; the key of the feature in the layer's input/output dicts.
+        table: the table it reads; several features may share one table.
+        combiner: "sum", "mean" or "sqrtn" pools a multi-hot feature (ids: [B, None],
+            ragged) to [B, dim]; None makes it a sequence feature, output [B, max_len, dim].
+        max_len: required (> 0) for a sequence feature, must be None otherwise: pooled
+            features are never silently truncated.
+
+    Example::
+
+        >>> t = TableSpec("item", 32, OptimizerSpec.adam(1e-3))
+        >>> FeatureSpec("history", t, combiner=None, max_len=50).is_sequence
+        True
+    """
+    name: str
+    table: TableSpec
+    combiner: Optional[str] = "sum"
+    max_len: Optional[int] = None
+
+    def __post_init__(self):
+        _check_name("FeatureSpec", self.name)
+        if not isinstance(self.table, TableSpec):
+            _fail("FeatureSpec", self.name, f"table must be a TableSpec, got {self.table!r}")
+        if self.combiner is not None and self.combiner not in COMBINERS:
+            _fail("FeatureSpec", self.name, f"combiner {self.combiner!r} is not one of {COMBINERS} or None")
+        if self.combiner is None and (not _is_int(self.max_len) or self.max_len <= 0):
+            _fail("FeatureSpec", self.name, f"max_len must be an int > 0 for a sequence feature "
+                                            f"(combiner=None), got {self.max_len!r}")
+        if self.combiner is not None and self.max_len is not None:
+            _fail("FeatureSpec", self.name, f"max_len is only for sequence features (combiner=None); "
+                                            f"got max_len={self.max_len!r} with combiner {self.combiner!r}")
+
+    @property
+    def is_sequence(self) -> bool:
+        return self.combiner is None
+
+    @property
+    def dim(self) -> int:
+        return self.table.dim
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "table": self.table.to_dict(), "combiner": self.combiner,
+                "max_len": self.max_len}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "FeatureSpec":
+        return cls(d["name"], TableSpec.from_dict(d["table"]), d.get("combiner"), d.get("max_len"))
+
+
+def _check_tables(features: Sequence[FeatureSpec]) -> dict:
+    """Maps table name -> [features]; one name must mean one TableSpec everywhere."""
+    by_table: dict = {}
+    for f in features:
+        first = by_table.setdefault(f.table.name, [f])[0]
+        if f is not first:
+            if f.table != first.table:
+                raise ValueError(f"FeatureSpec {f.name!r}: table {f.table.name!r} differs from the "
+                                 f"table of the same name used by FeatureSpec {first.name!r}")
+            by_table[f.table.name].append(f)
+    return by_table
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedGroup:
+    """Features fused into one lookup: one SegmentUnique, one table per rank, one AlltoAll.
+
+    Every spec field (``dim``, ``optimizer``, ``initializer``, ``key_dtype``) is derived
+    from the features, which must share one fusion key. In the fused table a row is
+    addressed by (category, ID) with category = ``table_index[i]`` of feature i, so
+    features sharing a table share rows; ``vocabulary_sizes`` is per feature: each static
+    feature keeps its own ID range [0, vocabulary_sizes[i]).
+    """
+    name: str
+    features: tuple
+
+    def __post_init__(self):
+        _check_name("FusedGroup", self.name)
+        object.__setattr__(self, "features", tuple(self.features))
+        if not self.features:
+            _fail("FusedGroup", self.name, "has no features")
+        _check_tables(self.features)
+        first = self.features[0]
+        for f in self.features[1:]:
+            if f.table.fusion_key != first.table.fusion_key:
+                _fail("FusedGroup", self.name, f"FeatureSpec {f.name!r} and FeatureSpec {first.name!r} have "
+                                               f"different specs (dim, optimizer, initializer, key_dtype, "
+                                               f"static/dynamic) and cannot be fused")
+
+    dim = property(lambda self: self.features[0].table.dim)
+    optimizer = property(lambda self: self.features[0].table.optimizer)
+    initializer = property(lambda self: self.features[0].table.initializer)
+    key_dtype = property(lambda self: self.features[0].table.key_dtype)
+    is_static = property(lambda self: self.features[0].table.is_static)
+    feature_names = property(lambda self: tuple(f.name for f in self.features))
+    num_features = property(lambda self: len(self.features))
+    vocabulary_sizes = property(lambda self: tuple(f.table.vocabulary_size for f in self.features))
+
+    @property
+    def tables(self) -> tuple:
+        """Distinct TableSpecs, in order of first use."""
+        return tuple({f.table.name: f.table for f in self.features}.values())
+
+    @property
+    def table_index(self) -> tuple:
+        """Per feature, the index of its table in ``tables`` (its category id for lookup)."""
+        names = [t.name for t in self.tables]
+        return tuple(names.index(f.table.name) for f in self.features)
+
+    @property
+    def shared_tables(self) -> dict:
+        """Table name -> feature names, for the tables read by more than one feature."""
+        by_table = _check_tables(self.features)
+        return {t: tuple(f.name for f in fs) for t, fs in by_table.items() if len(fs) > 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionPlan:
+    """The groups of a model's features; identical on every rank (compare ``fingerprint()``).
+
+    Example::
+
+        >>> t = TableSpec("t", 8, OptimizerSpec.sgd(0.1))
+        >>> plan = plan_fusion([FeatureSpec("a", t), FeatureSpec("b", t)])
+        >>> FusionPlan.from_dict(plan.to_dict()) == plan  # JSON-able, round trips
+        True
+        >>> plan.group_of("b").name, plan.group_of("b").shared_tables
+        ('g0_d8_sgd', {'t': ('a', 'b')})
+    """
+    groups: tuple
+    _index: dict = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "groups", tuple(self.groups))
+        index, group_names = {}, set()
+        for g in self.groups:
+            if g.name in group_names:
+                _fail("FusionPlan", g.name, "group name is used twice")
+            group_names.add(g.name)
+            for f in g.features:
+                if f.name in index:
+                    _fail("FeatureSpec", f.name, "feature name is used twice")
+                index[f.name] = g
+        # A table split over two groups would hold two diverging copies of its rows.
+        for t, fs in _check_tables([f for g in self.groups for f in g.features]).items():
+            if len({index[f.name].name for f in fs}) > 1:
+                raise ValueError(f"FeatureSpec {fs[0].name!r} and FeatureSpec {fs[-1].name!r} share "
+                                 f"table {t!r} but are in different groups")
+        object.__setattr__(self, "_index", index)
+
+    @property
+    def feature_names(self) -> tuple:
+        """All feature names, group by group."""
+        return tuple(self._index)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    def group_of(self, feature_name: str) -> FusedGroup:
+        if feature_name not in self._index:
+            raise KeyError(f"FeatureSpec {feature_name!r} is not in the fusion plan")
+        return self._index[feature_name]
+
+    def describe(self) -> str:
+        """A readable table: one line per group."""
+        rows = [("group", "dim", "optimizer", "initializer", "vocab", "features")]
+        for g in self.groups:
+            init = g.initializer  # params in constructor order: uniform(minval,maxval)
+            init_args = ",".join(f"{init.hparams[k]:g}" for k in _INITIALIZERS[init.name])
+            rows.append((g.name, str(g.dim), f"{g.optimizer.name}(lr={g.optimizer.learning_rate:g})",
+                         f"{init.name}({init_args})",
+                         f"static/{g.key_dtype}" if g.is_static else f"dynamic/{g.key_dtype}",
+                         ", ".join(g.feature_names)))
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[5] for r in rows)
+
+    def to_dict(self) -> dict:
+        return {"format": _PLAN_FORMAT, "groups": [
+            {"name": g.name, "features": [f.to_dict() for f in g.features]} for g in self.groups]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "FusionPlan":
+        if d.get("format") != _PLAN_FORMAT:
+            raise ValueError(f"FusionPlan: unsupported format {d.get('format')!r}, expected {_PLAN_FORMAT}")
+        return cls(tuple(FusedGroup(g["name"], tuple(FeatureSpec.from_dict(f) for f in g["features"]))
+                         for g in d["groups"]))
+
+    def fingerprint(self) -> str:
+        """sha256 hex of the canonical JSON of ``to_dict()``; equal on ranks with equal plans."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), allow_nan=False)
+        return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def plan_fusion(features: Sequence[FeatureSpec], overrides: Optional[Mapping[str, str]] = None,
+                max_group_features: Optional[int] = None) -> FusionPlan:
+    """Groups features by fusion key (dim, optimizer, initializer, key_dtype, static/dynamic).
+
+    Args:
+        features: the model's features; names must be unique.
+        overrides: feature name -> group name chosen by the user. Overridden features go to
+            that group (features sharing a table follow); its features must share one key.
+            Useful to keep a hot feature apart, or to name groups.
+        max_group_features: splits automatic groups into chunks of at most this many
+            features (tables are never split). Override groups are taken as given.
+
+    Returns:
+        A deterministic plan: groups ordered by their first feature in ``features``, features
+        in input order. Automatic groups are named ``g{i}_d{dim}_{optimizer}``, i = the
+        group's position in the plan.
+
+    Raises:
+        ValueError: duplicate feature names, one table name with two specs, an unknown
+            feature in ``overrides``, an override fusing features with different keys, or
+            one table's features overridden to two groups.
+    """
+    features = tuple(features)
+    seen: dict = {}
+    for f in features:
+        if not isinstance(f, FeatureSpec):
+            raise ValueError(f"plan_fusion: expected FeatureSpec, got {f!r}")
+        if f.name in seen:
+            _fail("FeatureSpec", f.name, "feature name is used twice")
+        seen[f.name] = f
+    overrides = dict(overrides or {})
+    for name, group in overrides.items():
+        if name not in seen:
+            _fail("FeatureSpec", name, "is named in overrides but is not among the features")
+        _check_name(f"overrides[{name!r}]", group)
+    if max_group_features is not None and (not _is_int(max_group_features) or max_group_features <= 0):
+        raise ValueError(f"plan_fusion: max_group_features must be an int > 0, got {max_group_features!r}")
+
+    # The unit of placement is a table: its features must share one group.
+    buckets: dict = {}  # bucket key -> [table feature lists], in first-occurrence order
+    for fs in _check_tables(features).values():
+        chosen = {overrides[f.name]: f for f in fs if f.name in overrides}
+        if len(chosen) > 1:
+            (g1, f1), (g2, f2) = list(chosen.items())[:2]
+            _fail("FeatureSpec", f1.name, f"shares table {f1.table.name!r} with FeatureSpec {f2.name!r} "
+                                          f"but overrides put them in groups {g1!r} and {g2!r}")
+        key = ("override", next(iter(chosen))) if chosen else ("auto", fs[0].table.fusion_key)
+        units = buckets.setdefault(key, [])
+        if units and units[0][0].table.fusion_key != fs[0].table.fusion_key:
+            _fail("FeatureSpec", fs[0].name, f"cannot be fused with FeatureSpec {units[0][0].name!r} in "
+                  f"override group {key[1]!r}: different specs (dim, optimizer, initializer, key_dtype, "
+                  f"static/dynamic)")
+        units.append(fs)
+
+    order = {f.name: i for i, f in enumerate(features)}
+    chunks = []  # (override name or None, features in input order)
+    for (kind, value), units in buckets.items():
+        limit = max_group_features if kind == "auto" and max_group_features else math.inf
+        current: list = []
+        for fs in units:
+            if len(fs) > limit:
+                _fail("TableSpec", fs[0].table.name, f"is shared by {len(fs)} features, more than "
+                                                     f"max_group_features={max_group_features}")
+            if current and len(current) + len(fs) > limit:
+                chunks.append((None, current))
+                current = []
+            current = current + list(fs)
+        chunks.append((value if kind == "override" else None, current))
+    chunks = [(n, sorted(fs, key=lambda f: order[f.name])) for n, fs in chunks]
+    chunks.sort(key=lambda c: order[c[1][0].name])
+    return FusionPlan(tuple(
+        FusedGroup(n or f"g{i}_d{fs[0].table.dim}_{fs[0].table.optimizer.name}", tuple(fs))
+        for i, (n, fs) in enumerate(chunks)))
+
+
+def unfused_plan(features: Sequence[FeatureSpec]) -> FusionPlan:
+    """The baseline without fusion: one group per table, named after the table (so one group
+    per feature unless features share a table), in input order.
+
+    Example::
+
+        >>> t, u = (TableSpec(n, 16, OptimizerSpec.adagrad(0.01)) for n in ("C1", "C2"))
+        >>> [g.name for g in unfused_plan([FeatureSpec("C1", t), FeatureSpec("C2", u)]).groups]
+        ['C1', 'C2']
+    """
+    return plan_fusion(features, overrides={f.name: f.table.name for f in features})
