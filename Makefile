@@ -11,7 +11,8 @@ HVD_STAMP := $(VENV)/.horovod-installed
 export TF_USE_LEGACY_KERAS := 1
 export TF_CPP_MIN_LOG_LEVEL := 2
 
-.PHONY: setup ops test train bench clean
+.PHONY: setup ops test train smoke bench clean
+NP ?= 2
 
 setup: $(HVD_STAMP) ops
 
@@ -37,8 +38,20 @@ ops: $(STAMP)
 	$(PIP) install --no-build-isolation --no-deps -e .
 	$(PY) setup.py build_ext --inplace
 
+# The whole suite; multi-process Horovod tests carry their own timeouts, and every test
+# is bounded by pytest-timeout so a hang fails instead of blocking CI.
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -rs --timeout=900 tests
+
+# The main job. Until the production trainer lands it is the 2-worker fused-lookup
+# smoke job (exact rows checked on every rank).
+train: smoke
+
+smoke: setup
+	$(VENV)/bin/horovodrun -np $(NP) --gloo -H localhost:$(NP) $(PY) examples/smoke_fused_lookup.py
+
+bench: setup
+	$(PY) -m tf_fusedemb.benchmarks.ops --json
 
 clean:
 	rm -rf build tf_fusedemb/_fusedemb_ops.so *.egg-info

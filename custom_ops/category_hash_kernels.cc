@@ -1,6 +1,7 @@
 // CPU kernel of FusedEmb>CategoryHash. Statistics stay lossless: every unique key keeps
 // the (category, id) pair that produced it, and hashed-mode collisions are detected by
 // comparing that pair with each later pair that maps to the same key.
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -46,12 +47,14 @@ class CategoryHashOp : public OpKernel {
     Tensor* inverse_t;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(3, ids_t.shape(), &inverse_t));
     int32_t* inverse = inverse_t->flat<int32_t>().data();
-    std::vector<int64_t> keys;
-    std::vector<T> first_ids;
-    std::vector<int32_t> first_segs, counts;
+    // Scratch sized for the worst case (all keys distinct), trimmed when copied out.
+    std::vector<int64_t> keys(n);
+    std::vector<T> first_ids(n);
+    std::vector<int32_t> first_segs(n), counts(n, 0);
     int64_t collisions = 0;
     std::vector<std::pair<int32_t, int64_t>> seen;  // colliding pairs counted so far
-    IndexMap map(n);
+    DenseIndexSet<int64_t> set;
+    set.Reset(keys.data(), std::min<int64_t>(n, 1 << 16));
     for (int64_t i = 0; i < n; ++i) {
       const int32_t s = seg[i];
       OP_REQUIRES(ctx, s >= 0 && s < num_categories,
@@ -70,34 +73,29 @@ class CategoryHashOp : public OpKernel {
         key = HashedUnifiedKey(id, tags_[s]);
       }
       bool inserted;
-      const int32_t j = map.FindOrInsert(key, &inserted);
+      const int32_t j = set.FindOrInsert(key, &inserted);
+      ++counts[j];
       if (inserted) {
-        keys.push_back(key);
-        first_ids.push_back(ids[i]);
-        first_segs.push_back(s);
-        counts.push_back(1);
-      } else {
-        ++counts[j];
-        // A different pair behind the same key is a collision; count each pair once
-        // by only counting the first time it appears in this call.
-        if ((first_segs[j] != s || static_cast<int64_t>(first_ids[j]) != id) &&
-            IsFirstOccurrence(ids, seg, i, &seen)) {
-          ++collisions;
-        }
+        first_ids[j] = ids[i];
+        first_segs[j] = s;
+      } else if ((first_segs[j] != s || static_cast<int64_t>(first_ids[j]) != id) &&
+                 IsFirstOccurrence(ids, seg, i, &seen)) {
+        // A different pair behind the same key is a collision, counted once per pair.
+        ++collisions;
       }
       inverse[i] = j;
     }
-    const int64_t u = static_cast<int64_t>(keys.size());
+    const int64_t u = set.size();
     Tensor *keys_t, *lids_t, *lsegs_t, *counts_t, *coll_t;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({u}), &keys_t));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({u}), &lids_t));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({u}), &lsegs_t));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(4, TensorShape({u}), &counts_t));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(5, TensorShape({}), &coll_t));
-    std::copy(keys.begin(), keys.end(), keys_t->flat<int64_t>().data());
-    std::copy(first_ids.begin(), first_ids.end(), lids_t->flat<T>().data());
-    std::copy(first_segs.begin(), first_segs.end(), lsegs_t->flat<int32_t>().data());
-    std::copy(counts.begin(), counts.end(), counts_t->flat<int32_t>().data());
+    std::copy_n(keys.data(), u, keys_t->flat<int64_t>().data());
+    std::copy_n(first_ids.data(), u, lids_t->flat<T>().data());
+    std::copy_n(first_segs.data(), u, lsegs_t->flat<int32_t>().data());
+    std::copy_n(counts.data(), u, counts_t->flat<int32_t>().data());
     coll_t->scalar<int64_t>()() = collisions;
   }
 

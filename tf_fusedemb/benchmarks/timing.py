@@ -1,0 +1,69 @@
+"""Side-by-side timing: interleaved repeats, median per variant."""
+import json
+import random
+import statistics
+import time
+
+
+def time_side_by_side(variants, repeats, warmup=3, seed=0):
+    """Times zero-argument callables, interleaved in a shuffled order each round.
+
+    Args:
+      variants: dict name -> callable (a tf.function call that returns when done).
+      repeats: timed rounds; every variant runs once per round.
+    Returns:
+      dict name -> {"median_ms", "min_ms", "p90_ms"}.
+    """
+    for fn in variants.values():
+        for _ in range(warmup):
+            fn()
+    samples = {name: [] for name in variants}
+    order = list(variants)
+    rng = random.Random(seed)
+    for _ in range(repeats):
+        rng.shuffle(order)
+        for name in order:
+            start = time.perf_counter()
+            variants[name]()
+            samples[name].append((time.perf_counter() - start) * 1e3)
+    return {name: {"median_ms": round(statistics.median(s), 4), "min_ms": round(min(s), 4),
+                   "p90_ms": round(sorted(s)[int(0.9 * (len(s) - 1))], 4)}
+            for name, s in samples.items()}
+
+
+def in_graph_loop(body, iterations):
+    """A zero-argument callable running ``body()`` ``iterations`` times inside ONE
+    tf.function (a tf.while_loop), so per-call Python dispatch does not dilute the op
+    times. The loop carries the first element of every output (a value, not a size: a
+    size that is known statically would let grappler prune the op), so every op of
+    every iteration runs. Divide the measured time by ``iterations``."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    @tf.function
+    def run():
+        acc = tf.constant(0.0, tf.float64)
+        for _ in tf.range(iterations):
+            outputs = tf.nest.flatten(body())
+            acc += tf.add_n([tf.reduce_sum(tf.cast(tf.reshape(o, [-1])[:1], tf.float64))
+                             for o in outputs])
+        return acc
+    return lambda: run().numpy()
+
+
+def per_iteration(times, iterations):
+    """Divides the timing entries of ``time_side_by_side`` by the loop length."""
+    return {name: {k: round(v / iterations, 4) for k, v in t.items()}
+            for name, t in times.items()}
+
+
+def ratio(slow, fast):
+    """Median ratio slow/fast of two timing entries, rounded."""
+    return round(slow["median_ms"] / fast["median_ms"], 3)
+
+
+def emit(result, as_json):
+    """Prints a readable summary, then (with --json) the JSON object as the last line."""
+    if not as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(json.dumps(result, sort_keys=True))
