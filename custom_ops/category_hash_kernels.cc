@@ -42,7 +42,6 @@ class CategoryHashOp : public OpKernel {
     const T* ids = ids_t.flat<T>().data();
     const int32_t* seg = seg_t.flat<int32_t>().data();
     const int64_t num_categories = static_cast<int64_t>(categories_.size());
-    const int64_t id_limit = packed_ ? (int64_t{1} << id_bits_) : 0;
 
     Tensor* inverse_t;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(3, ids_t.shape(), &inverse_t));
@@ -64,7 +63,8 @@ class CategoryHashOp : public OpKernel {
       const int64_t id = static_cast<int64_t>(ids[i]);
       int64_t key;
       if (packed_) {
-        OP_REQUIRES(ctx, id >= 0 && id < id_limit,
+        // uint64(id) >> id_bits == 0 <=> 0 <= id < 2^id_bits, also for id_bits = 63.
+        OP_REQUIRES(ctx, (static_cast<uint64_t>(id) >> id_bits_) == 0,
                     errors::InvalidArgument("ids[", i, "] = ", id, " of category '",
                                             categories_[s], "' is outside [0, 2^", id_bits_,
                                             ") required by mode='packed'"));

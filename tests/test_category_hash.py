@@ -98,6 +98,15 @@ def test_packed_mode_rejects_ids_that_do_not_fit_naming_the_category():
         run(np.array([16], np.int64), np.array([0], np.int32), "packed", "function", id_bits=4)
 
 
+def test_packed_mode_with_one_category_takes_every_non_negative_id():
+    ids = np.array([0, 1, I64.max], np.int64)
+    got = run(ids, np.zeros(3, np.int32), "packed", "eager", categories=["only"])
+    np.testing.assert_array_equal(got.lookup_keys, ids)  # 63 ID bits, category 0
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"outside \[0, 2\^63\)"):
+        run(np.array([-1], np.int64), np.zeros(1, np.int32), "packed", "eager",
+            categories=["only"])
+
+
 def test_packed_keys_are_exact_bit_packing():
     got = run(np.array([5, 5], np.int64), np.array([0, 2], np.int32), "packed", "eager")
     bits = 63 - 2  # 3 categories need 2 bits

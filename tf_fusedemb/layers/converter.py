@@ -1,0 +1,71 @@
+"""Switching a model with one ``tf.keras.layers.Embedding`` per feature to FusedEmbedding."""
+from typing import Mapping, Optional
+
+import tf_keras
+
+from tf_fusedemb.specs import FeatureSpec, InitializerSpec, OptimizerSpec, TableSpec
+
+_INITIALIZERS = {
+    "RandomUniform": lambda c: InitializerSpec.uniform(c.get("minval", -0.05),
+                                                       c.get("maxval", 0.05)),
+    "RandomNormal": lambda c: InitializerSpec.normal(c.get("mean", 0.0), c.get("stddev", 0.05)),
+    "TruncatedNormal": lambda c: InitializerSpec.truncated_normal(c.get("mean", 0.0),
+                                                                  c.get("stddev", 0.05)),
+    "Zeros": lambda c: InitializerSpec.zeros(),
+}
+
+
+def _initializer_spec(feature, initializer):
+    if isinstance(initializer, str):
+        initializer = tf_keras.initializers.get(initializer)
+    if isinstance(initializer, tf_keras.initializers.Initializer):
+        initializer = {"class_name": type(initializer).__name__,
+                       "config": initializer.get_config()}
+    name = initializer.get("class_name")
+    if name not in _INITIALIZERS:
+        raise ValueError(f"feature '{feature}': embeddings_initializer {name!r} has no "
+                         f"tf_fusedemb equivalent; use one of {sorted(_INITIALIZERS)}")
+    return _INITIALIZERS[name](initializer.get("config", {}))
+
+
+def from_keras_embeddings(embeddings: Mapping[str, object], optimizer: OptimizerSpec,
+                          combiners: Optional[Mapping[str, Optional[str]]] = None,
+                          max_lens: Optional[Mapping[str, int]] = None, dynamic: bool = False,
+                          **layer_kwargs):
+    """A FusedEmbedding equivalent to one Keras Embedding per feature.
+
+    Args:
+      embeddings: {feature: tf_keras.layers.Embedding, or its get_config() dict}.
+      optimizer: the OptimizerSpec of the embedding tables.
+      combiners: {feature: 'sum' | 'mean' | 'sqrtn' | None}; default 'sum' (for a one-hot
+        [B] input 'sum' returns the row itself, like Embedding). None = sequence feature.
+      max_lens: {feature: max_len} for sequence features.
+      dynamic: False keeps each table's ``input_dim`` as a static vocabulary (IDs checked);
+        True uses dynamic hash tables (any int64 ID).
+      **layer_kwargs: passed to FusedEmbedding (plan, key_mode, name, ...).
+
+    Example:
+      >>> embs = {"user": tf_keras.layers.Embedding(1000, 16), "item": ...}
+      >>> fused = from_keras_embeddings(embs, OptimizerSpec.adagrad(0.05))
+      >>> outputs = fused({"user": user_ids, "item": item_ids})   # {"user": [B, 16], ...}
+    """
+    from tf_fusedemb.layers.fused_embedding import FusedEmbedding  # pylint: disable=import-outside-toplevel
+    combiners = dict(combiners or {})
+    max_lens = dict(max_lens or {})
+    unknown = (set(combiners) | set(max_lens)) - set(embeddings)
+    if unknown:
+        raise ValueError(f"combiners/max_lens name features without an Embedding: {sorted(unknown)}")
+    features = []
+    for name, emb in embeddings.items():
+        config = emb.get_config() if isinstance(emb, tf_keras.layers.Layer) else dict(emb)
+        if config.get("mask_zero"):
+            raise ValueError(f"feature '{name}': mask_zero=True is not supported; pass a "
+                             "RaggedTensor (or SparseTensor) of the real IDs instead")
+        table = TableSpec(name=name, dim=int(config["output_dim"]), optimizer=optimizer,
+                          initializer=_initializer_spec(name, config.get(
+                              "embeddings_initializer", "uniform")),
+                          vocabulary_size=None if dynamic else int(config["input_dim"]))
+        combiner = combiners.get(name, "sum")
+        features.append(FeatureSpec(name=name, table=table, combiner=combiner,
+                                    max_len=max_lens.get(name) if combiner is None else None))
+    return FusedEmbedding(features, **layer_kwargs)

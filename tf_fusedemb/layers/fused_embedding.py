@@ -1,0 +1,126 @@
+"""``FusedEmbedding``: a dict of features in, a dict of embeddings out, fused and sharded."""
+from typing import Mapping, Optional, Sequence
+
+import tensorflow as tf
+import tf_keras
+
+from tf_fusedemb.comm import get_communicator
+from tf_fusedemb.layers.group_lookup import GroupLookup
+from tf_fusedemb.layers.inputs import flatten_feature
+from tf_fusedemb.specs import FeatureSpec, FusionPlan, plan_fusion
+
+
+class FusedEmbedding(tf_keras.layers.Layer):
+    """Embeddings of many features, fused into groups and sharded over Horovod ranks.
+
+    Features whose tables share (dim, optimizer, initializer, key dtype, static/dynamic)
+    are fused into one group (``tf_fusedemb.specs.plan_fusion``); each group makes one
+    AlltoAll for keys, one for rows and, in training, one for gradients. Single-process
+    (no Horovod) and ``horovodrun -np N`` run the same code.
+
+    Args:
+      features: the FeatureSpecs, in a fixed order (identical on every rank).
+      plan: a FusionPlan over exactly these features; default ``plan_fusion(features)``.
+      key_mode: "hashed" (default, any int64 ID) or "packed" (exact keys, IDs must fit in
+        ``63 - ceil(log2(tables in group))`` bits) for dynamic tables.
+      communicator: default ``tf_fusedemb.comm.get_communicator()``.
+
+    Call:
+      inputs: {feature name: int32/int64 [B] | [B, L] | RaggedTensor [B, None] |
+        SparseTensor [B, L]}, exactly the layer's features.
+      Returns {feature name: float32[B, dim]} for pooled features (sum/mean/sqrtn over
+      the sample's IDs; an empty sample gives zeros) and float32[B, L, dim] for sequence
+      features (L = max_len for ragged/sparse input, zero-padded; L of a dense input).
+
+    Training needs the sparse update of the owner rows: use ``tf_fusedemb.models.FusedModel``
+    (``model.fit``) or ``tf_fusedemb.models.train_step``.
+    """
+
+    def __init__(self, features: Sequence[FeatureSpec], plan: Optional[FusionPlan] = None,
+                 key_mode: str = "hashed", communicator=None, **kwargs):
+        super().__init__(**kwargs)
+        self.features = tuple(features)
+        self.plan = plan if plan is not None else plan_fusion(self.features)
+        if set(self.plan.feature_names) != {f.name for f in self.features}:
+            raise ValueError(f"plan covers {sorted(self.plan.feature_names)} but the layer's "
+                             f"features are {sorted(f.name for f in self.features)}")
+        self.key_mode = key_mode
+        self._comm = communicator or get_communicator()
+        self._check_same_plan_on_all_ranks()
+        self.groups = [GroupLookup(g, self._comm, key_mode) for g in self.plan.groups]
+
+    def _check_same_plan_on_all_ranks(self):
+        """Raises on every rank (no hang) when ranks were given different features/specs."""
+        if self._comm.size == 1:
+            return
+        plans = self._comm.allgather_object(self.plan.to_dict())
+        mine = self.plan.to_dict()
+        for rank, other in enumerate(plans):
+            if other != mine:
+                raise ValueError(
+                    f"FusedEmbedding '{self.name}': rank {rank} has a different feature set "
+                    f"or specs than rank {self._comm.rank}: {_plan_diff(mine, other)}. Every "
+                    "rank must build the layer with identical FeatureSpecs.")
+
+    def call(self, inputs: Mapping[str, tf.Tensor]):
+        names = {f.name for f in self.features}
+        given = set(inputs)
+        if given != names:
+            raise ValueError(f"FusedEmbedding '{self.name}': missing features "
+                             f"{sorted(names - given)}, unexpected features {sorted(given - names)}")
+        outputs = {}
+        for lookup in self.groups:
+            feats = lookup.group.features
+            flats = [flatten_feature(f, inputs[f.name]) for f in feats]
+            embs = lookup(flats, [f.combiner for f in feats])
+            for spec, flat, emb in zip(feats, flats, embs):
+                outputs[spec.name] = _shape_output(spec, flat, emb)
+        return outputs
+
+    def comm_counters(self):
+        """{group name: cumulative counter snapshot} (eager)."""
+        return {g.group.name: g.counters.snapshot() for g in self.groups}
+
+    def statistics(self, group_name=None):
+        """AccessStatistics of a group (by name, default the only/first group)."""
+        for g in self.groups:
+            if group_name in (None, g.group.name):
+                return g.stats
+        raise ValueError(f"no group {group_name!r}; groups: {[g.group.name for g in self.groups]}")
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(features=[f.to_dict() for f in self.features],
+                      plan=self.plan.to_dict(), key_mode=self.key_mode)
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["features"] = [FeatureSpec.from_dict(f) for f in config["features"]]
+        config["plan"] = FusionPlan.from_dict(config["plan"])
+        return cls(**config)
+
+
+def _shape_output(spec, flat, emb):
+    if not spec.is_sequence:
+        return emb
+    if flat.dense_length is not None:
+        return tf.reshape(emb, [-1, flat.dense_length, spec.dim])
+    ragged = tf.RaggedTensor.from_row_splits(emb, flat.row_splits, validate=False)
+    return ragged.to_tensor(shape=[None, spec.max_len, spec.dim])
+
+
+def _plan_diff(mine, other):
+    """A short description of how two plan dicts differ, naming features."""
+    def features(plan):
+        return {f["name"]: f for g in plan["groups"] for f in g["features"]}
+    a, b = features(mine), features(other)
+    parts = []
+    if set(a) != set(b):
+        parts.append(f"features only here {sorted(set(a) - set(b))}, only there "
+                     f"{sorted(set(b) - set(a))}")
+    changed = sorted(n for n in set(a) & set(b) if a[n] != b[n])
+    if changed:
+        parts.append(f"specs differ for {changed}")
+    return "; ".join(parts) or "the grouping or feature order differs"

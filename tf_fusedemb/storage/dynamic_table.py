@@ -1,0 +1,80 @@
+"""DynamicGroupTable: a group's rows and slots in TFRA dynamic embedding hash tables."""
+import tensorflow as tf
+
+from tf_fusedemb.storage.initializers import init_rows
+from tf_fusedemb.storage.group_table import GroupTable, _object_name
+
+__all__ = ["DynamicGroupTable"]
+
+
+def _tfra():
+    # Imported on first table creation: TFRA loads its kernels at import and is only
+    # needed by this storage backend.
+    import tensorflow_recommenders_addons as tfra  # pylint: disable=import-outside-toplevel
+    return tfra.dynamic_embedding
+
+
+class DynamicGroupTable(GroupTable):
+    """Hash-table storage of one fused group: any int64 key, rows inserted on update.
+
+    The values and each optimizer slot live in their own TFRA ``dynamic_embedding.Variable``
+    named ``"{name}-values"``, ``"{name}-{slot}"`` (deterministic; unique while group names
+    are). They are built with the ``Variable`` constructor, not ``get_variable``:
+    get_variable keeps a process-wide registry that silently hands back the existing
+    tables when a name is reused (a rebuilt model would share rows with the old one).
+
+    Missing keys read as: rows -> ``init_rows(init_keys)``, computed only for the missing
+    keys; slots -> the optimizer's initial slot values (the hash table's default value).
+
+    Args:
+        name: group name. dim: row width. initializer: InitializerSpec.
+        optimizer: OptimizerSpec.
+        devices: optional TFRA devices (default: TFRA's choice, the first GPU or CPU).
+        validate_unique: check that apply_gradients gets unique keys (debugging).
+    """
+
+    def __init__(self, name, dim, initializer, optimizer, devices=None, validate_unique=False):
+        super().__init__(name, dim, initializer, optimizer, validate_unique)
+        de = _tfra()
+        base = _object_name(name)
+
+        def table(part, default):
+            return de.Variable(key_dtype=tf.int64, value_dtype=tf.float32, dim=dim,
+                               name=f"{base}-{part}", initializer=float(default),
+                               devices=devices, trainable=False)
+
+        with tf.init_scope():
+            self.values = table("values", 0.0)
+            self.slots = {n: table(n, v) for n, v in self.optimizer.initial_slot_values.items()}
+
+    def size(self):
+        # Not de.Variable.size(): it caches the size tensor of the first graph that calls
+        # it, and a second tf.function then fails with "out of scope".
+        return tf.add_n([t.size() for t in self.values.tables])
+
+    def export(self):
+        keys, values = self.values.export()
+        order = tf.argsort(keys)  # hash-table order is arbitrary; sorted is reproducible
+        keys = tf.gather(keys, order)
+        out = {"keys": keys, "values": tf.gather(values, order)}
+        for n in self.slot_names:
+            out[n] = self.slots[n].lookup(keys)
+        return out
+
+    def _lookup(self, keys, init_keys):
+        rows, exists = self.values.lookup(keys, return_exists=True)
+        if self.initializer.name == "zeros":  # the table's default value is already right
+            return rows
+        # Initial rows only for the missing keys: in steady state most keys exist.
+        missing = tf.where(tf.logical_not(exists))  # int64[m, 1]
+        init = init_rows(tf.gather_nd(init_keys, missing), self.dim, self.initializer)
+        return tf.tensor_scatter_nd_update(rows, missing, init)
+
+    def _read(self, keys, init_keys):
+        return (self._lookup(keys, init_keys),
+                {n: self.slots[n].lookup(keys) for n in self.slot_names})
+
+    def _write(self, keys, rows, slots):
+        ops = [self.values.upsert(keys, rows)]
+        ops += [self.slots[n].upsert(keys, slots[n]) for n in self.slot_names]
+        return tf.group(ops)

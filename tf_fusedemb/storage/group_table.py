@@ -1,0 +1,197 @@
+"""GroupTable, the abstract per-rank storage of one fused group (owner side of the lookup).
+
+A rank owns the rows of the keys that hash to it. For each fused group it keeps one
+table of rows (float32[dim] per key) plus the group optimizer's per-row slots, and a
+step counter. The owner looks rows up (step 6 of the fused lookup) and, after the
+gradient AlltoAll, applies the summed gradients of the unique touched keys.
+
+Two implementations share this interface:
+
+* :class:`~tf_fusedemb.storage.dynamic_table.DynamicGroupTable`: TFRA hash tables, any
+  int64 key; rows are inserted on their first update.
+* :class:`~tf_fusedemb.storage.static_table.StaticGroupTable`: dense variables
+  [vocabulary_size, dim] indexed by key in [0, vocabulary_size).
+
+Both give a never-updated key its deterministic initial row
+(:func:`~tf_fusedemb.storage.initializers.init_rows` of its *init key*), so for the same
+sequence of lookups and updates they return the same values. The init key defaults to
+the storage key; it differs when storage keys are packed per group, because the initial
+value must not depend on the fusion plan.
+
+Keys passed to :meth:`GroupTable.apply_gradients` must be UNIQUE (the owner runs a unique
+before it): a duplicated key would be read twice and written twice, and only one of the
+two updates would survive. ``validate_unique=True`` adds a check for debugging.
+"""
+import re
+from typing import Dict, Optional
+
+import tensorflow as tf
+
+from tf_fusedemb.specs import InitializerSpec, OptimizerSpec
+from tf_fusedemb.storage.optimizers import RowOptimizer
+
+__all__ = ["GroupTable"]
+
+
+def _object_name(name: str) -> str:
+    """A valid Python/TF identifier derived from a table name (tf.Module needs one)."""
+    clean = re.sub(r"[^A-Za-z0-9_]", "_", name)
+    return clean if re.match(r"[A-Za-z_]", clean) else "t_" + clean
+
+
+class GroupTable(tf.Module):
+    """Abstract per-rank table of one fused group: rows, optimizer slots and a step.
+
+    Attributes:
+        name: str, the group (table) name; error messages name it.
+        dim: int, row width.
+        initializer: InitializerSpec of new rows.
+        optimizer: RowOptimizer built from the OptimizerSpec.
+        slot_names: tuple of the optimizer's slot names.
+        step: tf.Variable int64 scalar, optimizer steps taken (0 before the first update).
+
+    A tf.Module, so ``tf.train.Checkpoint(table=t)`` tracks its variables.
+    """
+
+    def __init__(self, name: str, dim: int, initializer: InitializerSpec, optimizer: OptimizerSpec,
+                 validate_unique: bool = False):
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{type(self).__name__}: name must be a non-empty str, got {name!r}")
+        kind = f"{type(self).__name__} {name!r}"
+        if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0:
+            raise ValueError(f"{kind}: dim must be an int > 0, got {dim!r}")
+        if not isinstance(initializer, InitializerSpec):
+            raise ValueError(f"{kind}: initializer must be an InitializerSpec, got {initializer!r}")
+        if not isinstance(optimizer, OptimizerSpec):
+            raise ValueError(f"{kind}: optimizer must be an OptimizerSpec, got {optimizer!r}")
+        super().__init__(name=_object_name(name))
+        self._table_name = name
+        self._kind = kind
+        # Run-time (assert op) messages: TF escapes quotes in them, so the name goes bare.
+        self._op_kind = f"{type(self).__name__} {name}"
+        self.dim = dim
+        self.initializer = initializer
+        self.optimizer_spec = optimizer
+        self.optimizer = RowOptimizer.from_spec(optimizer)
+        self.validate_unique = validate_unique
+        with tf.init_scope():  # state is created once, even if the first call is traced
+            self.step = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                    name=f"{_object_name(name)}_step")
+
+    @property
+    def name(self) -> str:
+        return self._table_name
+
+    @property
+    def slot_names(self) -> tuple:
+        return self.optimizer.slot_names
+
+    # ---------------------------------------------------------------- public API
+    def lookup(self, keys, init_keys=None) -> tf.Tensor:
+        """Rows of ``keys``; a never-updated key gets its initial row and is NOT inserted.
+
+        Args:
+            keys: int64[u] storage keys (duplicates allowed here).
+            init_keys: int64[u] keys seeding the initial rows; default ``keys``.
+
+        Returns:
+            float32[u, dim].
+        """
+        keys = self._check_keys(self._as_keys(keys, "keys"))
+        return self._lookup(keys, self._init_keys(keys, init_keys))
+
+    def apply_gradients(self, keys, grads, init_keys=None, step=None):
+        """One optimizer step on the rows of ``keys``; new keys are inserted.
+
+        Reads the rows (stored, or the initial rows of ``init_keys``) and their slots
+        (stored, or initial), runs ``RowOptimizer.apply`` and writes rows and slots back.
+
+        Args:
+            keys: int64[u] UNIQUE storage keys.
+            grads: float32[u, dim], the gradient summed per key.
+            init_keys: int64[u] keys seeding the initial rows; default ``keys``.
+            step: optional int64 scalar. By default the table's ``step`` is advanced by
+                1 first and its new value used (the first call uses 1); pass an explicit
+                step to split one batch's update into several calls (e.g. prior rows
+                first), after advancing the counter once with :meth:`advance_step`.
+
+        Returns:
+            The update op in graph mode (None when executing eagerly).
+        """
+        keys = self._check_keys(self._as_keys(keys, "keys"))
+        init_keys = self._init_keys(keys, init_keys)
+        grads = tf.convert_to_tensor(grads)
+        if grads.dtype != tf.float32:
+            raise TypeError(f"{self._kind}: grads must be float32, got {grads.dtype.name}")
+        if grads.shape.rank not in (None, 2) or grads.shape[-1] not in (None, self.dim):
+            raise ValueError(f"{self._kind}: grads must be float32[u, {self.dim}], got shape {grads.shape}")
+        if self.validate_unique:
+            check = tf.debugging.assert_equal(
+                tf.size(tf.unique(keys).y), tf.size(keys),
+                message=f"{self._op_kind}: apply_gradients needs unique keys")
+            with tf.control_dependencies([check]):
+                keys = tf.identity(keys)
+        step = self.advance_step() if step is None else tf.cast(step, tf.int64)
+        rows, slots = self._read(keys, init_keys)
+        new_rows, new_slots = self.optimizer.apply(rows, slots, grads, step)
+        return self._write(keys, new_rows, new_slots)
+
+    def advance_step(self) -> tf.Tensor:
+        """Adds 1 to ``step`` and returns the new value (int64 scalar)."""
+        return tf.identity(self.step.assign_add(1))
+
+    def export(self) -> Dict[str, tf.Tensor]:
+        """The stored rows, sorted by key.
+
+        Returns:
+            dict with "keys" int64[s], "values" float32[s, dim] and, per slot name,
+            float32[s, dim].
+        """
+        raise NotImplementedError
+
+    def load(self, exported: Dict[str, tf.Tensor]):
+        """Writes rows exported by :meth:`export` (of this or another table of the same
+        spec); slots missing from ``exported`` start at their initial values.
+
+        Returns:
+            The write op in graph mode (None when executing eagerly).
+        """
+        keys = self._check_keys(self._as_keys(exported["keys"], "exported keys"))
+        values = tf.convert_to_tensor(exported["values"], tf.float32)
+        initial = self.optimizer.initial_slots(tf.size(keys), self.dim)
+        slots = {n: tf.convert_to_tensor(exported[n], tf.float32) if n in exported else initial[n]
+                 for n in self.slot_names}
+        return self._write(keys, values, slots)
+
+    def size(self) -> tf.Tensor:
+        """int64 scalar: number of stored (updated or loaded) keys."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- implementation hooks
+    def _lookup(self, keys, init_keys):
+        """float32[u, dim] rows of checked keys."""
+        raise NotImplementedError
+
+    def _read(self, keys, init_keys):
+        """(rows float32[u, dim], slots dict name -> float32[u, dim]) of checked keys."""
+        raise NotImplementedError
+
+    def _write(self, keys, rows, slots):
+        """Stores rows and slots of unique checked keys; returns an op or None."""
+        raise NotImplementedError
+
+    def _check_keys(self, keys):
+        """Validates int64[u] keys against the storage (range checks); returns them."""
+        return keys
+
+    # ---------------------------------------------------------------- helpers
+    def _as_keys(self, keys, what) -> tf.Tensor:
+        keys = tf.convert_to_tensor(keys)
+        if keys.dtype not in (tf.int64, tf.int32):
+            raise TypeError(f"{self._kind}: {what} must be int64, got {keys.dtype.name}")
+        if keys.shape.rank not in (None, 1):
+            raise ValueError(f"{self._kind}: {what} must be int64[u], got shape {keys.shape}")
+        return tf.cast(keys, tf.int64)
+
+    def _init_keys(self, keys, init_keys: Optional[tf.Tensor]) -> tf.Tensor:
+        return keys if init_keys is None else self._as_keys(init_keys, "init_keys")

@@ -1,0 +1,77 @@
+"""Lossless access statistics of one fused group on its owner rank.
+
+Recorded from the outputs of ``category_hash`` (step b.1), where every key still carries
+its category and instance ID, so reports can name "feature/ID" even in hashed mode.
+"""
+import numpy as np
+import tensorflow as tf
+
+
+class AccessStatistics(tf.Module):
+    """Per-category and per-instance access counts of the keys this rank owns.
+
+    Args:
+      group_name: the fused group's name (used in variable names).
+      categories: the group's M category (table) names, in segment order.
+    """
+
+    def __init__(self, group_name, categories):
+        super().__init__(name=f"stats_{group_name}")
+        self.categories = tuple(categories)
+        with tf.init_scope():
+            self.category_counts = tf.Variable(tf.zeros([len(categories)], tf.int64),
+                                               trainable=False, name=f"{group_name}_cat_counts")
+            self.last_unique_keys = tf.Variable(tf.constant(0, tf.int64), trainable=False,
+                                                name=f"{group_name}_last_unique")
+            self.last_received_keys = tf.Variable(tf.constant(0, tf.int64), trainable=False,
+                                                  name=f"{group_name}_last_received")
+            self.collisions = tf.Variable(tf.constant(0, tf.int64), trainable=False,
+                                          name=f"{group_name}_collisions")
+            # unified key -> count, and -> the (category, id) pair behind it.
+            self._counts = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, 0)
+            self._ids = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, 0)
+            self._cats = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, -1)
+
+    def record(self, hashed, accesses):
+        """Adds one step's owner-side lookups; returns an op.
+
+        Args:
+          hashed: the ``CategoryHashResult`` of the received keys.
+          accesses: int64[n] occurrences of each received key in its sender's batch.
+        """
+        keys = hashed.lookup_keys
+        counts = tf.math.unsorted_segment_sum(accesses, hashed.inverse, tf.size(keys))
+        new_counts = self._counts.lookup(keys) + counts
+        return tf.group(
+            self.category_counts.assign_add(tf.math.unsorted_segment_sum(
+                counts, hashed.lookup_segment_ids, len(self.categories))),
+            self.last_unique_keys.assign(tf.size(keys, out_type=tf.int64)),
+            self.last_received_keys.assign(tf.size(accesses, out_type=tf.int64)),
+            self.collisions.assign_add(hashed.num_collisions),
+            self._counts.insert(keys, new_counts),
+            self._ids.insert(keys, tf.cast(hashed.lookup_ids, tf.int64)),
+            self._cats.insert(keys, tf.cast(hashed.lookup_segment_ids, tf.int64)))
+
+    def category_totals(self):
+        """{category: accesses of its keys owned by this rank} (eager)."""
+        return dict(zip(self.categories, self.category_counts.numpy().tolist()))
+
+    def top_k(self, category, k=10):
+        """The k most accessed IDs of ``category`` owned by this rank, as
+        [("category/ID", count), ...], most accessed first (eager)."""
+        if category not in self.categories:
+            raise ValueError(f"unknown category {category!r}; this group has {self.categories}")
+        keys, counts = (t.numpy() for t in self._counts.export())
+        cats = self._cats.lookup(tf.constant(keys)).numpy()
+        ids = self._ids.lookup(tf.constant(keys)).numpy()
+        mine = cats == self.categories.index(category)
+        order = np.lexsort((ids[mine], -counts[mine]))[:k]
+        return [(f"{category}/{ids[mine][i]}", int(counts[mine][i])) for i in order]
+
+    def metrics(self):
+        """Flat dict of scalar metrics for logging (eager)."""
+        out = {f"access/{c}": v for c, v in self.category_totals().items()}
+        out.update(unique_keys_last_step=int(self.last_unique_keys.numpy()),
+                   received_keys_last_step=int(self.last_received_keys.numpy()),
+                   hash_collisions=int(self.collisions.numpy()))
+        return out
