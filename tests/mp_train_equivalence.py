@@ -21,7 +21,7 @@ import tf_keras  # noqa: E402
 import equivalence_model as em  # noqa: E402
 from tf_fusedemb.comm import get_communicator  # noqa: E402
 from tf_fusedemb.layers import FusedEmbedding  # noqa: E402
-from tf_fusedemb.models import train_step  # noqa: E402
+from tf_fusedemb.models import FusedModel, train_step  # noqa: E402
 
 
 def all_rows_inputs():
@@ -36,6 +36,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--empty-step", type=int, default=None)
+    parser.add_argument("--keras-fit", action="store_true",
+                        help="train through FusedModel.compile/fit instead of train_step")
     parser.add_argument("--mismatch", action="store_true",
                         help="rank 1 builds feature 'a' with another dim (must fail clearly)")
     args = parser.parse_args(argv)
@@ -50,7 +52,7 @@ def main(argv=None):
     head = em.make_head()
     dense_opt = tf_keras.optimizers.SGD(0.05)
 
-    class Model(tf_keras.Model):
+    class Model(FusedModel):
         def __init__(self):
             super().__init__()
             self.emb, self.head = layer, head
@@ -62,6 +64,14 @@ def main(argv=None):
     @tf.function(reduce_retracing=True)
     def step(x, y):
         return train_step(model, x, y, em.bce, dense_opt, communicator=comm)[0]
+
+    if args.keras_fit:
+        model.compile(optimizer=dense_opt, loss=em.bce)
+
+        def step(x, y):  # noqa: F811  one fit() call per global batch, history = its loss
+            n = int(y.shape[0])
+            history = model.fit(x, y, batch_size=max(n, 1), epochs=1, shuffle=False, verbose=0)
+            return history.history["loss"][0]
 
     losses = []
     for t in range(args.steps):

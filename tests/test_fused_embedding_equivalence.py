@@ -75,6 +75,20 @@ def test_multi_rank_equals_reference(num_proc):
     assert totals["e"] > 0  # rank 0 owns every e key
 
 
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_keras_fit_equals_reference(num_proc):
+    args = [SCRIPT, "--steps", "8", "--keras-fit"]
+    result = (parse_result(horovodrun(args, num_proc, timeout=800)) if num_proc > 1
+              else run_single_process(*args[1:]))
+    losses, dense, tables = reference_run(num_proc, steps=8)
+    np.testing.assert_allclose(result["losses"], losses, rtol=1e-5)
+    for got, want in zip(result["dense"], dense):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    for name, want in tables.items():
+        np.testing.assert_allclose(result["tables"][name], want, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.timeout(300)
 def test_mismatched_specs_fail_clearly_on_every_rank():
     with pytest.raises(AssertionError) as err:

@@ -1,0 +1,173 @@
+"""End-to-end training-step benchmark of the distributed embedding lookup: FusedRec's
+fused lookup vs. no fusion vs. TFRA (the paper's baseline) vs. TFRA-fused.
+
+    python -m tf_fusedemb.benchmarks.lookup --json            # synthetic Criteo-like
+    python -m tf_fusedemb.benchmarks.lookup --json --data /work/shared/data/criteo-kaggle-sample/train.txt
+
+Run plainly, the module re-launches itself under ``horovodrun -np N --gloo -H
+localhost:N`` (the horovodrun next to ``sys.executable``; ``--np``, default 2), streams
+the workers' output to stderr and prints rank 0's JSON as the LAST line of stdout. A
+process with ``HOROVOD_RANK`` set is a worker.
+
+Model (every variant): 26 one-hot categorical features C1..C26, embedding dim 16, dynamic
+tables, Adagrad lr 0.05 (``--lr``) for the embeddings; 13 dense features log1p(max(x, 0));
+MLP concat(26*16 + 13) -> 256 relu -> 128 relu -> 1; binary cross-entropy on the logit;
+``--batch-size`` (4096) samples per rank; the dense optimizer is Adagrad (tf_keras legacy)
+with the same lr. Dense layers start from the same seeded weights in every variant.
+
+Variants, all built and trained in the same worker processes, on the same batches:
+
+* ``fused``: ``FusedEmbedding`` with ``plan_fusion``'s groups (1 group here), trained by
+  ``tf_fusedemb.models.train_step`` (global-mean loss, one grouped dense AllReduce, rows
+  updated on their owners). 3 AlltoAll rounds per group and step.
+* ``unfused``: the same layer with ``unfused_plan`` (26 groups): 78 rounds.
+* ``tfra``: TFRA's ``dynamic_embedding.keras.layers.HvdAllToAllEmbedding``, one layer per
+  feature, trained with ``DynamicEmbeddingOptimizer(tf_keras Adagrad, synchronous=True)``
+  (TFRA's Horovod path: each dense gradient AllReduced with ``hvd.allreduce(Sum)``,
+  embedding gradients applied on the owners), inside a ``tf.function`` step like
+  TFRA's Keras ``train_step`` (tape -> gradients -> ``apply_gradients``); same loss scaling
+  as ``train_step``. Per feature: key + row AlltoAll forward, row-gradient AlltoAll
+  backward (Horovod's registered gradient) = 78 rounds.
+* ``tfra_fused``: the paper's TFRA-fused scheme (FusedRec Sec. 4 "Baseline"): the same
+  groups as ``fused``; on the SOURCE side every key is hashed with its category,
+  ``mix64(id ^ tag(table))`` in pure TF (``tf_fusedemb.ops.hashing.tf_mix64``); ONE
+  ``tf.unique_with_counts`` deduplicates the group; the unique hashed keys go through ONE
+  ``HvdAllToAllEmbedding`` per group (``with_unique=False`` since they are unique already;
+  TFRA's owner-side secondary unique kept); PLUS the extra AlltoAll that ships the
+  category information to the owners: ``count << 16 | category`` (int64) per unique key,
+  partitioned with TFRA's own ``partition_fn`` + ``make_partition`` -- the routing
+  ``HvdVariable.__relocate_dense_feature__`` applies to the keys (owner = key mod N on a
+  CPU build, ``(key & 0x7fffffff) mod N`` on a CUDA build) -- and sent with
+  ``hvd.alltoall`` using the same splits, so it arrives aligned with the keys TFRA sends.
+  The owner records per-category access counts from it (what FusedEmbedding's key
+  exchange carries in-band). 4 rounds per group and step. See
+  ``lookup_models.TfraFusedEmbedding``.
+
+Timing (``tf_fusedemb.benchmarks.timing``' side-by-side idea, at step granularity): each
+variant is warmed up (``--warmup`` steps, the first traces), then ``--rounds`` rounds; a
+round runs ``--steps`` consecutive training steps of every variant, in an order shuffled
+per round with the same seed on every rank, after a barrier. Every step is timed on its
+own (the call returns when the synchronous step is done: the loss is read); ``step_ms`` is
+the median over all timed steps of rank 0 (also p10/p90/min, and the median of per-round
+means). All variants share the machine, the process and the data, so the ratios are
+side by side.
+
+Counting, per variant (``lookup_comm``): ``alltoall_rounds_per_step`` from in-graph
+counters during the timed steps (FusedEmbedding's ``comm_counters()``; for TFRA a shim
+around ``horovod.tensorflow.alltoall`` -- the function TFRA's ``HvdVariable`` calls --
+records each call and, through an identity with a custom gradient, the gradient
+AlltoAll Horovod's registered gradient issues); cross-checked with
+``graph_alltoall_ops``, the ``HorovodAlltoall`` nodes of the traced step graph (gradient
+included). ``bytes_per_step``: payload bytes sent to OTHER ranks by AlltoAlls per step
+(mean over ranks; ``bytes_per_step_by_rank`` too); ``mean_message_bytes`` = bytes sent /
+non-empty messages to other ranks (all ranks pooled).
+"""
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+RESULT_MARKER = "LOOKUP_BENCHMARK_RESULT "
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+DEFAULT_CRITEO = REPO_ROOT.parent / "shared" / "data" / "criteo-kaggle-sample" / "train.txt"
+VARIANTS = ("fused", "unfused", "tfra", "tfra_fused")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="FusedRec lookup benchmark (training steps)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object last")
+    parser.add_argument("--np", type=int, default=2, help="Horovod workers to launch")
+    parser.add_argument("--batch-size", type=int, default=4096, help="samples per rank")
+    parser.add_argument("--steps", type=int, default=5, help="steps per variant per round")
+    parser.add_argument("--rounds", type=int, default=8, help="timed rounds")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
+    parser.add_argument("--lr", type=float, default=0.05, help="Adagrad learning rate")
+    parser.add_argument("--num-batches", type=int, default=8,
+                        help="distinct global batches, cycled")
+    parser.add_argument("--data", default=None,
+                        help="Criteo TSV (label, I1..I13, C1..C26 hex); default synthetic")
+    parser.add_argument("--max-rows", type=int, default=None, help="rows read from --data")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated subset of {','.join(VARIANTS)}")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds before the launcher kills the workers")
+    args = parser.parse_args(argv)
+    args.variants = [v for v in args.variants.split(",") if v]
+    unknown = set(args.variants) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
+    if args.np < 1 or args.batch_size < 1 or args.steps < 1 or args.rounds < 1:
+        parser.error("--np, --batch-size, --steps and --rounds must be >= 1")
+    return args
+
+
+# ----------------------------------------------------------------------------- launcher
+
+def launch(args, argv):
+    """Runs the workers under horovodrun; returns (exit code, rank 0's result dict)."""
+    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    cmd = [horovodrun, "-np", str(args.np), "--gloo", "-H", f"localhost:{args.np}",
+           sys.executable, "-m", "tf_fusedemb.benchmarks.lookup"] + list(argv)
+    env = dict(os.environ, TF_USE_LEGACY_KERAS="1")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + (
+        [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    print("launching: " + " ".join(cmd), file=sys.stderr, flush=True)
+    result = None
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    try:
+        import threading  # pylint: disable=import-outside-toplevel
+        timer = None
+        if args.timeout:
+            timer = threading.Timer(args.timeout, lambda: _kill(proc))
+            timer.start()
+        for line in proc.stdout:
+            if RESULT_MARKER in line:
+                result = json.loads(line.split(RESULT_MARKER, 1)[1])
+            else:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+        code = proc.wait()
+        if timer is not None:
+            timer.cancel()
+    except BaseException:
+        _kill(proc)
+        raise
+    return code, result
+
+
+def _kill(proc):
+    """Ends the horovodrun process group this launcher started."""
+    if proc.poll() is None:
+        import signal  # pylint: disable=import-outside-toplevel
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    if "HOROVOD_RANK" in os.environ:
+        from tf_fusedemb.benchmarks import lookup_worker  # pylint: disable=import-outside-toplevel
+        result = lookup_worker.run(args)
+        if result is not None:  # rank 0
+            print(RESULT_MARKER + json.dumps(result, sort_keys=True), flush=True)
+        return 0
+    code, result = launch(args, argv)
+    if code != 0 or result is None:
+        print(f"lookup benchmark failed: horovodrun exit code {code}, "
+              f"{'no' if result is None else 'a'} result", file=sys.stderr)
+        return code or 1
+    from tf_fusedemb.benchmarks.timing import emit  # pylint: disable=import-outside-toplevel
+    emit(result, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

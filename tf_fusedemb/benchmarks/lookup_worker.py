@@ -1,0 +1,271 @@
+"""The Horovod worker of ``python -m tf_fusedemb.benchmarks.lookup`` (see its docstring):
+builds the four variants in one process, times them side by side and returns rank 0's
+result dict (None on other ranks)."""
+import os
+import random
+import statistics
+import time
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import tf_keras  # noqa: E402
+
+from tf_fusedemb.benchmarks import lookup_comm, lookup_data, lookup_models  # noqa: E402
+from tf_fusedemb.comm import CommCounters, get_communicator  # noqa: E402
+from tf_fusedemb.layers import FusedEmbedding  # noqa: E402
+from tf_fusedemb.models import per_example_loss, train_step  # noqa: E402
+from tf_fusedemb.specs import plan_fusion, unfused_plan  # noqa: E402
+
+
+class Variant:
+    """One model + its tf.function step, batch cursor, losses and counters."""
+
+    def __init__(self, name, model, step, counters, counting=None):
+        self.name, self.model, self.step = name, model, step
+        self._counters = counters  # () -> summed snapshot dict
+        self._counting = counting  # () -> context manager around every call (TFRA shim)
+        self.cursor, self.losses, self.times_ms = 0, [], []
+
+    def run(self, batches, steps, timed):
+        for _ in range(steps):
+            x, y = batches[self.cursor % len(batches)]
+            self.cursor += 1
+            start = time.perf_counter()
+            if self._counting is None:
+                loss = self.step(x, y)
+            else:
+                with self._counting():
+                    loss = self.step(x, y)
+            loss = float(loss.numpy())
+            if timed:
+                self.times_ms.append((time.perf_counter() - start) * 1e3)
+            self.losses.append(loss)
+
+    def snapshot(self):
+        return self._counters()
+
+    def concrete(self, x, y):
+        if self._counting is None:
+            return self.step.get_concrete_function(x, y)
+        with self._counting():
+            return self.step.get_concrete_function(x, y)
+
+
+def build_variants(names, comm, hvd, lr):
+    """{name: Variant} for the requested variant names, in a fixed order."""
+    specs = lookup_models.feature_specs(lr)
+    loss_fn = per_example_loss(tf_keras.losses.BinaryCrossentropy(from_logits=True))
+    out = {}
+
+    def fused_variant(name, plan):
+        layer = FusedEmbedding(specs, plan=plan, name=f"{name}_embedding")
+        model = lookup_models.CriteoNet(layer, name=f"{name}_net")
+        optimizer = tf_keras.optimizers.legacy.Adagrad(lr)
+
+        @tf.function
+        def step(x, y):
+            return train_step(model, x, y, loss_fn, optimizer, communicator=comm)[0]
+
+        def counters():
+            return lookup_comm.sum_snapshots(list(layer.comm_counters().values()))
+        variant = Variant(name, model, step, counters)
+        variant.groups = len(layer.groups)
+        return variant
+
+    def tfra_variant(name, embedding):
+        model = lookup_models.CriteoNet(embedding, name=f"{name}_net")
+        optimizer = lookup_models.tfra_optimizer(lr)
+        counters = CommCounters(name)
+        lookup_comm.AlltoallShim(hvd, comm.rank)
+
+        @tf.function
+        def step(x, y):
+            return lookup_models.tfra_train_step(model, x, y, loss_fn, optimizer, hvd)[0]
+        variant = Variant(name, model, step, counters.snapshot,
+                          lambda: lookup_comm.AlltoallShim.counting(counters))
+        return variant
+
+    plan = plan_fusion(specs)
+    for name in names:
+        if name == "fused":
+            out[name] = fused_variant(name, plan)
+        elif name == "unfused":
+            out[name] = fused_variant(name, unfused_plan(specs))
+        elif name == "tfra":
+            out[name] = tfra_variant(name, lookup_models.TfraPerFeature(name="tfra_emb"))
+            out[name].groups = len(specs)
+        elif name == "tfra_fused":
+            out[name] = tfra_variant(name, lookup_models.TfraFusedEmbedding(
+                plan, hvd, name="tfra_fused_emb"))
+            out[name].groups = plan.num_groups
+    return out
+
+
+def _to_tensors(batches):
+    return [({k: tf.constant(v) for k, v in x.items()}, tf.constant(y)) for x, y in batches]
+
+
+def _stats(times):
+    s = sorted(times)
+    return {"step_ms": round(statistics.median(s), 3), "min_ms": round(s[0], 3),
+            "p10_ms": round(s[int(0.1 * (len(s) - 1))], 3),
+            "p90_ms": round(s[int(0.9 * (len(s) - 1))], 3)}
+
+
+def run(args):
+    comm = get_communicator()
+    rank, size = comm.rank, comm.size
+    import horovod.tensorflow as hvd  # pylint: disable=import-outside-toplevel
+    if not hvd.is_initialized():
+        hvd.init()
+
+    def log(msg):
+        if rank == 0:
+            print(f"[lookup] {msg}", flush=True)
+
+    # ---- data: every rank builds the same global batches, takes its slice
+    if args.data:
+        columns = lookup_data.read_criteo_tsv(args.data, args.max_rows)
+        source = {"kind": "criteo_tsv", "path": str(args.data),
+                  "rows": int(len(columns["label"]))}
+    else:
+        columns = lookup_data.synthetic_columns(args.batch_size, size, args.num_batches,
+                                                args.seed)
+        source = {"kind": "synthetic", "generator": "generate_criteo_like",
+                  "rows": int(len(columns["label"])), "seed": args.seed}
+    batches = _to_tensors(lookup_data.make_batches(columns, args.batch_size, size, rank,
+                                                   args.num_batches))
+    keys_per_step = int(sum(int(tf.size(batches[0][0][c])) for c in lookup_data.CATEGORICAL))
+
+    variants = build_variants(args.variants, comm, hvd, args.lr)
+    log(f"built {list(variants)}; warming up ({args.warmup} steps each, first traces)")
+    for v in variants.values():
+        t0 = time.perf_counter()
+        v.run(batches, max(1, args.warmup), timed=False)
+        log(f"  {v.name}: warm-up {time.perf_counter() - t0:.1f}s, loss {v.losses[-1]:.4f}")
+
+    graph_ops = {}
+    for v in variants.values():
+        x0, y0 = batches[0]
+        graph_ops[v.name] = lookup_comm.graph_alltoall_ops(v.concrete(x0, y0))
+    tracing = {v.name: int(v.step.experimental_get_tracing_count()) for v in variants.values()}
+
+    before = {v.name: v.snapshot() for v in variants.values()}
+    rng = random.Random(args.seed)
+    order = list(variants)
+    round_means = {n: [] for n in variants}
+    t_start = time.perf_counter()
+    for r in range(args.rounds):
+        rng.shuffle(order)  # same seed on every rank: same order everywhere
+        for name in order:
+            comm.allgather_object(None)  # barrier: start each block together
+            v = variants[name]
+            k = len(v.times_ms)
+            v.run(batches, args.steps, timed=True)
+            round_means[name].append(statistics.fmean(v.times_ms[k:]))
+        log(f"  round {r + 1}/{args.rounds}: " + ", ".join(
+            f"{n} {round_means[n][-1]:.1f}ms" for n in variants))
+    timed_s = time.perf_counter() - t_start
+    timed_steps = args.rounds * args.steps
+    after = {v.name: v.snapshot() for v in variants.values()}
+    mine = {n: lookup_comm.per_step(before[n], after[n], timed_steps) for n in variants}
+    raw = {n: {f: after[n][f] - before[n][f] for f in ("bytes_sent", "messages")}
+           for n in variants}
+    everyone = comm.allgather_object({"per_step": mine, "raw": raw,
+                                      "step_ms": {n: _stats(v.times_ms)["step_ms"]
+                                                  for n, v in variants.items()}})
+    if rank != 0:
+        return None
+
+    result = {
+        "benchmark": "lookup",
+        "environment": {
+            "np": size, "batch_size_per_rank": args.batch_size,
+            "global_batch": args.batch_size * size, "tf_version": tf.__version__,
+            "tf_keras_version": tf_keras.__version__, "horovod_version": hvd.__version__,
+            "tfra_version": _tfra_version(), "cpu_count": os.cpu_count(),
+            "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
+            "gpus": len(tf.config.list_physical_devices("GPU")),
+            "horovod_controller": "gloo",
+        },
+        "data": source,
+        "model": {"categorical_features": len(lookup_data.CATEGORICAL), "embedding_dim":
+                  lookup_models.DIM, "dense_features": len(lookup_data.DENSE),
+                  "mlp": list(lookup_models.HIDDEN) + [1], "loss": "bce_from_logits",
+                  "embedding_optimizer": f"adagrad(lr={args.lr})",
+                  "dense_optimizer": f"adagrad(lr={args.lr}) tf_keras legacy",
+                  "keys_per_rank_per_step": keys_per_step},
+        "timing": {"warmup_steps": args.warmup, "rounds": args.rounds,
+                   "steps_per_round": args.steps, "timed_steps_per_variant": timed_steps,
+                   "timed_wall_s": round(timed_s, 1), "reported_rank": 0},
+        "method": {
+            "step_ms": "median over all timed steps on rank 0; variants interleaved in rounds "
+                       "(shuffled order, barrier before each block of --steps steps)",
+            "alltoall_rounds_per_step": "in-graph counters during the timed steps: "
+                                        "FusedEmbedding.comm_counters() for fused/unfused; for "
+                                        "TFRA a shim around horovod.tensorflow.alltoall (what "
+                                        "TFRA's HvdVariable calls) recording each call plus, via "
+                                        "an identity with a custom gradient, the gradient AlltoAll "
+                                        "of Horovod's registered gradient; cross-checked with "
+                                        "graph_alltoall_ops (HorovodAlltoall nodes of the traced "
+                                        "step graph incl. gradient)",
+            "bytes_per_step": "payload bytes sent to other ranks by AlltoAlls per step, same "
+                              "counters (rows sent to each peer x bytes per row), mean over ranks",
+            "mean_message_bytes": "bytes sent / non-empty per-peer messages, all ranks pooled",
+            "tfra_fused": "source-side mix64(id ^ tag(table)) in pure TF, one "
+                          "tf.unique_with_counts per group, one HvdAllToAllEmbedding per group "
+                          "(with_unique=False), plus an explicit hvd.alltoall of "
+                          "(count << 16 | category) int64 per unique key, partitioned with "
+                          "TFRA's partition_fn + make_partition (same splits as the key "
+                          "AlltoAll), recorded on the owner as per-category access counts",
+        },
+        "variants": {},
+    }
+    for name, v in variants.items():
+        per_rank = [e["per_step"][name] for e in everyone]
+        bytes_sent = sum(e["raw"][name]["bytes_sent"] for e in everyone)
+        messages = sum(e["raw"][name]["messages"] for e in everyone)
+        entry = _stats(v.times_ms)
+        entry.update({
+            "round_mean_ms_median": round(statistics.median(round_means[name]), 3),
+            "step_ms_by_rank": [e["step_ms"][name] for e in everyone],
+            "alltoall_rounds_per_step": mine[name]["alltoall_rounds_per_step"],
+            "graph_alltoall_ops": graph_ops[name],
+            "groups": v.groups,
+            "bytes_per_step": round(statistics.fmean(p["bytes_per_step"] for p in per_rank), 1),
+            "bytes_per_step_by_rank": [round(p["bytes_per_step"], 1) for p in per_rank],
+            "messages_per_step": round(statistics.fmean(p["messages_per_step"]
+                                                        for p in per_rank), 2),
+            "mean_message_bytes": round(bytes_sent / max(1, messages), 1),
+            "loss_first": v.losses[0], "loss_last": v.losses[-1],
+            "steps_run": len(v.losses), "traces": tracing[name],
+        })
+        result["variants"][name] = entry
+    vs = result["variants"]
+
+    def ratio(a, b):
+        if a in vs and b in vs:
+            return round(vs[a]["step_ms"] / vs[b]["step_ms"], 3)
+        return None
+    result["speedup_vs_tfra"] = ratio("tfra", "fused")
+    result["speedup_vs_tfra_fused"] = ratio("tfra_fused", "fused")
+    result["fused_vs_unfused"] = ratio("unfused", "fused")
+    if "fused" in variants and "unfused" in variants:
+        # Same batches, same seeded dense weights and plan-independent row initialisation:
+        # the two plans must train identically (a correctness check of the comparison).
+        a, b = variants["fused"].losses, variants["unfused"].losses
+        n = min(len(a), len(b))
+        result["fused_unfused_max_loss_diff"] = float(np.max(np.abs(np.subtract(a[:n],
+                                                                              b[:n]))))
+    return result
+
+
+def _tfra_version():
+    try:
+        from tensorflow_recommenders_addons import version  # pylint: disable=import-outside-toplevel
+        return getattr(version, "__version__", None)
+    except ImportError:
+        return None

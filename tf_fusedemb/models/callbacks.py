@@ -1,0 +1,74 @@
+"""Keras callbacks of tf_fusedemb."""
+import logging
+
+import tf_keras
+
+from tf_fusedemb.comm import CommCounters
+
+logger = logging.getLogger("tf_fusedemb")
+
+
+def fused_embedding_layers(model):
+    """The FusedEmbedding layers inside ``model`` (recursively)."""
+    from tf_fusedemb.layers import FusedEmbedding  # pylint: disable=import-outside-toplevel
+    return [m for m in model.submodules if isinstance(m, FusedEmbedding)]
+
+
+class CommCountersLogger(tf_keras.callbacks.Callback):
+    """Per-step AlltoAll figures of every fused group, in the Keras logs and the log.
+
+    After each training batch it adds to ``logs`` (so progress bars and TensorBoard's
+    batch-level logging show them): ``a2a_rounds``, ``a2a_bytes_sent``,
+    ``a2a_bytes_received`` and ``a2a_mean_message_bytes`` summed over groups for that
+    step; at epoch end the same keys hold the epoch's per-step averages (History,
+    CSVLogger, TensorBoard epoch scalars). Every ``log_every`` steps it logs the
+    per-group figures with the ``tf_fusedemb`` logger.
+    """
+
+    def __init__(self, log_every=100):
+        super().__init__()
+        self.log_every = log_every
+        self._layers, self._last, self._step = [], {}, 0
+        self._epoch = {}  # sums of this epoch's per-step totals, and the step count
+
+    def _snapshot(self):
+        return {(i, g): c for i, layer in enumerate(self._layers)
+                for g, c in layer.comm_counters().items()}
+
+    def on_train_begin(self, logs=None):
+        self._layers = fused_embedding_layers(self.model)
+        self._last = self._snapshot()
+
+    def on_train_batch_end(self, batch, logs=None):
+        now = self._snapshot()
+        per_group = {key: CommCounters.per_step(self._last[key], now[key]) for key in now}
+        self._last = now
+        self._step += 1
+        if logs is not None and per_group:
+            totals = {f: sum(d[f] for d in per_group.values())
+                      for f in ("rounds", "bytes_sent", "bytes_received", "messages")}
+            logs.update(_summary(totals))
+            for f, v in totals.items():
+                self._epoch[f] = self._epoch.get(f, 0) + v
+            self._epoch["steps"] = self._epoch.get("steps", 0) + 1
+        if self.log_every and self._step % self.log_every == 0:
+            for (layer, group), d in sorted(per_group.items()):
+                logger.info("step %d layer %d group %s: %d AlltoAll rounds, %d B sent, "
+                            "%d B received, mean message %.0f B", self._step, layer, group,
+                            d["rounds"], d["bytes_sent"], d["bytes_received"],
+                            d["mean_message_bytes"])
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = {}
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None and self._epoch.get("steps"):
+            steps = self._epoch["steps"]
+            logs.update(_summary({f: v / steps for f, v in self._epoch.items()
+                                  if f != "steps"}))
+
+
+def _summary(totals):
+    return {"a2a_rounds": totals["rounds"], "a2a_bytes_sent": totals["bytes_sent"],
+            "a2a_bytes_received": totals["bytes_received"],
+            "a2a_mean_message_bytes": totals["bytes_sent"] / max(1, totals["messages"])}
