@@ -38,6 +38,9 @@ def main(argv=None):
     parser.add_argument("--empty-step", type=int, default=None)
     parser.add_argument("--keras-fit", action="store_true",
                         help="train through FusedModel.compile/fit instead of train_step")
+    parser.add_argument("--save-dir", help="save a checkpoint there after training")
+    parser.add_argument("--restore-dir", help="restore the latest checkpoint there first; "
+                                              "training continues at its next step")
     parser.add_argument("--mismatch", action="store_true",
                         help="rank 1 builds feature 'a' with another dim (must fail clearly)")
     args = parser.parse_args(argv)
@@ -73,12 +76,23 @@ def main(argv=None):
             history = model.fit(x, y, batch_size=max(n, 1), epochs=1, shuffle=False, verbose=0)
             return history.history["loss"][0]
 
+    from tf_fusedemb.training import CheckpointManager
+    start = 0
+    if args.restore_dir:
+        empty = em.to_tensors(*em.global_batch(0), 0, 0)
+        model(empty[0])  # builds every variable without recording any key
+        manager = CheckpointManager(args.restore_dir, model, dense_opt, communicator=comm)
+        start = manager.restore()["state"]["next_step"]
     losses = []
-    for t in range(args.steps):
-        feats, labels = em.global_batch(t, comm.size)
+    for t in range(start, start + args.steps):
+        feats, labels = em.global_batch(t)
         lo, hi = em.rank_slice(t, comm.rank, comm.size, args.empty_step)
         x, y = em.to_tensors(feats, labels, lo, hi)
         losses.append(float(step(x, y)))
+    if args.save_dir:
+        CheckpointManager(args.save_dir, model, dense_opt, communicator=comm).save(
+            start + args.steps, {"next_step": start + args.steps})
+    sizes = comm.allgather_object({g.group.name: int(g.table.size()) for g in layer.groups})
     counters = layer.comm_counters()
     rows = tf.function(layer)(all_rows_inputs())
     if comm.rank == 0:
@@ -88,6 +102,8 @@ def main(argv=None):
             "num_trainable": len(model.trainable_variables),
             "tables": {n: (r[:, 0] if n == "s" else r).numpy().tolist() for n, r in rows.items()},
             "counters": counters,
+            "start": start,
+            "table_sizes": {k: sum(s[k] for s in sizes) for k in sizes[0]},
             "groups": [g.group.feature_names for g in layer.groups],
             "access": {g.group.name: g.stats.category_totals() for g in layer.groups},
         }

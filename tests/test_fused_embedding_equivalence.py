@@ -16,11 +16,11 @@ STEPS = 20
 SCRIPT = "tests/mp_train_equivalence.py"
 
 
-def reference_run(num_ranks, steps=STEPS):
+def reference_run(steps=STEPS):
     ref = em.Reference(em.feature_specs())
     losses = []
     for t in range(steps):
-        feats, labels = em.global_batch(t, num_ranks)
+        feats, labels = em.global_batch(t)
         x, y = em.to_tensors(feats, labels, 0, em.GLOBAL_BATCH)
         losses.append(ref.train_step(x, y))
     tables = {n: v.numpy() for n, v in ref.tables.items()}
@@ -34,7 +34,7 @@ def parse_result(stdout):
 
 
 def assert_equivalent(result, num_ranks):
-    losses, dense, tables = reference_run(num_ranks)
+    losses, dense, tables = reference_run()
     np.testing.assert_allclose(result["losses"], losses, rtol=1e-5, err_msg="per-step losses")
     for got, want in zip(result["dense"], dense):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg="dense weights")
@@ -81,7 +81,7 @@ def test_keras_fit_equals_reference(num_proc):
     args = [SCRIPT, "--steps", "8", "--keras-fit"]
     result = (parse_result(horovodrun(args, num_proc, timeout=800)) if num_proc > 1
               else run_single_process(*args[1:]))
-    losses, dense, tables = reference_run(num_proc, steps=8)
+    losses, dense, tables = reference_run(steps=8)
     np.testing.assert_allclose(result["losses"], losses, rtol=1e-5)
     for got, want in zip(result["dense"], dense):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)

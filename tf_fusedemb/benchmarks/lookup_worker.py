@@ -65,7 +65,7 @@ def build_variants(names, comm, hvd, lr):
         model = lookup_models.CriteoNet(layer, name=f"{name}_net")
         optimizer = tf_keras.optimizers.legacy.Adagrad(lr)
 
-        @tf.function
+        @tf.function(autograph=False)  # no data-dependent Python control flow; autograph would add ~40 s of tracing per variant
         def step(x, y):
             return train_step(model, x, y, loss_fn, optimizer, communicator=comm)[0]
 
@@ -81,7 +81,7 @@ def build_variants(names, comm, hvd, lr):
         counters = CommCounters(name)
         lookup_comm.AlltoallShim(hvd, comm.rank)
 
-        @tf.function
+        @tf.function(autograph=False)  # no data-dependent Python control flow; autograph would add ~40 s of tracing per variant
         def step(x, y):
             return lookup_models.tfra_train_step(model, x, y, loss_fn, optimizer, hvd)[0]
         variant = Variant(name, model, step, counters.snapshot,
@@ -143,9 +143,13 @@ def run(args):
     variants = build_variants(args.variants, comm, hvd, args.lr)
     log(f"built {list(variants)}; warming up ({args.warmup} steps each, first traces)")
     for v in variants.values():
-        t0 = time.perf_counter()
-        v.run(batches, max(1, args.warmup), timed=False)
-        log(f"  {v.name}: warm-up {time.perf_counter() - t0:.1f}s, loss {v.losses[-1]:.4f}")
+        times = []
+        for _ in range(max(1, args.warmup)):
+            t0 = time.perf_counter()
+            v.run(batches, 1, timed=False)
+            times.append(time.perf_counter() - t0)
+        log(f"  {v.name}: warm-up steps " + ", ".join(f"{t:.2f}s" for t in times)
+            + f", loss {v.losses[-1]:.4f}")
 
     graph_ops = {}
     for v in variants.values():
@@ -185,7 +189,7 @@ def run(args):
         "environment": {
             "np": size, "batch_size_per_rank": args.batch_size,
             "global_batch": args.batch_size * size, "tf_version": tf.__version__,
-            "tf_keras_version": tf_keras.__version__, "horovod_version": hvd.__version__,
+            "tf_keras_version": tf_keras.__version__, "horovod_version": _horovod_version(),
             "tfra_version": _tfra_version(), "cpu_count": os.cpu_count(),
             "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
             "gpus": len(tf.config.list_physical_devices("GPU")),
@@ -267,5 +271,13 @@ def _tfra_version():
     try:
         from tensorflow_recommenders_addons import version  # pylint: disable=import-outside-toplevel
         return getattr(version, "__version__", None)
+    except ImportError:
+        return None
+
+
+def _horovod_version():
+    try:
+        import horovod  # pylint: disable=import-outside-toplevel
+        return horovod.__version__
     except ImportError:
         return None

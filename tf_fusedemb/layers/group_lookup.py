@@ -65,6 +65,23 @@ class GroupLookup(tf.Module):
         return tables.StaticGroupTable(f"fusedemb_{g.name}", g.dim, g.initializer,
                                        g.optimizer, int(sum(sizes)), init_keys)
 
+    def key_metadata(self, keys):
+        """(table index int64[u], instance ID int64[u]) of stored keys: decoded for static
+        and packed keys, from the access statistics for hashed keys (eager)."""
+        keys = np.asarray(keys, np.int64)
+        if self.group.is_static:
+            offsets = self._offsets.numpy()
+            tables = np.searchsorted(offsets, keys, side="right") - 1
+            return tables, keys - offsets[tables]
+        if self.key_mode == "packed":
+            bits = hashing.default_id_bits(len(self.table_names))
+            return keys >> bits, keys & ((1 << bits) - 1)
+        tables, ids = (t.numpy() for t in self.stats.key_metadata(keys))
+        if (tables < 0).any():
+            raise ValueError(f"group '{self.group.name}': {int((tables < 0).sum())} stored keys "
+                             "have no recorded (table, ID); the statistics were not restored")
+        return tables, ids
+
     def hashed_keys(self, ids, segment_ids):
         """Plan-independent unified keys mix64(id ^ tag(table)): int64[n]."""
         mixed = tf.bitwise.bitwise_xor(tf.cast(ids, tf.int64), tf.gather(self._tags, segment_ids))

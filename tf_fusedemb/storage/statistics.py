@@ -52,6 +52,29 @@ class AccessStatistics(tf.Module):
             self._ids.insert(keys, tf.cast(hashed.lookup_ids, tf.int64)),
             self._cats.insert(keys, tf.cast(hashed.lookup_segment_ids, tf.int64)))
 
+    def key_metadata(self, keys):
+        """(category index int64[u], instance ID int64[u]) behind unified ``keys``; category
+        -1 for a key never recorded here."""
+        keys = tf.convert_to_tensor(keys, tf.int64)
+        return self._cats.lookup(keys), self._ids.lookup(keys)
+
+    def export(self):
+        """Per-key statistics as numpy arrays: keys, counts, categories, ids (eager)."""
+        keys, counts = (t.numpy() for t in self._counts.export())
+        cats, ids = (t.numpy() for t in self.key_metadata(keys))
+        return {"keys": keys, "counts": counts, "categories": cats, "ids": ids}
+
+    def load(self, keys, counts, categories, ids):
+        """Adds per-key statistics (e.g. this rank's share of a checkpoint); category
+        totals are recomputed from them, so resharding loses no count (eager)."""
+        keys = tf.constant(keys, tf.int64)
+        self._counts.insert(keys, self._counts.lookup(keys) + tf.constant(counts, tf.int64))
+        self._ids.insert(keys, tf.constant(ids, tf.int64))
+        self._cats.insert(keys, tf.constant(categories, tf.int64))
+        self.category_counts.assign_add(tf.math.unsorted_segment_sum(
+            tf.constant(counts, tf.int64), tf.constant(categories, tf.int32),
+            len(self.categories)))
+
     def category_totals(self):
         """{category: accesses of its keys owned by this rank} (eager)."""
         return dict(zip(self.categories, self.category_counts.numpy().tolist()))

@@ -1,0 +1,151 @@
+"""Sharded, atomic checkpoints that restore onto any number of ranks.
+
+Layout of ``<dir>/ckpt-<step>/``:
+  meta.json                     step, world size, fusion-plan fingerprints, user state
+  dense.*                       tf.train.Checkpoint of the dense variables and optimizer
+                                (identical on every rank; written by rank 0)
+  shard-<r>-of-<N>.npz          rank r's embedding rows per group: keys, values, optimizer
+                                slots, each key's (table, raw ID), access statistics, step
+``<dir>/latest`` names the newest complete checkpoint.
+
+Atomicity: everything is written into ``ckpt-<step>.tmp`` first; after a barrier rank 0
+writes meta.json, renames the directory into place and replaces ``latest`` with
+``os.replace``. An interrupted save leaves at most a ``.tmp`` directory and never touches
+the last good checkpoint. The directory must be shared by all ranks (one host, or a
+shared filesystem).
+
+Restore onto M ranks: every rank reads all N shards and keeps the rows it owns under M
+(owner = mix64(raw ID) mod M, the rule of rankwise_sort), so no key and no slot is lost.
+"""
+import json
+import os
+import shutil
+
+import numpy as np
+import tensorflow as tf
+
+from tf_fusedemb.comm import get_communicator
+from tf_fusedemb.ops import hashing
+
+LATEST = "latest"
+
+
+def _fused_layers(model):
+    from tf_fusedemb.layers import FusedEmbedding  # pylint: disable=import-outside-toplevel
+    return [m for m in model.submodules if isinstance(m, FusedEmbedding)] + (
+        [model] if isinstance(model, FusedEmbedding) else [])
+
+
+class CheckpointManager:
+    """Saves and restores a model with FusedEmbedding layers, its optimizer and user state.
+
+    Args:
+      directory: where checkpoints go (shared by all ranks).
+      model: the Keras model (its FusedEmbedding layers are found recursively).
+      optimizer: the dense optimizer (its variables are saved with the dense weights).
+      max_to_keep: complete checkpoints kept; older ones are deleted after a save.
+    """
+
+    def __init__(self, directory, model, optimizer=None, max_to_keep=3, communicator=None):
+        self.directory = directory
+        self.comm = communicator or get_communicator()
+        self.layers = _fused_layers(model)
+        self.groups = [(li, g) for li, layer in enumerate(self.layers) for g in layer.groups]
+        embedding_vars = {id(v) for _, g in self.groups for v in g.variables}
+        dense = [v for v in model.variables if id(v) not in embedding_vars]
+        self._dense = tf.train.Checkpoint(dense=dense, optimizer=optimizer) if optimizer \
+            else tf.train.Checkpoint(dense=dense)
+        self.max_to_keep = max_to_keep
+
+    # ---- save -------------------------------------------------------------------------
+    def save(self, step, state=None):
+        """Writes checkpoint ``step`` (all ranks must call it); returns its path."""
+        final = os.path.join(self.directory, f"ckpt-{int(step)}")
+        tmp = final + ".tmp"
+        if self.comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        self._barrier("ckpt_mkdir")
+        np.savez(os.path.join(tmp, f"shard-{self.comm.rank}-of-{self.comm.size}.npz"),
+                 **self._export_shards())
+        if self.comm.rank == 0:
+            self._dense.write(os.path.join(tmp, "dense"))
+        self._barrier("ckpt_written")
+        if self.comm.rank == 0:
+            meta = {"step": int(step), "world_size": self.comm.size, "state": state or {},
+                    "plans": [layer.plan.fingerprint() for layer in self.layers]}
+            with open(os.path.join(tmp, "meta.json"), "w") as f:
+                json.dump(meta, f)
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+            pointer = os.path.join(self.directory, LATEST + ".tmp")
+            with open(pointer, "w") as f:
+                f.write(os.path.basename(final))
+            os.replace(pointer, os.path.join(self.directory, LATEST))
+            self._prune()
+        self._barrier("ckpt_done")
+        return final
+
+    def _export_shards(self):
+        arrays = {}
+        for li, g in self.groups:
+            prefix = f"l{li}/{g.group.name}/"
+            exported = {k: v.numpy() for k, v in g.table.export().items()}
+            tables, ids = g.key_metadata(exported["keys"])
+            arrays.update({prefix + k: v for k, v in exported.items()})
+            arrays[prefix + "tables"], arrays[prefix + "ids"] = tables, ids
+            arrays[prefix + "step"] = np.array(g.table.step.numpy())
+            for k, v in g.stats.export().items():
+                arrays[prefix + "stats/" + k] = v
+        return arrays
+
+    def _prune(self):
+        steps = sorted(int(d[5:]) for d in os.listdir(self.directory)
+                       if d.startswith("ckpt-") and not d.endswith(".tmp"))
+        for s in steps[:-self.max_to_keep]:
+            shutil.rmtree(os.path.join(self.directory, f"ckpt-{s}"), ignore_errors=True)
+
+    def _barrier(self, name):
+        self.comm.allreduce_sum(tf.constant(0, tf.int32), f"fusedemb/{name}").numpy()
+
+    # ---- restore ----------------------------------------------------------------------
+    def latest(self):
+        """Path of the newest complete checkpoint, or None."""
+        pointer = os.path.join(self.directory, LATEST)
+        if not os.path.exists(pointer):
+            return None
+        with open(pointer) as f:
+            return os.path.join(self.directory, f.read().strip())
+
+    def restore(self, path=None):
+        """Restores ``path`` (default: the latest) onto this world size; returns its
+        meta dict (with the user ``state``), or None when there is no checkpoint."""
+        path = path or self.latest()
+        if path is None:
+            return None
+        with open(os.path.join(path, "meta.json")) as f:
+            meta = json.load(f)
+        plans = [layer.plan.fingerprint() for layer in self.layers]
+        if plans != meta["plans"]:
+            raise ValueError(f"checkpoint {path} was written with other fusion plans; "
+                             "build the model with the same FeatureSpecs and plan")
+        shards = [np.load(os.path.join(path, f"shard-{r}-of-{meta['world_size']}.npz"))
+                  for r in range(meta["world_size"])]
+        for li, g in self.groups:
+            self._import_group(g, f"l{li}/{g.group.name}/", shards)
+        self._dense.read(os.path.join(path, "dense")).expect_partial()
+        return meta
+
+    def _import_group(self, g, prefix, shards):
+        def merged(key):
+            return np.concatenate([s[prefix + key] for s in shards])
+        ids = merged("ids")
+        mine = hashing.owner_rank(ids, self.comm.size) == self.comm.rank
+        rows = {"keys": merged("keys")[mine], "values": merged("values")[mine]}
+        for slot in g.table.slot_names:
+            rows[slot] = merged(slot)[mine]
+        g.table.load(rows)
+        g.table.step.assign(int(max(s[prefix + "step"] for s in shards)))
+        stats = {k: merged("stats/" + k) for k in ("keys", "counts", "categories", "ids")}
+        owned = hashing.owner_rank(stats["ids"], self.comm.size) == self.comm.rank
+        g.stats.load(*(stats[k][owned] for k in ("keys", "counts", "categories", "ids")))
