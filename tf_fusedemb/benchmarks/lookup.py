@@ -12,7 +12,7 @@ process with ``HOROVOD_RANK`` set is a worker.
 Model (every variant): 26 one-hot categorical features C1..C26, embedding dim 16, dynamic
 tables, Adagrad lr 0.05 (``--lr``) for the embeddings; 13 dense features log1p(max(x, 0));
 MLP concat(26*16 + 13) -> 256 relu -> 128 relu -> 1; binary cross-entropy on the logit;
-``--batch-size`` (4096) samples per rank; the dense optimizer is Adagrad (tf_keras legacy)
+``--batch-size`` (4096) samples per rank; the dense optimizer is Adagrad (``tf_keras.optimizers.Adagrad``)
 with the same lr. Dense layers start from the same seeded weights in every variant.
 
 Variants, all built and trained in the same worker processes, on the same batches:

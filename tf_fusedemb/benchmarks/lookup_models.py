@@ -11,7 +11,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from tf_fusedemb.benchmarks.lookup_data import CATEGORICAL
+from tf_fusedemb.benchmarks.lookup_data import CATEGORICAL, DENSE
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FeatureSpec, InitializerSpec, OptimizerSpec, TableSpec
 
@@ -42,6 +42,16 @@ class CriteoNet(tf_keras.Model):
             units, activation="relu" if units != 1 else None,
             kernel_initializer=tf_keras.initializers.GlorotUniform(seed=seed + i),
             bias_initializer="zeros") for i, units in enumerate(HIDDEN + (1,))]
+
+    def build_variables(self, optimizer):
+        """Creates the dense weights and the optimizer's slots before the step is traced,
+        so ``tf.function`` traces the step once instead of twice (a first trace that
+        creates variables is thrown away; tracing these graphs takes tens of seconds)."""
+        width = len(CATEGORICAL) * DIM + len(DENSE)
+        for layer, units in zip(self.mlp, HIDDEN + (1,)):
+            layer.build((None, width))
+            width = units
+        optimizer.build(self.trainable_variables)
 
     def call(self, x, training=False):
         embs = self.embedding({c: x[c] for c in CATEGORICAL})
@@ -165,7 +175,7 @@ def tfra_optimizer(learning_rate):
     TrainableWrapper (embedding) gradients locally on the owners."""
     de = _tfra()
     return de.DynamicEmbeddingOptimizer(
-        tf_keras.optimizers.legacy.Adagrad(learning_rate), synchronous=True)
+        tf_keras.optimizers.Adagrad(learning_rate), synchronous=True)
 
 
 def tfra_train_step(model, x, y, loss_fn, optimizer, hvd):

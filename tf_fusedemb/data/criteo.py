@@ -42,38 +42,37 @@ CRITEO_NUM_FIELDS = 1 + len(CRITEO_DENSE) + len(CRITEO_CATEGORICAL)  # 40
 def parse_hex32(strings):
     """Parses hex strings of at most 8 digits (either case) as unsigned 32-bit integers.
 
-    Uses only TF ops: decode_raw to uint8[..., 8] (zero-padded on the right), a 256-entry
-    byte -> nibble table, and shifts by 4 * (len - 1 - position).
+    TF ops only: decode_raw to uint8[..., 8] (zero-padded on the right), per-byte digit/letter
+    arithmetic, a fixed-weight sum as if 8 digits long, then a right shift by 4 * (8 - length).
     Args:
       strings: string[...]; "" parses as 0.
     Returns:
-      (values: int64[...] in [0, 2**32), ok: bool[...] False where a string is longer than 8 or
-       has a non-hex character).
+      (values: int64[...] in [0, 2**32), ok: bool[...], False where a string is longer than 8
+       or has a non-hex character).
     """
     import tensorflow as tf
-    table = [-1] * 256
-    for k, c in enumerate("0123456789abcdef"):
-        table[ord(c)] = table[ord(c.upper())] = k
     length = tf.strings.length(strings)
-    raw = tf.cast(tf.io.decode_raw(strings, tf.uint8, fixed_length=8), tf.int32)   # [..., 8]
-    nib = tf.gather(tf.constant(table, tf.int64), raw)
-    pos = tf.range(8, dtype=tf.int32)
-    inside = pos < length[..., None]                                              # [..., 8]
-    shift = tf.cast(4 * tf.maximum(length[..., None] - 1 - pos, 0), tf.int64)
-    values = tf.reduce_sum(tf.where(inside, tf.bitwise.left_shift(tf.maximum(nib, 0), shift), 0), -1)
-    ok = tf.logical_and(length <= 8, tf.reduce_all(tf.logical_or(~inside, nib >= 0), -1))
-    return values, ok
+    b = tf.cast(tf.io.decode_raw(strings, tf.uint8, fixed_length=8), tf.int32)       # [..., 8]
+    low = tf.bitwise.bitwise_or(b, 0x20)                                               # lower case
+    digit = (b >= 48) & (b <= 57)
+    alpha = (low >= 97) & (low <= 102)
+    nib = tf.where(digit, b - 48, tf.where(alpha, low - 87, 0))
+    w = tf.constant([16 ** (7 - k) for k in range(8)], tf.int64)
+    v = tf.reduce_sum(tf.cast(nib, tf.int64) * w, -1)
+    v = tf.bitwise.right_shift(v, tf.cast(4 * (8 - tf.minimum(length, 8)), tf.int64))
+    pad = tf.range(8) >= length[..., None]
+    return v, (length <= 8) & tf.reduce_all(digit | alpha | pad, -1)
 
 
 def _parse_batch(lines, origins, paths, log1p: bool):
     """string[B] lines, int64[B] origins -> (features dict, label float32[B, 1])."""
     import tensorflow as tf
-    t = split_fields(lines, origins, paths, "\t", CRITEO_NUM_FIELDS, "Criteo")   # [B, 40]
-    label = tf.strings.to_number(t[:, :1], tf.float32)
-    d = t[:, 1:14]
+    cols = split_fields(lines, origins, paths, "\t", CRITEO_NUM_FIELDS, "Criteo")  # 40 x [B]
+    label = tf.strings.to_number(cols[0], tf.float32)[:, None]
+    d = tf.stack(cols[1:14], 1)
     dense = tf.strings.to_number(tf.where(tf.equal(d, ""), "0", d), tf.float64)
     dense = tf.cast(tf.math.log1p(tf.maximum(dense, 0.0)) if log1p else dense, tf.float32)
-    c = t[:, 14:]
+    c = tf.stack(cols[14:], 1)
     ids, ok = parse_hex32(c)
     bad = tf.logical_not(tf.reduce_all(ok, 1))
     i = tf.argmax(tf.cast(bad, tf.int32))

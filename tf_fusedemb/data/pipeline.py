@@ -101,24 +101,29 @@ def origin_message(paths: Sequence[str], origin):
 
 
 def split_fields(lines, origins, paths: Sequence[str], sep: str, num_fields: int, what: str):
-    """Splits a batch of lines into a string[B, num_fields] table, checking the column count.
+    """Splits a batch of lines into `num_fields` string columns, checking the field count.
 
+    A cheap RE2 full match validates the count (naming the file and line on failure), then
+    tf.io.decode_csv (quotes taken literally) splits; ~3x faster than tf.strings.split.
     Args:
-      lines: string[B]; origins: int64[B] (from `text_lines`, batched); paths: its file list.
+      lines: string[B]; origins: int64[B] (from `text_lines`, batched); paths: its file list;
+      sep: one character.
     Returns:
-      string[B, num_fields].
+      list of num_fields string[B] columns.
     Raises (when run):
       tf.errors.InvalidArgumentError naming the first bad line's file and line number.
     """
     import tensorflow as tf
-    fields = tf.strings.split(lines, sep)
-    n = fields.row_lengths()
-    bad = tf.not_equal(n, num_fields)
+    if len(sep) != 1:
+        raise ValueError(f"sep must be one character, got {sep!r}")
+    x = "\\x{%02x}" % ord(sep)
+    bad = tf.logical_not(tf.strings.regex_full_match(lines, f"[^{x}]*(?:{x}[^{x}]*){{{num_fields - 1}}}"))
     i = tf.argmax(tf.cast(bad, tf.int32))
-    table = fields.to_tensor(default_value="", shape=[None, num_fields])
-    return assert_ok(table, bad, lambda: tf.strings.format(
+    lines = assert_ok(lines, bad, lambda: tf.strings.format(
         "bad {} line: {} has {} fields, expected {}",
-        (what, origin_message(paths, origins[i]), n[i], num_fields)))
+        (what, origin_message(paths, origins[i]),
+         tf.size(tf.strings.split(lines[i], sep)), num_fields)))
+    return tf.io.decode_csv(lines, [""] * num_fields, field_delim=sep, use_quote_delim=False)
 
 
 def assert_ok(value, bad, message_fn):

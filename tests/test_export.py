@@ -1,0 +1,111 @@
+"""SavedModel export: loads in a fresh process and through saved_model_cli, predictions
+equal the trained model's (unseen IDs included), and it carries no custom op."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+from tf_fusedemb.inference import export_saved_model
+from tf_fusedemb.layers import FusedEmbedding
+from tf_fusedemb.models import FusedModel
+from tf_fusedemb.specs import FeatureSpec, InitializerSpec, OptimizerSpec, TableSpec
+
+KINDS = {"u": "scalar", "v": "list", "st": "scalar", "seq": "list"}
+
+
+def build_and_train():
+    opt = OptimizerSpec.adagrad(0.3)
+    layer = FusedEmbedding([
+        FeatureSpec("u", TableSpec("u", 4, opt)),
+        FeatureSpec("v", TableSpec("v", 4, opt, InitializerSpec.normal(0, 0.1)), "mean"),
+        FeatureSpec("st", TableSpec("st", 4, opt, vocabulary_size=30), "sum"),
+        FeatureSpec("seq", TableSpec("seq", 2, OptimizerSpec.adam(0.05)), None, max_len=3)])
+    inputs = {"u": tf_keras.Input([], dtype=tf.int64, name="u"),
+              "v": tf_keras.Input([None], dtype=tf.int64, ragged=True, name="v"),
+              "st": tf_keras.Input([], dtype=tf.int64, name="st"),
+              "seq": tf_keras.Input([None], dtype=tf.int64, ragged=True, name="seq"),
+              "dense": tf_keras.Input([], dtype=tf.float32, name="dense_in")}
+    emb = layer({k: v for k, v in inputs.items() if k != "dense"})
+    x = tf_keras.layers.Concatenate()([emb["u"], emb["v"], emb["st"],
+                                       tf.reduce_sum(emb["seq"], axis=1), inputs["dense"][:, None]])
+    model = FusedModel(inputs, tf_keras.layers.Dense(1)(tf_keras.layers.Dense(8, "relu")(x)))
+    model.compile(optimizer=tf_keras.optimizers.Adam(0.01),
+                  loss=tf_keras.losses.BinaryCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    n = 256
+    data = {"u": rng.integers(0, 40, n), "st": rng.integers(0, 30, n),
+            "v": tf.ragged.constant([list(rng.integers(0, 9, rng.integers(0, 4))) for _ in range(n)],
+                                    tf.int64),
+            "seq": tf.ragged.constant([list(rng.integers(0, 9, rng.integers(0, 4)))
+                                       for _ in range(n)], tf.int64),
+            "dense": rng.random(n).astype(np.float32)}
+    model.fit(data, (data["u"] % 3 == 0).astype(np.float32)[:, None], batch_size=64, epochs=2,
+              verbose=0)
+    return model
+
+
+def serving_inputs():
+    """Raw serving inputs, with IDs never seen in training (u >= 40, v/seq >= 9)."""
+    return {"u": np.array([1, 5, 77, 3], np.int64), "st": np.array([0, 29, 4, 4], np.int64),
+            "v": np.array([[1, 2, 0], [0, 0, 0], [12, 3, 0], [4, 4, 4]], np.int64),
+            "v_length": np.array([2, 0, 2, 3], np.int64),
+            "seq": np.array([[5, 0, 0], [1, 2, 3], [0, 0, 0], [50, 1, 0]], np.int64),
+            "seq_length": np.array([1, 3, 0, 2], np.int64),
+            "dense": np.array([0.1, 0.5, 0.9, 0.0], np.float32)}
+
+
+def model_inputs(raw):
+    return {"u": raw["u"], "st": raw["st"], "dense": raw["dense"],
+            "v": tf.RaggedTensor.from_tensor(raw["v"], lengths=raw["v_length"]),
+            "seq": tf.RaggedTensor.from_tensor(raw["seq"], lengths=raw["seq_length"])}
+
+
+@pytest.mark.timeout(600)
+def test_export_loads_fresh_and_in_saved_model_cli_with_equal_predictions(tmp_path):
+    model = build_and_train()
+    raw = serving_inputs()
+    trained = model(model_inputs(raw), training=False).numpy()
+    export_dir = str(tmp_path / "export")
+    export_saved_model(model, export_dir, KINDS, dense_features=["dense"])
+    # The serving path of the converted model agrees too.
+    np.testing.assert_allclose(model(model_inputs(raw)).numpy(), trained, rtol=1e-6, atol=1e-6)
+
+    np.savez(tmp_path / "inputs.npz", **raw)
+    code = (
+        "import json, numpy as np, tensorflow as tf, tf_fusedemb\n"
+        "tf_fusedemb.register_ops()\n"
+        f"m = tf.saved_model.load({export_dir!r})\n"
+        f"raw = dict(np.load({str(tmp_path / 'inputs.npz')!r}))\n"
+        "out = m.signatures['serving_default'](**{k: tf.constant(v) for k, v in raw.items()})\n"
+        "print('OUT', json.dumps(out['logits'].numpy().tolist()))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    fresh = np.array(json.loads(out.stdout.split("OUT ", 1)[1]))
+    np.testing.assert_allclose(fresh, trained, rtol=1e-6, atol=1e-6)
+
+    # saved_model_cli: core TF only, no op library loaded.
+    npz = str(tmp_path / "inputs.npz")
+    cli_inputs = ";".join(f"{k}={npz}[{k}]" for k in raw)
+    cli = os.path.join(os.path.dirname(sys.executable), "saved_model_cli")
+    out = subprocess.run([cli, "run", "--dir", export_dir, "--tag_set", "serve",
+                          "--signature_def", "serving_default", "--inputs", cli_inputs],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "probability" in out.stdout and "logits" in out.stdout
+    graph_ops = subprocess.run(
+        [sys.executable, "-c", f"import tensorflow as tf; m = tf.saved_model.load({export_dir!r}); "
+         "f = m.signatures['serving_default']; "
+         "print(sorted({o.type for o in f.graph.get_operations()}))"],
+        capture_output=True, text=True, timeout=300)
+    assert "FusedEmb" not in graph_ops.stdout and "TFRA" not in graph_ops.stdout
+
+
+def test_unknown_feature_kind_is_rejected(tmp_path):
+    model = tf_keras.Sequential()
+    with pytest.raises(ValueError, match="feature 'u': kind 'vector'"):
+        export_saved_model(model, str(tmp_path), {"u": "vector"})

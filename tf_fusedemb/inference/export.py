@@ -1,0 +1,80 @@
+"""SavedModel export of a trained model with FusedEmbedding layers, for one host.
+
+    meta = CheckpointManager(ckpt_dir, model, opt).restore()   # in ONE process: merges shards
+    export_saved_model(model, export_dir, {"C1": "scalar", ..., "history": "list"},
+                       dense_features=["I1", ...])
+
+The serving signature ``serving_default`` takes raw features: a "scalar" feature as
+int64[B]; a "list" feature (multi-hot or sequence) as int64[B, L] zero-padded plus
+``<name>_length`` int64[B]; dense features as float32[B]. It returns ``logits`` and
+``probability`` [B, 1]. The SavedModel contains core TF ops only.
+"""
+import tensorflow as tf
+
+from tf_fusedemb.inference.serving import ServingGroup
+
+KINDS = ("scalar", "list")
+
+
+def _fused_layers(model):
+    from tf_fusedemb.layers import FusedEmbedding  # pylint: disable=import-outside-toplevel
+    return [m for m in model.submodules if isinstance(m, FusedEmbedding)]
+
+
+def to_serving(model):
+    """Switches every FusedEmbedding of ``model`` to core-TF serving groups, in place.
+    Needs a single-process model holding all rows (e.g. restored on one rank)."""
+    layers = _fused_layers(model)
+    for layer in layers:
+        if layer._comm.size != 1:  # pylint: disable=protected-access
+            raise ValueError("export runs in one process holding every row: restore the "
+                             "checkpoint on one rank first")
+        layer.groups = [ServingGroup(g) for g in layer.groups]
+    return layers
+
+
+def export_saved_model(model, export_dir, feature_kinds, dense_features=()):
+    """Writes a SavedModel with a raw-feature serving signature; returns ``export_dir``.
+
+    Args:
+      model: the trained Keras model (single process; switched to serving in place).
+      export_dir: output directory (written atomically: to a temporary name, then renamed).
+      feature_kinds: {feature: "scalar" | "list"} for every FusedEmbedding feature.
+      dense_features: names of float32[B] inputs passed through unchanged.
+    """
+    for name, kind in feature_kinds.items():
+        if kind not in KINDS:
+            raise ValueError(f"feature '{name}': kind {kind!r} is not one of {KINDS}")
+    layers = to_serving(model)
+    specs = {}
+    for name, kind in feature_kinds.items():
+        if kind == "scalar":
+            specs[name] = tf.TensorSpec([None], tf.int64, name=name)
+        else:
+            specs[name] = tf.TensorSpec([None, None], tf.int64, name=name)
+            specs[name + "_length"] = tf.TensorSpec([None], tf.int64, name=name + "_length")
+    for name in dense_features:
+        specs[name] = tf.TensorSpec([None], tf.float32, name=name)
+
+    @tf.function(input_signature=[specs])
+    def serve(inputs):
+        features = {}
+        for name, kind in feature_kinds.items():
+            features[name] = inputs[name] if kind == "scalar" else tf.RaggedTensor.from_tensor(
+                inputs[name], lengths=inputs[name + "_length"])
+        for name in dense_features:
+            features[name] = inputs[name]
+        logits = model(features, training=False)
+        return {"logits": logits, "probability": tf.sigmoid(logits)}
+
+    module = tf.Module()
+    module.variables_ = list(model.variables)  # dense weights and serving rows
+    module.tables_ = [g.index for layer in layers for g in layer.groups if g.index is not None]
+    module.serve = serve
+    tmp = export_dir.rstrip("/") + ".tmp"
+    tf.io.gfile.rmtree(tmp) if tf.io.gfile.exists(tmp) else None
+    tf.saved_model.save(module, tmp, signatures={"serving_default": serve.get_concrete_function()})
+    if tf.io.gfile.exists(export_dir):
+        tf.io.gfile.rmtree(export_dir)
+    tf.io.gfile.rename(tmp, export_dir)
+    return export_dir

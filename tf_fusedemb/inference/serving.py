@@ -1,0 +1,71 @@
+"""Single-host lookup of one fused group in core TensorFlow ops only.
+
+A SavedModel that uses it needs neither the tf_fusedemb op library nor TFRA, so it
+loads anywhere TensorFlow does (``saved_model_cli run`` included). Rows are keyed by
+the plan-independent hashed key mix64(id ^ tag(table)); keys never trained get their
+deterministic initial row, exactly as in training.
+"""
+import numpy as np
+import tensorflow as tf
+
+from tf_fusedemb.ops import hashing
+from tf_fusedemb.storage.initializers import init_rows
+
+
+class ServingGroup(tf.Module):
+    """Merged rows of one group and their lookup + pooling, for one host.
+
+    Args:
+      lookup: the trained ``GroupLookup`` of a single-process layer (all rows local).
+    """
+
+    def __init__(self, lookup):
+        super().__init__(name=f"serving_{lookup.group.name}")
+        self.group = lookup.group
+        self._feature_table = tf.constant(self.group.table_index, tf.int64)
+        self._tags = tf.constant(np.array([hashing.category_tag(n) for n in lookup.table_names],
+                                          np.uint64).view(np.int64))
+        exported = lookup.table.export()
+        keys = exported["keys"].numpy()
+        values = exported["values"].numpy()
+        if self.group.is_static:  # every row is defined: keep the dense table as it is
+            self._offsets = tf.constant(lookup._offsets.numpy())  # pylint: disable=protected-access
+            self.rows = tf.Variable(lookup.table.values.numpy(), trainable=False, name="rows")
+            self.index = None
+            return
+        tables, ids = lookup.key_metadata(keys)
+        names = np.array(lookup.table_names)[tables] if len(keys) else np.array([], str)
+        hashed = hashing.hashed_unified_keys(ids, names)
+        self.rows = tf.Variable(values.reshape(-1, self.group.dim), trainable=False, name="rows")
+        self.index = tf.lookup.StaticHashTable(tf.lookup.KeyValueTensorInitializer(
+            tf.constant(hashed, tf.int64), tf.range(len(hashed), dtype=tf.int64)), -1)
+
+    def _rows(self, ids, table):
+        if self.index is None:
+            return tf.gather(self.rows, tf.gather(self._offsets, table) + ids)
+        mixed = tf.bitwise.bitwise_xor(ids, tf.gather(self._tags, table))
+        keys = tf.bitcast(hashing.tf_mix64(mixed), tf.int64)
+        pos = self.index.lookup(keys)
+        stored = tf.gather(self.rows, tf.maximum(pos, 0))
+        fresh = init_rows(keys, self.group.dim, self.group.initializer)
+        return tf.where((pos >= 0)[:, None], stored, fresh)
+
+    def __call__(self, flats, combiners):
+        """Same contract as ``GroupLookup.__call__``: per feature [B_f, dim] pooled or
+        [n_f, dim] one row per ID."""
+        outputs = []
+        for f, flat, combiner in zip(range(len(flats)), flats, combiners):
+            table = tf.fill(tf.shape(flat.ids), self._feature_table[f])
+            rows = self._rows(flat.ids, table)
+            if combiner is None:
+                outputs.append(rows)
+                continue
+            ragged = tf.RaggedTensor.from_row_splits(rows, flat.row_splits, validate=False)
+            total = tf.reduce_sum(ragged, axis=1)
+            count = tf.cast(ragged.row_lengths(), tf.float32)[:, None]
+            if combiner == "mean":
+                total = total / tf.maximum(count, 1.0)
+            elif combiner == "sqrtn":
+                total = total / tf.sqrt(tf.maximum(count, 1.0))
+            outputs.append(total)
+        return outputs
