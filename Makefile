@@ -43,9 +43,15 @@ ops: $(STAMP)
 test: setup
 	$(PY) -m pytest -q -rs --timeout=900 tests
 
-# The main job. Until the production trainer lands it is the 2-worker fused-lookup
-# smoke job (exact rows checked on every rank).
-train: smoke
+# The main job: DLRM on Criteo-profile synthetic data (teacher labels), NP workers;
+# trains, evaluates, checkpoints and exports under runs/main (started afresh each time).
+RUN_DIR ?= runs/main
+TRAIN_ARGS ?= --model dlrm --data synthetic --steps 300 --batch-size 1024
+train: setup
+	rm -rf $(RUN_DIR)
+	$(VENV)/bin/horovodrun -np $(NP) --gloo -H localhost:$(NP) $(PY) -m tf_fusedemb.train \
+		$(TRAIN_ARGS) --checkpoint-dir $(RUN_DIR)/ckpt --export-dir $(RUN_DIR)/export \
+		--log-dir $(RUN_DIR)/tensorboard
 
 smoke: setup
 	$(VENV)/bin/horovodrun -np $(NP) --gloo -H localhost:$(NP) $(PY) examples/smoke_fused_lookup.py

@@ -64,7 +64,7 @@ def main(argv=None):
             return em.head_forward(self.head, self.emb(x))
     model = Model()
 
-    @tf.function(reduce_retracing=True)
+    @tf.function(reduce_retracing=True, autograph=False)
     def step(x, y):
         return train_step(model, x, y, em.bce, dense_opt, communicator=comm)[0]
 

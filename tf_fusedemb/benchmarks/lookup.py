@@ -2,7 +2,8 @@
 fused lookup vs. no fusion vs. TFRA (the paper's baseline) vs. TFRA-fused.
 
     python -m tf_fusedemb.benchmarks.lookup --json            # synthetic Criteo-like
-    python -m tf_fusedemb.benchmarks.lookup --json --data /work/shared/data/criteo-kaggle-sample/train.txt
+    python -m tf_fusedemb.benchmarks.lookup --json \
+        --data /work/shared/data/criteo-kaggle-sample/train.txt         # real Criteo sample
 
 Run plainly, the module re-launches itself under ``horovodrun -np N --gloo -H
 localhost:N`` (the horovodrun next to ``sys.executable``; ``--np``, default 2), streams
@@ -12,8 +13,13 @@ process with ``HOROVOD_RANK`` set is a worker.
 Model (every variant): 26 one-hot categorical features C1..C26, embedding dim 16, dynamic
 tables, Adagrad lr 0.05 (``--lr``) for the embeddings; 13 dense features log1p(max(x, 0));
 MLP concat(26*16 + 13) -> 256 relu -> 128 relu -> 1; binary cross-entropy on the logit;
-``--batch-size`` (4096) samples per rank; the dense optimizer is Adagrad (``tf_keras.optimizers.Adagrad``)
-with the same lr. Dense layers start from the same seeded weights in every variant.
+``--batch-size`` (4096) samples per rank; the dense optimizer is
+``tf_keras.optimizers.Adagrad`` with the same lr. Dense layers start from the same seeded
+weights in every variant. ``--data`` reads a Criteo TSV (C hex -> int, empty -> 0) and
+cycles its rows into batches; default: ``generate_criteo_like`` rows
+(``--num-batches`` distinct global batches, cycled). Every step is a ``tf.function``
+(AutoGraph off: no data-dependent Python control flow; dense weights and optimizer slots
+are created before tracing, so each step is traced once).
 
 Variants, all built and trained in the same worker processes, on the same batches:
 

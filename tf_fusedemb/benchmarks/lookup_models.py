@@ -129,7 +129,12 @@ class TfraFusedEmbedding(tf_keras.layers.Layer):
     def _send_categories(self, table, unique_keys, info, group_name):
         """The extra AlltoAll: ``info`` int64[u] to the owners of ``unique_keys``, with the
         splits TFRA's key exchange uses. Returns the received int64[r]."""
-        from tensorflow_recommenders_addons.dynamic_embedding.python.ops.dynamic_embedding_variable import make_partition  # pylint: disable=import-outside-toplevel
+        # TFRA's own partitioning helper (not exported publicly): the exact routing of
+        # HvdVariable.__relocate_dense_feature__.
+        # pylint: disable=import-outside-toplevel
+        from tensorflow_recommenders_addons.dynamic_embedding.python.ops import (
+            dynamic_embedding_variable as devar)
+        make_partition = devar.make_partition
         size = self._hvd.size()
         owners = table.params.partition_fn(unique_keys, size)  # TFRA's routing of the keys
         parts, _ = make_partition(info, owners, size)

@@ -1,6 +1,7 @@
 """The Horovod worker of ``python -m tf_fusedemb.benchmarks.lookup`` (see its docstring):
 builds the four variants in one process, times them side by side and returns rank 0's
 result dict (None on other ranks)."""
+import functools
 import os
 import random
 import statistics
@@ -18,6 +19,11 @@ from tf_fusedemb.comm import CommCounters, get_communicator  # noqa: E402
 from tf_fusedemb.layers import FusedEmbedding  # noqa: E402
 from tf_fusedemb.models import per_example_loss, train_step  # noqa: E402
 from tf_fusedemb.specs import plan_fusion, unfused_plan  # noqa: E402
+
+
+# The steps have no data-dependent Python control flow, so AutoGraph would only
+# re-derive the same graph: it adds ~40 s of tracing per variant here, nothing to the step.
+_step_function = functools.partial(tf.function, autograph=False)
 
 
 class Variant:
@@ -66,7 +72,7 @@ def build_variants(names, comm, hvd, lr):
         optimizer = tf_keras.optimizers.Adagrad(lr)
         model.build_variables(optimizer)
 
-        @tf.function(autograph=False)  # no data-dependent Python control flow; autograph would add ~40 s of tracing per variant
+        @_step_function
         def step(x, y):
             return train_step(model, x, y, loss_fn, optimizer, communicator=comm)[0]
 
@@ -83,7 +89,7 @@ def build_variants(names, comm, hvd, lr):
         counters = CommCounters(name)
         lookup_comm.AlltoallShim(hvd, comm.rank)
 
-        @tf.function(autograph=False)  # no data-dependent Python control flow; autograph would add ~40 s of tracing per variant
+        @_step_function
         def step(x, y):
             return lookup_models.tfra_train_step(model, x, y, loss_fn, optimizer, hvd)[0]
         variant = Variant(name, model, step, counters.snapshot,
@@ -271,7 +277,8 @@ def run(args):
 
 def _tfra_version():
     try:
-        from tensorflow_recommenders_addons import version  # pylint: disable=import-outside-toplevel
+        # pylint: disable=import-outside-toplevel
+        from tensorflow_recommenders_addons import version
         return getattr(version, "__version__", None)
     except ImportError:
         return None

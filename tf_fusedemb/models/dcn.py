@@ -12,7 +12,6 @@ import tensorflow as tf
 import tf_keras
 
 from tf_fusedemb.models import blocks
-from tf_fusedemb.models.fused_model import FusedModel
 from tf_fusedemb.specs import FeatureSpec, FusionPlan
 
 __all__ = ["CrossLayer", "DCNv2", "STRUCTURES"]
@@ -85,8 +84,10 @@ class CrossLayer(tf_keras.layers.Layer):
 
 
 @tf_keras.saving.register_keras_serializable(package="tf_fusedemb")
-class DCNv2(FusedModel):
+class DCNv2(blocks.RecModel):
     """DCN-v2 with its embedding tables in one FusedEmbedding (fused, Horovod-sharded).
+
+    A FusedModel: ``compile`` + ``fit`` train the dense layers and the embedding rows.
 
     Args:
       categorical: pooled FeatureSpecs; dims may differ (x0 concatenates them).
@@ -159,7 +160,6 @@ class DCNv2(FusedModel):
             x = layer([x0, x])
         return x
 
-    @tf.autograph.experimental.do_not_convert  # no data-dependent control flow; faster tracing
     def call(self, features, training=None):
         x0 = self.x0(features)
         if self.structure == "stacked":

@@ -13,7 +13,6 @@ import tensorflow as tf
 import tf_keras
 
 from tf_fusedemb.models import blocks
-from tf_fusedemb.models.fused_model import FusedModel
 from tf_fusedemb.specs import FeatureSpec, FusionPlan
 
 __all__ = ["DLRM", "DotInteraction"]
@@ -60,8 +59,10 @@ class DotInteraction(tf_keras.layers.Layer):
 
 
 @tf_keras.saving.register_keras_serializable(package="tf_fusedemb")
-class DLRM(FusedModel):
+class DLRM(blocks.RecModel):
     """DLRM with its embedding tables in one FusedEmbedding (fused, Horovod-sharded).
+
+    A FusedModel: ``compile`` + ``fit`` train the dense layers and the embedding rows.
 
     Args:
       categorical: pooled FeatureSpecs (one-hot or multi-hot), all with the same ``dim``
@@ -128,9 +129,6 @@ class DLRM(FusedModel):
         f = 1 + len(self.categorical)
         return self.dim + f * (f - 1) // 2
 
-    # No data-dependent Python control flow: skipping AutoGraph saves tens of seconds of
-    # conversion (of the lookup and TFRA code below it) when the train function is traced.
-    @tf.autograph.experimental.do_not_convert
     def call(self, features, training=None):
         embs = self.embedding(blocks.select_features(features, self.categorical_names, "DLRM"))
         x = self.bottom_mlp(blocks.dense_matrix(features, self.dense_features, "DLRM"))

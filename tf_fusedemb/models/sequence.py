@@ -19,7 +19,6 @@ import tensorflow as tf
 import tf_keras
 
 from tf_fusedemb.models import blocks
-from tf_fusedemb.models.fused_model import FusedModel
 from tf_fusedemb.specs import FeatureSpec, FusionPlan, InitializerSpec, OptimizerSpec, TableSpec
 
 __all__ = ["ATTENTION_WEIGHTS", "LocalActivationUnit", "SequenceModel",
@@ -136,8 +135,10 @@ class LocalActivationUnit(tf_keras.layers.Layer):
 
 
 @tf_keras.saving.register_keras_serializable(package="tf_fusedemb")
-class SequenceModel(FusedModel):
+class SequenceModel(blocks.RecModel):
     """DIN-style ranking model: attention of the target item over a behaviour sequence.
+
+    A FusedModel: ``compile`` + ``fit`` train the dense layers and the embedding rows.
 
     Args:
       features: all FeatureSpecs, e.g. :func:`movielens_feature_specs`: the target, the
@@ -235,7 +236,6 @@ class SequenceModel(FusedModel):
         interest, weights = self.attention([history, embs[self.target], mask])
         return interest, weights, embs
 
-    @tf.autograph.experimental.do_not_convert  # no data-dependent control flow; faster tracing
     def call(self, features, training=None):
         interest, _, embs = self.interest(features)
         h = tf.concat([embs[n] for n in self.context_names] + [embs[self.target], interest],

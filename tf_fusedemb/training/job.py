@@ -1,0 +1,83 @@
+"""Building blocks of the main job: data sources and models by name.
+
+Every source returns ``(train, eval, feature_kinds, dense_names)``: train and eval are
+tf.data datasets of ``(features dict, label float32[B, 1])`` sharded by rank (train
+repeats; eval is finite), ``feature_kinds`` says which FusedEmbedding inputs are scalars
+or lists (for the serving signature).
+"""
+import numpy as np
+import tensorflow as tf
+
+from tf_fusedemb.specs import OptimizerSpec
+
+CRITEO_DENSE = tuple(f"I{i}" for i in range(1, 14))
+CRITEO_CATEGORICAL = tuple(f"C{i}" for i in range(1, 27))
+DATASETS = ("synthetic", "criteo", "movielens", "avazu")
+MODELS = ("dlrm", "dcn", "sequence")
+
+
+def _synthetic_frame(num_rows, data_seed, teacher_seed):
+    from tf_fusedemb.data.synthetic import generate_criteo_like  # pylint: disable=import-outside-toplevel
+    from tf_fusedemb.data.teacher import teacher_labels  # pylint: disable=import-outside-toplevel
+    data = generate_criteo_like(num_rows, seed=data_seed)
+    label, _ = teacher_labels(data, seed=teacher_seed)
+    feats = {k: data[k] for k in CRITEO_CATEGORICAL}
+    feats.update({k: np.log1p(np.maximum(data[k], 0.0)).astype(np.float32) for k in CRITEO_DENSE})
+    return feats, label[:, None]
+
+
+def _from_frame(feats, label, batch, rank, size, repeat):
+    # Contiguous rank slices of equal length, so every rank makes the same number of steps.
+    per_rank = len(label) // size
+    lo, hi = rank * per_rank, (rank + 1) * per_rank
+    ds = tf.data.Dataset.from_tensor_slices(({k: v[lo:hi] for k, v in feats.items()},
+                                             label[lo:hi]))
+    ds = ds.repeat() if repeat else ds
+    return ds.batch(batch, drop_remainder=repeat).prefetch(tf.data.AUTOTUNE)
+
+
+def make_data(name, path, batch_size, rank, size, rows=200_000, eval_rows=20_000, seed=0):
+    """Train/eval datasets of ``name`` (see module doc)."""
+    kinds = {c: "scalar" for c in CRITEO_CATEGORICAL}
+    if name == "synthetic":
+        # One teacher (seed) labels both splits; their rows come from different seeds.
+        train = _synthetic_frame(rows, seed, seed)
+        evaluation = _synthetic_frame(eval_rows, seed + 10_000, seed)
+        return (_from_frame(*train, batch_size, rank, size, True),
+                _from_frame(*evaluation, batch_size, rank, size, False), kinds, CRITEO_DENSE)
+    if name == "criteo":
+        from tf_fusedemb.data.criteo import criteo_eval_split  # pylint: disable=import-outside-toplevel
+        train, evaluation = criteo_eval_split(path, batch_size, num_shards=size, shard_index=rank,
+                                              drop_remainder=True)
+        return train.repeat(), evaluation, kinds, CRITEO_DENSE
+    if name == "movielens":
+        from tf_fusedemb.data import movielens  # pylint: disable=import-outside-toplevel
+        train = movielens.movielens_dataset(path, batch_size, num_shards=size, shard_index=rank,
+                                            split="train")
+        evaluation = movielens.movielens_dataset(path, batch_size, num_shards=size,
+                                                 shard_index=rank, split="test")
+        return train.repeat(), evaluation, {"user": "scalar", "movie": "scalar",
+                                            "genres": "list", "history": "list"}, ()
+    if name == "avazu":
+        from tf_fusedemb.data import avazu  # pylint: disable=import-outside-toplevel
+        train = avazu.avazu_dataset(path, batch_size, num_shards=size, shard_index=rank)
+        evaluation = avazu.avazu_dataset(path.replace("train.csv", "dev.csv"), batch_size,
+                                         num_shards=size, shard_index=rank)
+        return train.repeat(), evaluation, {c: "scalar" for c in avazu.AVAZU_CATEGORICAL}, ()
+    raise ValueError(f"--data must be one of {DATASETS}, got {name!r}")
+
+
+def make_model(model, feature_kinds, dense_names, dim=16, lr=0.05):
+    """A FusedModel by name over the data's features."""
+    from tf_fusedemb import models  # pylint: disable=import-outside-toplevel
+    from tf_fusedemb.models.blocks import criteo_feature_specs  # pylint: disable=import-outside-toplevel
+    optimizer = OptimizerSpec.adagrad(lr)
+    if model == "sequence":
+        from tf_fusedemb.models.sequence import SequenceModel, movielens_feature_specs  # pylint: disable=import-outside-toplevel
+        return SequenceModel(movielens_feature_specs(dim=dim, optimizer=optimizer))
+    specs = criteo_feature_specs(dim=dim, optimizer=optimizer, names=tuple(feature_kinds))
+    if model == "dlrm":
+        return models.DLRM(specs, list(dense_names), bottom_mlp=(64, dim), top_mlp=(128, 64))
+    if model == "dcn":
+        return models.DCNv2(specs, list(dense_names), num_cross_layers=3, deep=(128, 64))
+    raise ValueError(f"--model must be one of {MODELS}, got {model!r}")
