@@ -28,9 +28,8 @@ from __future__ import annotations
 
 import csv
 import functools
-import math
 import os
-from typing import Dict, Tuple
+from typing import Dict
 
 import numpy as np
 
@@ -159,12 +158,17 @@ def movielens_dataset(directory, batch_size: int, history_len: int = 20, num_sha
     genre_table = tf.RaggedTensor.from_row_splits(tf.constant(a["genre_values"]),
                                                   tf.constant(a["genre_splits"]), validate=False)
 
+    def static_rows(rt, b):  # keeps a static batch size (drop_remainder) in the ragged spec
+        return rt if b is None else tf.RaggedTensor.from_row_splits(
+            rt.values, tf.reshape(rt.row_splits, [b + 1]), validate=False)
+
     def gather(i):  # i: int64[B] sample indices
         start = tf.gather(hs, i)
         pos = tf.ragged.range(start, start + tf.gather(hl, i))                 # [B, None]
         feats = {"user": tf.gather(user, i), "movie": tf.gather(movie, i),
-                 "genres": tf.gather(genre_table, tf.gather(grow, i)),
-                 "history": pos.with_flat_values(tf.gather(seq, pos.flat_values))}
+                 "genres": static_rows(tf.gather(genre_table, tf.gather(grow, i)), i.shape[0]),
+                 "history": static_rows(pos.with_flat_values(tf.gather(seq, pos.flat_values)),
+                                        i.shape[0])}
         return feats, tf.gather(label, i)[:, None]
 
     ds = tf.data.Dataset.from_tensor_slices(idx.astype(np.int64))

@@ -17,21 +17,23 @@ from __future__ import annotations
 
 import glob as _glob
 import os
-from typing import Callable, List, Sequence, Tuple, Union
+from typing import Callable, List, Sequence, Union
 
 __all__ = ["resolve_paths", "check_shard", "text_lines", "split_fields", "shard_shuffle_batch",
-           "parse_and_prefetch", "origin_message", "assert_ok", "batch", "equal_steps", "count_lines"]
+           "parse_and_prefetch", "origin_message", "assert_ok", "batch", "equal_steps",
+           "count_lines"]
 
 PathOrPaths = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
 
 
 def resolve_paths(path_or_paths: PathOrPaths) -> List[str]:
-    """One path, a glob pattern or a list of them -> list of existing files (order kept, globs sorted).
+    """A path, a glob or a list of them -> list of existing files (order kept, globs sorted).
 
     Raises:
       FileNotFoundError: a path or pattern matches no file.
     """
-    items = [path_or_paths] if isinstance(path_or_paths, (str, os.PathLike)) else list(path_or_paths)
+    one = isinstance(path_or_paths, (str, os.PathLike))
+    items = [path_or_paths] if one else list(path_or_paths)
     out: List[str] = []
     for item in items:
         item = os.fspath(item)
@@ -131,7 +133,8 @@ def split_fields(lines, origins, paths: Sequence[str], sep: str, num_fields: int
         f"bad {what} line: ", origin_message(paths, origins[i]), " has ",
         tf.strings.as_string(tf.size(tf.strings.split(lines[i], sep))),
         f" fields, expected {num_fields}{rule}; it starts: ", tf.strings.substr(lines[i], 0, 120)]))
-    return tf.strings.split(lines, sep).to_tensor(default_value="", shape=[None, num_fields])
+    return tf.strings.split(lines, sep).to_tensor(default_value="",
+                                                  shape=[lines.shape[0], num_fields])
 
 
 def assert_ok(value, bad, message_fn):

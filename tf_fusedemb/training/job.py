@@ -5,6 +5,8 @@ tf.data datasets of ``(features dict, label float32[B, 1])`` sharded by rank (tr
 repeats; eval is finite), ``feature_kinds`` says which FusedEmbedding inputs are scalars
 or lists (for the serving signature).
 """
+import os
+
 import numpy as np
 import tensorflow as tf
 
@@ -46,9 +48,16 @@ def make_data(name, path, batch_size, rank, size, rows=200_000, eval_rows=20_000
         return (_from_frame(*train, batch_size, rank, size, True),
                 _from_frame(*evaluation, batch_size, rank, size, False), kinds, CRITEO_DENSE)
     if name == "criteo":
-        from tf_fusedemb.data.criteo import criteo_eval_split  # pylint: disable=import-outside-toplevel
-        train, evaluation = criteo_eval_split(path, batch_size, num_shards=size, shard_index=rank,
-                                              drop_remainder=True)
+        from tf_fusedemb.data import criteo  # pylint: disable=import-outside-toplevel
+        if path and os.path.isdir(path):  # the Kaggle layout: train.txt, held-out test.txt
+            train = criteo.criteo_dataset(os.path.join(path, "train.txt"), batch_size,
+                                          num_shards=size, shard_index=rank, repeat=True,
+                                          shuffle_buffer=10_000, seed=seed, drop_remainder=True)
+            evaluation = criteo.criteo_dataset(os.path.join(path, "test.txt"), batch_size,
+                                               num_shards=size, shard_index=rank)
+            return train, evaluation, kinds, CRITEO_DENSE
+        train, evaluation = criteo.criteo_eval_split(path, batch_size, num_shards=size,
+                                                     shard_index=rank, drop_remainder=True)
         return train.repeat(), evaluation, kinds, CRITEO_DENSE
     if name == "movielens":
         from tf_fusedemb.data import movielens  # pylint: disable=import-outside-toplevel

@@ -1,0 +1,52 @@
+"""The main job end to end: 2 Horovod workers on the embedded default (train, evaluate,
+checkpoint, export, verified export), and a short real-data run that learns."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO_ROOT
+from horovod_launch import horovodrun
+
+
+def parse(stdout):
+    lines = [l for l in stdout.splitlines() if "RESULT " in l]
+    assert lines, stdout[-3000:]
+    return json.loads(lines[-1].split("RESULT ", 1)[1])
+
+
+@pytest.mark.timeout(900)
+def test_two_workers_train_checkpoint_export_and_resume(tmp_path):
+    args = ["-m", "tf_fusedemb.train", "--model", "dlrm", "--data", "synthetic", "--steps", "40",
+            "--batch-size", "256", "--rows", "40000", "--checkpoint-every", "20",
+            "--checkpoint-dir", str(tmp_path / "ckpt"), "--export-dir", str(tmp_path / "export"),
+            "--log-dir", str(tmp_path / "tb")]
+    result = parse(horovodrun(args, 2, timeout=800))
+    assert result["world_size"] == 2 and result["steps"] == 40
+    assert result["alltoall_rounds_per_step"] == {"g0_d16_adagrad": 3.0}
+    assert result["eval_auc"] > 0.55, result  # teacher labels: learnable (ceiling ~0.88)
+    assert result["export"]["max_abs_diff_vs_trained"] <= 1e-5
+    assert result["export"]["checkpoint_step"] == 40
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["ckpt-20", "ckpt-40", "latest"]
+    assert os.listdir(tmp_path / "tb")  # TensorBoard event file
+    # Resuming past the last step trains nothing more and keeps the checkpoint's state.
+    resumed = parse(horovodrun(args[:args.index("--export-dir")], 2, timeout=800))
+    assert resumed["final_loss"] is None and abs(resumed["eval_auc"] - result["eval_auc"]) < 1e-6
+
+
+@pytest.mark.timeout(900)
+def test_real_criteo_sample_learns(shared_data):
+    """DLRM on the Criteo sample's train.txt, evaluated on its test.txt (2000 rows)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "tf_fusedemb.train", "--model", "dlrm", "--data", "criteo",
+         "--data-path", str(shared_data / "criteo-kaggle-sample"), "--steps", "150",
+         "--batch-size", "256", "--lr", "0.05"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=800,
+        env={k: v for k, v in os.environ.items() if not k.startswith("HOROVOD")})
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = parse(out.stdout)
+    print("criteo sample eval:", result)
+    assert result["eval_rows"] == 2000
+    assert result["eval_auc"] > 0.62, result
