@@ -294,14 +294,18 @@ def test_avazu_headerless_sharding(avazu_dir):
 
 # --------------------------------------------------------------------------------------- pipeline
 def test_equal_steps_and_ragged_batch(tmp_path):
-    path = tmp_path / "lines.tsv"
-    path.write_text("".join("\t".join(["1"] * 14 + ["a"] * 26) + "\n" for _ in range(23)))
     for shards in (1, 2, 4):
         for drop in (False, True):
-            counts = [sum(1 for _ in criteo_dataset(str(path), 3, num_shards=shards, shard_index=r,
-                                                    drop_remainder=drop)) for r in range(shards)]
-            assert pipeline.equal_steps(23, 3, shards, drop) == min(counts)
+            parts = [list(pipeline.shard_shuffle_batch(tf.data.Dataset.range(23), 3, shards, r,
+                                                       drop_remainder=drop).as_numpy_iterator())
+                     for r in range(shards)]
+            assert pipeline.equal_steps(23, 3, shards, drop) == min(len(p) for p in parts)
+            rows = sorted(int(x) for p in parts for b in p for x in b)
+            assert len(set(rows)) == len(rows) and set(rows) <= set(range(23))
+            assert drop or rows == list(range(23))
     ds = tf.data.Dataset.range(5).map(lambda i: tf.range(i))
     batches = [b.to_list() for b in pipeline.batch(ds, 2)]
     assert batches == [[[], [0]], [[0, 1], [0, 1, 2]], [[0, 1, 2, 3]]]
+    path = tmp_path / "lines.txt"
+    path.write_text("a\n" * 22 + "a")                  # the last line has no newline
     assert pipeline.count_lines([str(path)]) == 23

@@ -50,3 +50,20 @@ def test_real_criteo_sample_learns(shared_data):
     print("criteo sample eval:", result)
     assert result["eval_rows"] == 2000
     assert result["eval_auc"] > 0.62, result
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("model,data,path,eval_rows", [
+    ("sequence", "movielens", "movielens-latest-small", 9722),  # per-user last 10% of ratings
+    ("dcn", "avazu", "avazu-sample/train.csv", 480),             # dev.csv
+])
+def test_main_job_runs_on_other_real_datasets(shared_data, model, data, path, eval_rows):
+    out = subprocess.run(
+        [sys.executable, "-m", "tf_fusedemb.train", "--model", model, "--data", data,
+         "--data-path", str(shared_data / path), "--steps", "20", "--batch-size", "128"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=800,
+        env={k: v for k, v in os.environ.items() if not k.startswith("HOROVOD")})
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = parse(out.stdout)
+    assert result["eval_rows"] == eval_rows
+    assert 0.0 < result["eval_logloss"] < 1.0 and 0.0 <= result["eval_auc"] <= 1.0
