@@ -7,6 +7,7 @@ import tf_keras
 from tf_fusedemb.comm import CommCounters, LocalCommunicator
 from tf_fusedemb.layers import FusedEmbedding
 from tf_fusedemb.models import CommCountersLogger, FusedModel
+from tf_fusedemb.models.fused_model import SparseTrainingMixin
 from tf_fusedemb.specs import FeatureSpec, InitializerSpec, OptimizerSpec, TableSpec
 
 
@@ -64,3 +65,19 @@ def test_functional_fused_model_fits_and_learns():
     # u and v share a spec, so they were fused into one group: 50 u IDs + 20 v IDs.
     assert len(layer.groups) == 1
     assert layer.groups[0].table.size().numpy() == 50 + 20
+
+
+def test_functional_use_does_not_turn_later_subclasses_functional():
+    # Keras rewrites the bases of a Model subclass used functionally; FusedModel must
+    # keep working as a base class afterwards (DLRM, DCNv2, ... subclass it).
+    model, _ = _model()
+    assert isinstance(model, SparseTrainingMixin)
+
+    class Sub(FusedModel):
+        def __init__(self):
+            super().__init__(name="sub")
+            self.dense = tf_keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.dense(x)
+    assert Sub()(tf.ones([2, 3])).shape == (2, 1)

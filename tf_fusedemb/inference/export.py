@@ -12,19 +12,15 @@ int64[B]; a "list" feature (multi-hot or sequence) as int64[B, L] zero-padded pl
 import tensorflow as tf
 
 from tf_fusedemb.inference.serving import ServingGroup
+from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
 
 KINDS = ("scalar", "list")
-
-
-def _fused_layers(model):
-    from tf_fusedemb.layers import FusedEmbedding  # pylint: disable=import-outside-toplevel
-    return [m for m in model.submodules if isinstance(m, FusedEmbedding)]
 
 
 def to_serving(model):
     """Switches every FusedEmbedding of ``model`` to core-TF serving groups, in place.
     Needs a single-process model holding all rows (e.g. restored on one rank)."""
-    layers = _fused_layers(model)
+    layers = fused_embedding_layers(model)
     for layer in layers:
         if layer._comm.size != 1:  # pylint: disable=protected-access
             raise ValueError("export runs in one process holding every row: restore the "

@@ -102,6 +102,13 @@ class FusedEmbedding(tf_keras.layers.Layer):
         return cls(**config)
 
 
+def fused_embedding_layers(model):
+    """The FusedEmbedding layers of ``model`` (itself included), in tracking order."""
+    found = [m for m in [model, *getattr(model, "submodules", ())]
+             if isinstance(m, FusedEmbedding)]
+    return list({id(m): m for m in found}.values())
+
+
 def _shape_output(spec, flat, emb):
     if not spec.is_sequence:
         return emb

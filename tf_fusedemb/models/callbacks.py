@@ -4,14 +4,11 @@ import logging
 import tf_keras
 
 from tf_fusedemb.comm import CommCounters
+from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
 
 logger = logging.getLogger("tf_fusedemb")
 
 
-def fused_embedding_layers(model):
-    """The FusedEmbedding layers inside ``model`` (recursively)."""
-    from tf_fusedemb.layers import FusedEmbedding  # pylint: disable=import-outside-toplevel
-    return [m for m in model.submodules if isinstance(m, FusedEmbedding)]
 
 
 class CommCountersLogger(tf_keras.callbacks.Callback):

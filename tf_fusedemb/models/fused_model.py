@@ -74,13 +74,9 @@ def train_step(model, x, y, loss_fn, optimizer, sample_weight=None, communicator
     return global_loss, y_pred
 
 
-class FusedModel(tf_keras.Model):
-    """A Keras Model whose ``fit`` trains FusedEmbedding tables with sparse owner updates.
-
-    Build it like any functional or subclassed model; ``compile(optimizer, loss,
-    metrics)`` as usual (the optimizer is for dense variables; each embedding group has
-    its own optimizer in its TableSpec). Under horovodrun each rank feeds its own slice.
-    """
+class SparseTrainingMixin:
+    """``compile`` and ``train_step`` of FusedModel, shared by its subclassed and functional
+    forms (a mixin, so the functional form need not inherit from FusedModel; see there)."""
 
     def compile(self, optimizer="rmsprop", loss=None, metrics=None, **kwargs):
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
@@ -91,7 +87,7 @@ class FusedModel(tf_keras.Model):
     @tf.autograph.experimental.do_not_convert
     def train_step(self, data):
         x, y, sample_weight = tf_keras.utils.unpack_x_y_sample_weight(data)
-        if self._per_example_loss is None:
+        if getattr(self, "_per_example_loss", None) is None:
             raise ValueError("FusedModel.compile() needs a loss")
         loss, y_pred = train_step(self, x, y, self._per_example_loss, self.optimizer,
                                   sample_weight)
@@ -99,3 +95,33 @@ class FusedModel(tf_keras.Model):
         results = self.get_metrics_result()
         results["loss"] = loss
         return results
+
+
+class FusedModel(SparseTrainingMixin, tf_keras.Model):
+    """A Keras Model whose ``fit`` trains FusedEmbedding tables with sparse owner updates.
+
+    Build it like any functional (``FusedModel(inputs, outputs)``) or subclassed model;
+    ``compile(optimizer, loss, metrics)`` as usual (the optimizer is for dense variables;
+    each embedding group has its own optimizer in its TableSpec). Under horovodrun each
+    rank feeds its own slice.
+
+    ``FusedModel(inputs, outputs)`` returns a functional model with the same training
+    step (class ``FunctionalFusedModel``): Keras makes a Model subclass used functionally
+    functional by rewriting its base classes IN PLACE, recursively, which would turn every
+    later subclass of FusedModel (DLRM, ...) functional too.
+    """
+
+    def __new__(cls, *args, **kwargs):
+        if cls is FusedModel and _functional_args(args, kwargs):
+            return FunctionalFusedModel(*args, **kwargs)
+        return super().__new__(cls, *args, **kwargs)
+
+
+class FunctionalFusedModel(SparseTrainingMixin, tf_keras.Model):
+    """A functional model with FusedModel's training step (see FusedModel)."""
+
+
+def _functional_args(args, kwargs):
+    """True for the arguments of a functional model: (inputs, outputs)."""
+    return len(args) == 2 or (len(args) == 1 and "outputs" in kwargs) or (
+        "inputs" in kwargs and "outputs" in kwargs)

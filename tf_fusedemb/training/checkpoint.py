@@ -25,15 +25,10 @@ import numpy as np
 import tensorflow as tf
 
 from tf_fusedemb.comm import get_communicator
+from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
 from tf_fusedemb.ops import hashing
 
 LATEST = "latest"
-
-
-def _fused_layers(model):
-    from tf_fusedemb.layers import FusedEmbedding  # pylint: disable=import-outside-toplevel
-    return [m for m in model.submodules if isinstance(m, FusedEmbedding)] + (
-        [model] if isinstance(model, FusedEmbedding) else [])
 
 
 class CheckpointManager:
@@ -49,7 +44,7 @@ class CheckpointManager:
     def __init__(self, directory, model, optimizer=None, max_to_keep=3, communicator=None):
         self.directory = directory
         self.comm = communicator or get_communicator()
-        self.layers = _fused_layers(model)
+        self.layers = fused_embedding_layers(model)
         self.groups = [(li, g) for li, layer in enumerate(self.layers) for g in layer.groups]
         embedding_vars = {id(v) for _, g in self.groups for v in g.variables}
         dense = [v for v in model.variables if id(v) not in embedding_vars]
