@@ -156,3 +156,15 @@ class Reference:
 
     def dense_weights(self):
         return [v.numpy() for layer in self.head for v in layer.trainable_variables]
+
+
+def clustered(feats, labels, lo, hi, num_micro_batches):
+    """The global batch with rows [lo, hi) reordered by key-centric clustering (the
+    rank's samples stay the same set: only their order inside the slice changes)."""
+    from tf_fusedemb.pipeline.clustering import cluster_permutation
+    part = {n: v[lo:hi] for n, v in feats.items()}
+    perm = lo + np.asarray(cluster_permutation(part, num_micro_batches), np.int64)
+    order = np.concatenate([np.arange(lo), perm, np.arange(hi, GLOBAL_BATCH)])
+    out = {n: (np.asarray(v)[order] if not isinstance(v, list) else [v[i] for i in order])
+           for n, v in feats.items()}
+    return out, labels[order]

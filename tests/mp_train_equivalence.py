@@ -41,6 +41,14 @@ def main(argv=None):
     parser.add_argument("--save-dir", help="save a checkpoint there after training")
     parser.add_argument("--restore-dir", help="restore the latest checkpoint there first; "
                                               "training continues at its next step")
+    parser.add_argument("--pipeline", default=None,
+                        help="train through NestedPipeline with these options, e.g. "
+                             "'dbp,fwp=4' (see PipelineOptions.parse)")
+    parser.add_argument("--stale", action="store_true",
+                        help="with --pipeline dbp: drop the dual-buffer synchronisation")
+    parser.add_argument("--cluster", type=int, default=0,
+                        help="reorder each rank's slice by key-centric clustering for this "
+                             "many micro-batches")
     parser.add_argument("--mismatch", action="store_true",
                         help="rank 1 builds feature 'a' with another dim (must fail clearly)")
     args = parser.parse_args(argv)
@@ -83,12 +91,24 @@ def main(argv=None):
         model(empty[0])  # builds every variable without recording any key
         manager = CheckpointManager(args.restore_dir, model, dense_opt, communicator=comm)
         start = manager.restore()["state"]["next_step"]
-    losses = []
-    for t in range(start, start + args.steps):
-        feats, labels = em.global_batch(t)
-        lo, hi = em.rank_slice(t, comm.rank, comm.size, args.empty_step)
-        x, y = em.to_tensors(feats, labels, lo, hi)
-        losses.append(float(step(x, y)))
+    def batches():
+        for t in range(start, start + args.steps):
+            feats, labels = em.global_batch(t)
+            lo, hi = em.rank_slice(t, comm.rank, comm.size, args.empty_step)
+            if args.cluster:
+                feats, labels = em.clustered(feats, labels, lo, hi, args.cluster)
+            yield em.to_tensors(feats, labels, lo, hi)
+
+    if args.pipeline:
+        import dataclasses
+        from tf_fusedemb.pipeline import NestedPipeline, PipelineOptions
+        options = PipelineOptions.parse(args.pipeline)
+        if args.stale:
+            options = dataclasses.replace(options, sync_buffers=False)
+        pipeline = NestedPipeline(model, em.bce, dense_opt, options, communicator=comm)
+        losses = [float(loss) for loss, _ in pipeline.run(batches())]
+    else:
+        losses = [float(step(x, y)) for x, y in batches()]
     if args.save_dir:
         CheckpointManager(args.save_dir, model, dense_opt, communicator=comm).save(
             start + args.steps, {"next_step": start + args.steps})

@@ -33,8 +33,10 @@ def parse_result(stdout):
     return json.loads(lines[0].split("RESULT ", 1)[1])
 
 
-def assert_equivalent(result, num_ranks):
-    losses, dense, tables = reference_run()
+def assert_equivalent(result, num_ranks, reference=None):
+    """``reference``: (losses, dense weights, tables) of the single-process run
+    (default: reference_run())."""
+    losses, dense, tables = reference or reference_run()
     np.testing.assert_allclose(result["losses"], losses, rtol=1e-5, err_msg="per-step losses")
     for got, want in zip(result["dense"], dense):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg="dense weights")

@@ -26,6 +26,7 @@ import tf_keras  # noqa: E402
 
 from tf_fusedemb.comm import get_communicator  # noqa: E402
 from tf_fusedemb.models import fused_embedding_layers, per_example_loss, train_step  # noqa: E402
+from tf_fusedemb.pipeline import NestedPipeline, PipelineOptions, cluster_dataset  # noqa: E402
 from tf_fusedemb.training import job  # noqa: E402
 from tf_fusedemb.training.checkpoint import CheckpointManager  # noqa: E402
 
@@ -48,8 +49,20 @@ def parse_args(argv=None):
     p.add_argument("--export-dir", default=None)
     p.add_argument("--log-dir", default=None, help="TensorBoard logs (default: none)")
     p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--pipeline", default=None,
+                   help="NestPipe/EmbRace pipelining, e.g. 'dbp,fwp=4' (dual-buffer prefetch "
+                        "with vertical scheduling, 4 micro-batches); default synchronous")
+    p.add_argument("--cluster", action="store_true",
+                   help="key-centric sample clustering of each batch for the pipeline's "
+                        "micro-batches (tf.data, asynchronous)")
     p.add_argument("--export-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    try:
+        args.pipeline = PipelineOptions.parse(args.pipeline) if args.pipeline else None
+    except ValueError as e:
+        p.error(str(e))
+    if args.cluster and (args.pipeline is None or args.pipeline.micro_batches == 1):
+        p.error("--cluster needs --pipeline with micro-batches, e.g. --pipeline dbp,fwp=4")
     if args.epochs is not None:
         args.steps = max(1, int(args.epochs * args.rows / (args.batch_size * max(
             1, int(os.environ.get("HOROVOD_SIZE", "1"))))))
@@ -60,6 +73,8 @@ def build(args, comm):
     train, evaluation, kinds, dense = job.make_data(
         args.data, args.data_path, args.batch_size, comm.rank, comm.size, rows=args.rows,
         seed=args.seed)
+    if args.cluster:  # reorders samples inside each batch only (NestPipe V-C)
+        train = cluster_dataset(train, sorted(kinds), args.pipeline.micro_batches)
     model = job.make_model(args.model, kinds, dense, dim=args.dim, lr=args.lr)
     x0, _ = next(iter(evaluation))
     model(tf.nest.map_structure(lambda t: t[:0], x0))  # build variables, record no key
@@ -107,6 +122,8 @@ def train(args):
     # all of tf_keras under it makes the first trace ~10x slower.
     step_fn = tf.function(lambda x, y: train_step(model, x, y, loss_fn, optimizer),
                           reduce_retracing=True, autograph=False)
+    pipeline = NestedPipeline(model, loss_fn, optimizer, args.pipeline) \
+        if args.pipeline else None
     layers = fused_embedding_layers(model)
     rank0 = comm.rank == 0
     writer = tf.summary.create_file_writer(args.log_dir) if rank0 and args.log_dir else None
@@ -115,10 +132,15 @@ def train(args):
     auc = tf_keras.metrics.AUC(num_thresholds=2000)
     timed, timed_samples = 0.0, 0
     counters_before = [layer.comm_counters() for layer in layers]
+    upcoming = next(batches) if start < args.steps else None
     for step in range(start, args.steps):
-        x, y = next(batches)
+        x, y = upcoming
+        upcoming = next(batches) if step + 1 < args.steps else None
         begin = time.perf_counter()
-        loss, logits = step_fn(x, y)
+        if pipeline is None:
+            loss, logits = step_fn(x, y)
+        else:  # routes and retrieves the next batch during this step
+            loss, logits = pipeline.step(x, y, None if upcoming is None else upcoming[0])
         loss = float(loss)
         elapsed = time.perf_counter() - begin
         if step >= start + 3:  # after tracing and warm-up
@@ -139,11 +161,16 @@ def train(args):
                                    for k, v in g.stats.metrics().items()})
             log_scalars(writer, step + 1, values)
         if manager and (step + 1) % args.checkpoint_every == 0:
+            if pipeline is not None:
+                pipeline.flush()  # delayed rows written before the tables are saved
             manager.save(step + 1, {"data_position": step + 1})
+    if pipeline is not None:
+        pipeline.flush()
     if manager:
         manager.save(args.steps, {"data_position": args.steps})
     counters = [layer.comm_counters() for layer in layers]
     result = {"model": args.model, "data": args.data, "world_size": comm.size,
+              "pipeline": str(args.pipeline) if args.pipeline else "sync",
               "steps": args.steps, "batch_size_per_rank": args.batch_size,
               "train_samples_per_s": round(timed_samples / timed, 1) if timed else None,
               "train_auc": float(auc.result()), "final_loss": loss if args.steps > start else None,

@@ -69,11 +69,10 @@ included). ``bytes_per_step``: payload bytes sent to OTHER ranks by AlltoAlls pe
 non-empty messages to other ranks (all ranks pooled).
 """
 import argparse
-import json
-import os
 import pathlib
-import subprocess
 import sys
+
+from tf_fusedemb.benchmarks.launcher import benchmark_main
 
 RESULT_MARKER = "LOOKUP_BENCHMARK_RESULT "
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -110,69 +109,9 @@ def parse_args(argv=None):
     return args
 
 
-# ----------------------------------------------------------------------------- launcher
-
-def launch(args, argv):
-    """Runs the workers under horovodrun; returns (exit code, rank 0's result dict)."""
-    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-    cmd = [horovodrun, "-np", str(args.np), "--gloo", "-H", f"localhost:{args.np}",
-           sys.executable, "-m", "tf_fusedemb.benchmarks.lookup"] + list(argv)
-    env = dict(os.environ, TF_USE_LEGACY_KERAS="1")
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + (
-        [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    print("launching: " + " ".join(cmd), file=sys.stderr, flush=True)
-    result = None
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
-    try:
-        import threading  # pylint: disable=import-outside-toplevel
-        timer = None
-        if args.timeout:
-            timer = threading.Timer(args.timeout, lambda: _kill(proc))
-            timer.start()
-        for line in proc.stdout:
-            if RESULT_MARKER in line:
-                result = json.loads(line.split(RESULT_MARKER, 1)[1])
-            else:
-                sys.stderr.write(line)
-                sys.stderr.flush()
-        code = proc.wait()
-        if timer is not None:
-            timer.cancel()
-    except BaseException:
-        _kill(proc)
-        raise
-    return code, result
-
-
-def _kill(proc):
-    """Ends the horovodrun process group this launcher started."""
-    if proc.poll() is None:
-        import signal  # pylint: disable=import-outside-toplevel
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv)
-    if "HOROVOD_RANK" in os.environ:
-        from tf_fusedemb.benchmarks import lookup_worker  # pylint: disable=import-outside-toplevel
-        result = lookup_worker.run(args)
-        if result is not None:  # rank 0
-            print(RESULT_MARKER + json.dumps(result, sort_keys=True), flush=True)
-        return 0
-    code, result = launch(args, argv)
-    if code != 0 or result is None:
-        print(f"lookup benchmark failed: horovodrun exit code {code}, "
-              f"{'no' if result is None else 'a'} result", file=sys.stderr)
-        return code or 1
-    from tf_fusedemb.benchmarks.timing import emit  # pylint: disable=import-outside-toplevel
-    emit(result, args.json)
-    return 0
+    return benchmark_main("tf_fusedemb.benchmarks.lookup", "tf_fusedemb.benchmarks.lookup_worker",
+                          parse_args, RESULT_MARKER, argv)
 
 
 if __name__ == "__main__":

@@ -30,25 +30,27 @@ def feature_specs(learning_rate, dim=DIM):
 
 
 class CriteoNet(tf_keras.Model):
-    """embeddings (26 x [B, dim]) ++ dense [B, 13] -> 256 relu -> 128 relu -> 1 logit.
+    """embeddings (26 x [B, dim]) ++ dense [B, 13] -> hidden relu layers (default 256, 128)
+    -> 1 logit.
 
     The dense layers use seeded initializers, so every rank and every variant starts from
     the same dense weights (the replicas must agree; the variants are then comparable)."""
 
-    def __init__(self, embedding, seed=0, **kwargs):
+    def __init__(self, embedding, seed=0, hidden=HIDDEN, **kwargs):
         super().__init__(**kwargs)
         self.embedding = embedding
+        self.hidden = tuple(hidden)
         self.mlp = [tf_keras.layers.Dense(
             units, activation="relu" if units != 1 else None,
             kernel_initializer=tf_keras.initializers.GlorotUniform(seed=seed + i),
-            bias_initializer="zeros") for i, units in enumerate(HIDDEN + (1,))]
+            bias_initializer="zeros") for i, units in enumerate(self.hidden + (1,))]
 
     def build_variables(self, optimizer):
         """Creates the dense weights and the optimizer's slots before the step is traced,
         so ``tf.function`` traces the step once instead of twice (a first trace that
         creates variables is thrown away; tracing these graphs takes tens of seconds)."""
         width = len(CATEGORICAL) * DIM + len(DENSE)
-        for layer, units in zip(self.mlp, HIDDEN + (1,)):
+        for layer, units in zip(self.mlp, self.hidden + (1,)):
             layer.build((None, width))
             width = units
         optimizer.build(self.trainable_variables)

@@ -72,28 +72,27 @@ class HorovodCommunicator(Communicator):
         hvd, rank = self._hvd, self.rank
         splits = tf.cast(splits, tf.int32)
 
+        # Counter updates are not made control inputs of the received tensors: they run
+        # anyway (stateful ops in a tf.function, or eagerly), and gating on them would
+        # chain every collective of a group behind the previous one's counter update in
+        # program order, which serialises pipelined micro-batches (tf_fusedemb.pipeline).
         @tf.custom_gradient
         def exchange(x):
             received, recv_splits = hvd.alltoall(x, splits=splits, name=name)
-            deps = [] if counters is None else [
-                counters.record(splits, recv_splits, _row_bytes(x), rank)]
+            if counters is not None:
+                counters.record(splits, recv_splits, _row_bytes(x), rank)
 
             def grad(dy):
                 back, _ = hvd.alltoall(dy, splits=recv_splits, name=name + "_grad")
                 if counters is not None:
-                    with tf.control_dependencies([counters.record(recv_splits, splits,
-                                                                  _row_bytes(dy), rank)]):
-                        back = tf.identity(back)
+                    counters.record(recv_splits, splits, _row_bytes(dy), rank)
                 return back
-            with tf.control_dependencies(deps):
-                return (tf.identity(received), tf.identity(recv_splits)), \
-                    lambda dy, _dsplits: grad(dy)
+            return (tf.identity(received), tf.identity(recv_splits)), \
+                lambda dy, _dsplits: grad(dy)
         if not tensor.dtype.is_floating:  # keys: no gradient, plain collective
             received, recv_splits = hvd.alltoall(tensor, splits=splits, name=name)
             if counters is not None:
-                with tf.control_dependencies([counters.record(splits, recv_splits,
-                                                              _row_bytes(tensor), rank)]):
-                    received = tf.identity(received)
+                counters.record(splits, recv_splits, _row_bytes(tensor), rank)
             return received, recv_splits
         return exchange(tensor)
 

@@ -62,12 +62,22 @@ class FusedEmbedding(tf_keras.layers.Layer):
                     f"or specs than rank {self._comm.rank}: {_plan_diff(mine, other)}. Every "
                     "rank must build the layer with identical FeatureSpecs.")
 
-    def call(self, inputs: Mapping[str, tf.Tensor]):
+    def _check_inputs(self, inputs):
         names = {f.name for f in self.features}
         given = set(inputs)
         if given != names:
             raise ValueError(f"FusedEmbedding '{self.name}': missing features "
                              f"{sorted(names - given)}, unexpected features {sorted(given - names)}")
+
+    def route(self, inputs: Mapping[str, tf.Tensor]):
+        """Key routing of ``inputs`` ahead of the forward pass (used by pipelines): one
+        ``GroupLookup.route`` dict per group, in ``self.groups`` order."""
+        self._check_inputs(inputs)
+        return [lookup.route([flatten_feature(f, inputs[f.name]) for f in lookup.group.features])
+                for lookup in self.groups]
+
+    def call(self, inputs: Mapping[str, tf.Tensor]):
+        self._check_inputs(inputs)
         outputs = {}
         for lookup in self.groups:
             feats = lookup.group.features

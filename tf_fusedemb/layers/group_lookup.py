@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from tf_fusedemb import ops
 from tf_fusedemb.comm import CommCounters
-from tf_fusedemb.layers import recording
+from tf_fusedemb.layers import recording, staging
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FusedGroup
 from tf_fusedemb.storage.statistics import AccessStatistics
@@ -87,27 +87,27 @@ class GroupLookup(tf.Module):
         mixed = tf.bitwise.bitwise_xor(tf.cast(ids, tf.int64), tf.gather(self._tags, segment_ids))
         return tf.bitcast(hashing.tf_mix64(mixed), tf.int64)
 
-    def __call__(self, flats, combiners):
-        """Embeddings of the group's features.
+    def route(self, flats):
+        """Steps 1-5 of the lookup for ``flats``: fuse, segment unique, rankwise sort, the
+        key AlltoAll and category hashing on the owner (access statistics recorded).
 
-        Args:
-          flats: one ``FlatFeature`` per feature of the group, in group order.
-          combiners: per feature 'sum' | 'mean' | 'sqrtn', or None for one row per ID.
-        Returns:
-          per feature float32[B_f, dim] (pooled) or float32[n_f, dim] (one row per ID).
-        """
-        g = self.group.name
+        Returns a dict of tensors: requester side ``ids`` int64[n] (the fused IDs),
+        ``sort_indices`` int32[u] (I_s), ``unique_inverse`` int32[n] (I_u),
+        ``recv_splits`` int32[N]; owner side ``keys`` int64[u_l] storage keys,
+        ``init_keys`` int64[u_l] and ``inverse`` int32[m] (I_l, received order)."""
+        suffix = staging.name_suffix()
         lengths = tf.stack([tf.size(f.ids, out_type=tf.int64) for f in flats])
         splits = tf.concat([tf.zeros([1], tf.int64), tf.cumsum(lengths)], 0)
-        uniq = ops.segment_unique(tf.concat([f.ids for f in flats], 0), splits)
+        ids = tf.concat([f.ids for f in flats], 0)
+        uniq = ops.segment_unique(ids, splits)
         srt = ops.rankwise_sort(uniq.unique_keys, uniq.unique_segment_splits, self.comm.size)
         sorted_counts = tf.gather(uniq.counts, tf.math.invert_permutation(srt.indices))
         tag = tf.bitwise.bitwise_or(
             tf.bitwise.left_shift(tf.cast(sorted_counts, tf.int64), CATEGORY_BITS),
             tf.gather(self._feature_table, srt.sorted_segment_ids))
         send = tf.stack([srt.sorted_keys, tag], axis=1)
-        recv, recv_splits = self.comm.alltoall(send, srt.rank_splits, f"fusedemb/{g}/keys",
-                                               self.counters)
+        recv, recv_splits = self.comm.alltoall(
+            send, srt.rank_splits, f"fusedemb/{self.group.name}/keys{suffix}", self.counters)
         category = tf.cast(tf.bitwise.bitwise_and(recv[:, 1], (1 << CATEGORY_BITS) - 1), tf.int32)
         accesses = tf.bitwise.right_shift(recv[:, 1], CATEGORY_BITS)
         hashed = ops.category_hash(recv[:, 0], category, self.table_names, mode=self.key_mode)
@@ -117,16 +117,60 @@ class GroupLookup(tf.Module):
             keys = hashed.lookup_keys
         init_keys = (hashed.lookup_keys if self.key_mode == "hashed"
                      else self.hashed_keys(hashed.lookup_ids, hashed.lookup_segment_ids))
-        with tf.control_dependencies([self.stats.record(hashed, accesses)]):
-            rows = self.table.lookup(keys, init_keys)
+        self.stats.record(hashed, accesses)  # runs as a stateful op; gates nothing
+        return {"ids": ids, "sort_indices": srt.indices, "unique_inverse": uniq.inverse,
+                "recv_splits": recv_splits, "keys": keys, "init_keys": init_keys,
+                "inverse": hashed.inverse}
+
+    def retrieve(self, routed):
+        """Step 6: the owner's rows of ``routed["keys"]``: float32[u_l, dim]."""
+        rows = self.table.lookup(routed["keys"], routed["init_keys"])
         rows.set_shape([None, self.group.dim])  # collectives and tables lose the static dim
+        return rows
+
+    def serve(self, routed, rows, flats, combiners):
+        """Steps 7-8: rows back to the requesters (AlltoAll) and recovery per feature.
+        In a ``record_lookups`` block the owner's ``rows`` are watched and recorded."""
         active = recording.active()
         if active is not None:
             tape, records = active
             tape.watch(rows)
-            records.append(recording.LookupRecord(rows, keys, init_keys, self.table, None, g))
-        served = tf.gather(rows, hashed.inverse)
-        back, _ = self.comm.alltoall(served, recv_splits, f"fusedemb/{g}/rows", self.counters)
+            records.append(recording.LookupRecord(rows, routed["keys"], routed["init_keys"],
+                                                  self.table, None, self.group.name))
+        served = tf.gather(rows, routed["inverse"])
+        back, _ = self.comm.alltoall(served, routed["recv_splits"],
+                                     f"fusedemb/{self.group.name}/rows{staging.name_suffix()}",
+                                     self.counters)
         back.set_shape([None, self.group.dim])
-        return ops.recover_features(back, srt.indices, uniq.inverse,
+        return ops.recover_features(back, routed["sort_indices"], routed["unique_inverse"],
                                     [f.row_splits for f in flats], combiners)
+
+    def __call__(self, flats, combiners):
+        """Embeddings of the group's features.
+
+        Args:
+          flats: one ``FlatFeature`` per feature of the group, in group order.
+          combiners: per feature 'sum' | 'mean' | 'sqrtn', or None for one row per ID.
+        Returns:
+          per feature float32[B_f, dim] (pooled) or float32[n_f, dim] (one row per ID).
+        """
+        prepared = staging.prepared_for(self)
+        if prepared is None:
+            routed = self.route(flats)
+            return self.serve(routed, self.retrieve(routed), flats, combiners)
+        ids = tf.concat([f.ids for f in flats], 0)
+        return self.serve(prepared, self._check_prepared(prepared, ids)["rows"], flats,
+                          combiners)
+
+    def _check_prepared(self, prepared, ids):
+        """Fails clearly when the layer is called with other IDs than were prefetched."""
+        expected = prepared["ids"]
+        same = tf.cond(tf.equal(tf.size(ids), tf.size(expected)),
+                       lambda: tf.reduce_all(tf.equal(ids, expected)),
+                       lambda: tf.constant(False))
+        check = tf.debugging.Assert(same, [
+            f"group {self.group.name}: the FusedEmbedding layer got other IDs than the "
+            "pipeline prefetched for it; pipelining needs each feature x[name] passed to "
+            "the layer unchanged"])
+        with tf.control_dependencies([check]):
+            return dict(prepared, rows=tf.identity(prepared["rows"]))

@@ -9,6 +9,8 @@ import contextlib
 import dataclasses
 import threading
 
+import tensorflow as tf
+
 _state = threading.local()
 
 
@@ -43,3 +45,19 @@ def record_lookups(tape):
 def active():
     """(tape, records) of the innermost ``record_lookups`` block, or None."""
     return getattr(_state, "active", None)
+
+
+def dense_gradient(grad, var):
+    """A dense variable's gradient as a tensor; zeros for None, so every rank's
+    collectives stay identical."""
+    return tf.zeros_like(var) if grad is None else tf.convert_to_tensor(grad)
+
+
+def row_gradient(grad, rows):
+    """The gradient of recorded owner rows as float32[u_l, dim]: IndexedSlices (from the
+    gather by I_l) are accumulated per row; None gives zeros."""
+    if grad is None:
+        return tf.zeros_like(rows)
+    if isinstance(grad, tf.IndexedSlices):  # accumulation by I_l on the owner
+        return tf.math.unsorted_segment_sum(grad.values, grad.indices, tf.shape(rows)[0])
+    return grad

@@ -12,7 +12,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_fusedemb.comm import get_communicator
-from tf_fusedemb.layers.recording import record_lookups
+from tf_fusedemb.layers.recording import dense_gradient, record_lookups, row_gradient
 
 
 def per_example_loss(loss):
@@ -26,20 +26,6 @@ def per_example_loss(loss):
     if callable(loss):
         return loss
     raise ValueError(f"loss must be a Keras loss name, object or function, got {loss!r}")
-
-
-def _dense_grad(grad, var):
-    if grad is None:  # keep every rank's collective identical
-        return tf.zeros_like(var)
-    return tf.convert_to_tensor(grad)
-
-
-def _row_grad(grad, rows):
-    if grad is None:
-        return tf.zeros_like(rows)
-    if isinstance(grad, tf.IndexedSlices):  # accumulation by I_l on the owner
-        return tf.math.unsorted_segment_sum(grad.values, grad.indices, tf.shape(rows)[0])
-    return grad
 
 
 def train_step(model, x, y, loss_fn, optimizer, sample_weight=None, communicator=None):
@@ -64,10 +50,10 @@ def train_step(model, x, y, loss_fn, optimizer, sample_weight=None, communicator
     dense_vars = list(model.trainable_variables)
     grads = tape.gradient(loss, dense_vars + [r.rows for r in records])
     dense_grads = comm.allreduce_sum_list(
-        [_dense_grad(g, v) for g, v in zip(grads[:len(dense_vars)], dense_vars)],
+        [dense_gradient(g, v) for g, v in zip(grads[:len(dense_vars)], dense_vars)],
         "fusedemb/dense_grads") if dense_vars else []
     optimizer.apply_gradients(zip(dense_grads, dense_vars))
-    updates = [r.table.apply_gradients(r.keys, _row_grad(g, r.rows), r.init_keys)
+    updates = [r.table.apply_gradients(r.keys, row_gradient(g, r.rows), r.init_keys)
                for r, g in zip(records, grads[len(dense_vars):])]
     with tf.control_dependencies([u for u in updates if u is not None]):
         global_loss = comm.allreduce_sum(local_sum, "fusedemb/loss_sum") / global_n

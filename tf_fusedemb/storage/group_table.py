@@ -100,7 +100,7 @@ class GroupTable(tf.Module):
         keys = self._check_keys(self._as_keys(keys, "keys"))
         return self._lookup(keys, self._init_keys(keys, init_keys))
 
-    def apply_gradients(self, keys, grads, init_keys=None, step=None):
+    def apply_gradients(self, keys, grads, init_keys=None, step=None, return_rows=False):
         """One optimizer step on the rows of ``keys``; new keys are inserted.
 
         Reads the rows (stored, or the initial rows of ``init_keys``) and their slots
@@ -115,8 +115,12 @@ class GroupTable(tf.Module):
                 step to split one batch's update into several calls (e.g. prior rows
                 first), after advancing the counter once with :meth:`advance_step`.
 
+            return_rows: also return the updated rows float32[u, dim] (a pipeline copies
+                them into its prefetch buffer: NestPipe's dual-buffer synchronisation).
+
         Returns:
-            The update op in graph mode (None when executing eagerly).
+            The update op in graph mode (None when executing eagerly); with
+            ``return_rows``, the pair (op, updated rows).
         """
         keys = self._check_keys(self._as_keys(keys, "keys"))
         init_keys = self._init_keys(keys, init_keys)
@@ -134,7 +138,8 @@ class GroupTable(tf.Module):
         step = self.advance_step() if step is None else tf.cast(step, tf.int64)
         rows, slots = self._read(keys, init_keys)
         new_rows, new_slots = self.optimizer.apply(rows, slots, grads, step)
-        return self._write(keys, new_rows, new_slots)
+        op = self._write(keys, new_rows, new_slots)
+        return (op, new_rows) if return_rows else op
 
     def advance_step(self) -> tf.Tensor:
         """Adds 1 to ``step`` and returns the new value (int64 scalar)."""

@@ -1,0 +1,167 @@
+"""Units of tf_fusedemb.pipeline against numpy / plain-TF references, single process:
+key-set ops, micro-batch slicing, options, rank-invariant tracing, NestedPipeline's
+errors and its single-process equality with train_step."""
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+from tf_fusedemb.layers import FusedEmbedding
+from tf_fusedemb.models import train_step
+from tf_fusedemb.pipeline import NestedPipeline, PipelineOptions, keysets
+from tf_fusedemb.pipeline.micro_batches import micro_batch_slices, slice_rows
+from tf_fusedemb.pipeline.tracing import RankInvariantFunction, relaxed_spec
+from tf_fusedemb.specs import FeatureSpec, InitializerSpec, OptimizerSpec, TableSpec
+
+
+@pytest.mark.parametrize("k,v", [(0, 0), (5, 0), (0, 4), (50, 30), (1000, 700)])
+def test_find_keys_matches_numpy(k, v):
+    rng = np.random.default_rng(k + v)
+    table = rng.choice(np.arange(-2000, 2000), v, replace=False).astype(np.int64)
+    keys = rng.integers(-2000, 2000, k).astype(np.int64)
+    found, index = keysets.find_keys(keys, table)
+    want = np.isin(keys, table)
+    np.testing.assert_array_equal(found.numpy(), want)
+    np.testing.assert_array_equal(table[index.numpy()[want]], keys[want])
+
+
+def test_find_keys_int64_extremes():
+    table = np.array([np.iinfo(np.int64).max, np.iinfo(np.int64).min, 0], np.int64)
+    keys = np.array([0, np.iinfo(np.int64).min, 7, np.iinfo(np.int64).max], np.int64)
+    found, index = keysets.find_keys(keys, table)
+    np.testing.assert_array_equal(found.numpy(), [True, True, False, True])
+    np.testing.assert_array_equal(index.numpy()[[0, 1, 3]], [2, 1, 0])
+
+
+def test_coalesce_sums_equal_keys():
+    keys = np.array([5, 3, 5, 9, 3, 5], np.int64)
+    grads = np.arange(12, dtype=np.float32).reshape(6, 2)
+    init = keys * 10
+    u, g, i = keysets.coalesce(keys, grads, init)
+    np.testing.assert_array_equal(u.numpy(), [5, 3, 9])
+    np.testing.assert_allclose(g.numpy(), [grads[[0, 2, 5]].sum(0), grads[[1, 4]].sum(0),
+                                           grads[3]])
+    np.testing.assert_array_equal(i.numpy(), [50, 30, 90])
+
+
+@pytest.mark.parametrize("b,n", [(10, 4), (3, 4), (0, 2), (8, 8), (7, 1)])
+def test_micro_batch_slices_partition_the_batch(b, n):
+    bounds = [(int(lo), int(hi)) for lo, hi in micro_batch_slices(b, n)]
+    assert bounds[0][0] == 0 and bounds[-1][1] == b
+    assert all(bounds[i][1] == bounds[i + 1][0] for i in range(n - 1))
+    assert max(hi - lo for lo, hi in bounds) - min(hi - lo for lo, hi in bounds) <= 1
+
+
+def test_slice_rows_dense_ragged_sparse_and_nests():
+    dense = tf.reshape(tf.range(12), [6, 2])
+    ragged = tf.ragged.constant([[1], [], [2, 3], [4], [5, 6, 7], []], tf.int64)
+    sparse = ragged.to_sparse()
+    out = slice_rows({"d": dense, "r": ragged, "s": sparse, "n": None, "l": [dense]}, 2, 5)
+    np.testing.assert_array_equal(out["d"].numpy(), dense.numpy()[2:5])
+    assert out["r"].to_list() == [[2, 3], [4], [5, 6, 7]]
+    assert tf.RaggedTensor.from_sparse(out["s"]).to_list() == [[2, 3], [4], [5, 6, 7]]
+    assert out["n"] is None and isinstance(out["l"], list)
+
+
+def test_options_validation_and_parse():
+    assert PipelineOptions.parse("dbp,fwp=4") == PipelineOptions(prefetch=True, micro_batches=4)
+    assert PipelineOptions.parse("sync") == PipelineOptions()
+    assert PipelineOptions(prefetch=True).uses_vertical
+    assert not PipelineOptions.parse("dbp,novertical").uses_vertical
+    with pytest.raises(ValueError, match="micro_batches"):
+        PipelineOptions(micro_batches=0)
+    with pytest.raises(ValueError, match="needs prefetch"):
+        PipelineOptions(vertical=True)
+    with pytest.raises(ValueError, match="unknown pipeline option 'fast'"):
+        PipelineOptions.parse("dbp,fast")
+
+
+def test_relaxed_spec_and_single_trace_per_structure():
+    assert relaxed_spec(tf.zeros([5, 3])) == tf.TensorSpec([None, 3], tf.float32)
+    assert relaxed_spec(tf.constant(1)) == tf.TensorSpec([], tf.int32)
+    assert relaxed_spec(None) is None
+    fn = RankInvariantFunction(lambda x, y: tf.reduce_sum(x) + tf.cast(tf.size(y), tf.float32))
+    for n in (1, 4, 9, 2):  # shapes that would make reduce_retracing retrace
+        fn(tf.ones([n, 3]), tf.ragged.constant([[1]] * n))
+    assert fn.tracing_count() == 1
+
+
+def _specs():
+    opt = OptimizerSpec.adam(0.05)
+    init = InitializerSpec.uniform(-0.1, 0.1)
+    return [FeatureSpec(n, TableSpec(n, 4, opt, init), "sum") for n in ("u", "v")]
+
+
+class _Net(tf_keras.Model):
+    def __init__(self, transform=False):
+        super().__init__()
+        self.emb = FusedEmbedding(_specs())
+        self.out = tf_keras.layers.Dense(1, kernel_initializer=tf_keras.initializers.Ones())
+        self.transform = transform
+
+    def call(self, x, training=False):
+        x = {k: (v + 1 if self.transform else v) for k, v in x.items()}
+        e = self.emb(x)
+        return self.out(tf.concat([e["u"], e["v"]], 1))
+
+
+def _loss(y, p):
+    return tf_keras.losses.mean_squared_error(y, p)
+
+
+def _batches(n, b=8):
+    rng = np.random.default_rng(0)
+    return [({"u": tf.constant(rng.integers(0, 6, b), tf.int64),
+              "v": tf.constant(rng.integers(0, 50, b), tf.int64)},
+             tf.constant(rng.random((b, 1)), tf.float32)) for _ in range(n)]
+
+
+def _rows(model):
+    x = {"u": tf.range(6, dtype=tf.int64), "v": tf.range(50, dtype=tf.int64)}
+    return {k: v.numpy() for k, v in model.emb(x).items()}
+
+
+@pytest.mark.parametrize("options", ["dbp", "dbp,fwp=3", "fwp=2", "dbp,novertical"])
+def test_pipeline_equals_train_step_single_process(options):
+    data = _batches(6)
+    ref, ref_opt = _Net(), tf_keras.optimizers.SGD(0.1)
+    ref_losses = [float(train_step(ref, x, y, _loss, ref_opt)[0]) for x, y in data]
+    net, opt = _Net(), tf_keras.optimizers.SGD(0.1)
+    pipe = NestedPipeline(net, _loss, opt, PipelineOptions.parse(options))
+    losses = [float(loss) for loss, _ in pipe.run(data)]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for k, want in _rows(ref).items():
+        np.testing.assert_allclose(_rows(net)[k], want, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(net.out.kernel.numpy(), ref.out.kernel.numpy(), rtol=1e-5)
+
+
+def test_vertical_rows_pending_until_flush():
+    data = _batches(2)
+    net = _Net()
+    pipe = NestedPipeline(net, _loss, tf_keras.optimizers.SGD(0.1), PipelineOptions(prefetch=True))
+    pipe.step(*data[0], next_x=data[1][0])
+    pending = sum(int(tf.size(p["keys"])) for p in pipe._pending)
+    assert pending > 0  # keys of batch 0 that batch 1 does not use wait for the flush
+    before = sum(int(g.table.size()) for g in net.emb.groups)
+    pipe.flush()
+    assert sum(int(g.table.size()) for g in net.emb.groups) == before + pending
+    assert pipe._pending is None
+
+
+def test_transformed_inputs_fail_clearly_with_prefetch():
+    data = _batches(2)
+    pipe = NestedPipeline(_Net(transform=True), _loss, tf_keras.optimizers.SGD(0.1),
+                          PipelineOptions(prefetch=True))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="other IDs than the pipeline"):
+        list(pipe.run(data))
+
+
+def test_errors_name_the_problem():
+    with pytest.raises(ValueError, match="no FusedEmbedding layer"):
+        NestedPipeline(tf_keras.Sequential([tf_keras.layers.Dense(1)]), _loss,
+                       tf_keras.optimizers.SGD(0.1))
+    pipe = NestedPipeline(_Net(), _loss, tf_keras.optimizers.SGD(0.1),
+                          PipelineOptions(prefetch=True))
+    x, y = _batches(1)[0]
+    with pytest.raises(ValueError, match="feature 'u'"):
+        pipe.step({"v": x["v"]}, y)

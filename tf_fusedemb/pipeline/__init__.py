@@ -1,0 +1,9 @@
+"""Pipelining: key-centric sample clustering (tf.data), dual-buffer prefetch and
+frozen-window micro-batches (NestPipe), vertical sparse scheduling (EmbRace)."""
+from tf_fusedemb.pipeline.clustering import (cluster_dataset, cluster_permutation,
+                                             micro_batch_bounds, unique_keys_per_micro_batch)
+from tf_fusedemb.pipeline.nested import NestedPipeline
+from tf_fusedemb.pipeline.options import PipelineOptions
+
+__all__ = ["NestedPipeline", "PipelineOptions", "cluster_dataset", "cluster_permutation",
+           "micro_batch_bounds", "unique_keys_per_micro_batch"]

@@ -1,0 +1,36 @@
+"""Splitting a rank's batch into N contiguous micro-batches (NestPipe FWP)."""
+import tensorflow as tf
+
+
+def micro_batch_slices(batch_size, num_micro_batches):
+    """(lo, hi) int64 scalar tensors of micro-batch i = rows [i*B//N, (i+1)*B//N).
+
+    Sizes differ by at most one; with B < N some micro-batches are empty (valid)."""
+    b = tf.cast(batch_size, tf.int64)
+    return [(b * i // num_micro_batches, b * (i + 1) // num_micro_batches)
+            for i in range(num_micro_batches)]
+
+
+def slice_rows(value, lo, hi):
+    """Rows [lo, hi) of a Tensor [B, ...], RaggedTensor [B, None] or SparseTensor [B, L];
+    nested dicts/lists/tuples are sliced leaf by leaf; None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        return {k: slice_rows(v, lo, hi) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(slice_rows(v, lo, hi) for v in value)
+    if isinstance(value, tf.RaggedTensor):
+        return value[lo:hi]
+    if isinstance(value, tf.SparseTensor):
+        start = tf.stack([lo] + [tf.constant(0, tf.int64)] * (value.shape.rank - 1))
+        size = tf.concat([[hi - lo], value.dense_shape[1:]], 0)
+        return tf.sparse.slice(value, start, size)
+    return tf.convert_to_tensor(value)[lo:hi]
+
+
+def batch_size_of(y):
+    """int64 scalar: rows of the label tensor ``y`` (the batch size)."""
+    if isinstance(y, dict):
+        y = next(iter(y.values()))
+    return tf.shape(y, out_type=tf.int64)[0]

@@ -1,0 +1,256 @@
+"""NestedPipeline: the fused training step with NestPipe's nested pipelining (dual-buffer
+prefetch across batches, frozen-window micro-batches inside a batch) and EmbRace's
+vertical sparse scheduling, computing exactly what ``tf_fusedemb.models.train_step`` does.
+
+One ``tf.function`` per step t holds, as independent dataflow that TensorFlow's executor
+runs concurrently (Horovod collectives are asynchronous kernels):
+
+* the delayed row updates of batch t-1 (vertical scheduling), then the key routing and
+  row retrieval of batch t+1 into the prefetch buffer (DBP stages 3-4);
+* per micro-batch i of batch t: the rows AlltoAll, dense forward/backward, the gradient
+  AlltoAll (FWP: one micro-batch's AlltoAlls overlap another's compute);
+* after the last micro-batch: dense AllReduce and update; per group, coalesced row
+  gradients split into prior rows K(B_t) ∩ K(B_t+1), applied now, and delayed rows,
+  applied in step t+1; the updated prior rows overwrite the prefetch buffer's copies
+  (DBP's dual-buffer synchronisation), so batch t+1 sees exactly W_t+1 (Proposition 1).
+
+Why it is exact: the forward of t reads rows of K(B_t) only, all of which were written
+(or synchronised) by step t-1; the delayed rows K(B_t-1) \\ K(B_t) are written before
+t+1's retrieval reads the table; each group's optimizer step counter advances once per
+batch and the delayed part reuses that batch's step (EmbRace's Adam fix); gradients are
+summed over all micro-batches before one update (Proposition 2).
+
+Table ops on one resource are ordered by ``tf.function``'s automatic control
+dependencies in program order, so the step emits them in the order the schedule needs:
+delayed writes of t-1, retrieval of t+1, updates of t.
+"""
+from typing import Iterable, Optional
+
+import tensorflow as tf
+
+from tf_fusedemb.comm import get_communicator
+from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
+from tf_fusedemb.layers.recording import dense_gradient, record_lookups, row_gradient
+from tf_fusedemb.layers.staging import staged_lookups
+from tf_fusedemb.pipeline import keysets
+from tf_fusedemb.pipeline.micro_batches import batch_size_of, micro_batch_slices, slice_rows
+from tf_fusedemb.pipeline.options import PipelineOptions
+from tf_fusedemb.pipeline.tracing import RankInvariantFunction
+
+
+class NestedPipeline:
+    """Trains a model with FusedEmbedding layers under :class:`PipelineOptions`.
+
+    Args:
+      model: a Keras model whose FusedEmbedding layers receive ``x[feature name]``
+        unchanged (prefetch routes those inputs ahead of the forward pass; a model that
+        transforms them fails with an error saying so).
+      loss_fn: per-example loss ``(y_true, y_pred) -> float[B]``
+        (``tf_fusedemb.models.per_example_loss``).
+      optimizer: Keras optimizer of the dense variables.
+      options: PipelineOptions (default: synchronous).
+      communicator: default ``tf_fusedemb.comm.get_communicator()``.
+
+    Use :meth:`run` over an iterable of ``(x, y)`` batches, or :meth:`step` with the next
+    batch's features, then :meth:`flush` before reading tables (checkpoint, eval,
+    export): with vertical scheduling the last step's delayed rows are pending.
+    """
+
+    def __init__(self, model, loss_fn, optimizer, options: Optional[PipelineOptions] = None,
+                 communicator=None):
+        self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
+        self.options = options or PipelineOptions()
+        self.comm = communicator or get_communicator()
+        self.layers = fused_embedding_layers(model)
+        if not self.layers:
+            raise ValueError("NestedPipeline: the model has no FusedEmbedding layer")
+        self.lookups = [g for layer in self.layers for g in layer.groups]
+        self._prepared = None  # prefetch buffer of the next step
+        self._pending = None  # delayed row updates of the last step
+        self._step_fn = RankInvariantFunction(self._step)
+        self._prefetch_fn = RankInvariantFunction(self._prefetch)
+        self._flush_fn = RankInvariantFunction(self._flush)
+
+    # ------------------------------------------------------------------ public API
+    def step(self, x, y, next_x=None):
+        """One training step on this rank's batch ``(x, y)``.
+
+        Args:
+          x, y: this rank's slice of the global batch.
+          next_x: with prefetch, the next batch's features (None at the last step);
+            they are routed and retrieved during this step. The next call must pass
+            the same features as its ``x``.
+        Returns:
+          (global mean loss float32 scalar, this rank's predictions).
+        """
+        if not self.options.prefetch:
+            loss, pred, _, _ = self._step_fn(x, y, None, None, None)
+            return loss, pred
+        if self._prepared is None:
+            self._prepared = self._prefetch_fn(x)
+        pending = self._pending if self._pending is not None else self._empty_pending()
+        loss, pred, prepared, self._pending = self._step_fn(x, y, self._prepared, pending,
+                                                            next_x)
+        self._prepared = prepared if next_x is not None else None
+        return loss, pred
+
+    def flush(self):
+        """Applies pending delayed row updates (call before reading or saving tables)."""
+        if self._pending is not None:
+            self._flush_fn(self._pending)
+            self._pending = None
+
+    def run(self, batches: Iterable, steps: Optional[int] = None):
+        """Trains on ``(x, y)`` batches (at most ``steps``), looking one batch ahead for
+        the prefetch; yields ``(loss, predictions)`` per step and flushes at the end."""
+        iterator = iter(batches)
+        current = next(iterator, None)
+        done = 0
+        while current is not None and (steps is None or done < steps):
+            last = steps is not None and done + 1 >= steps
+            upcoming = None if last else next(iterator, None)
+            x, y = current[0], current[1]
+            yield self.step(x, y, None if upcoming is None else upcoming[0])
+            current, done = upcoming, done + 1
+        self.flush()
+
+    # ------------------------------------------------------------------ traced parts
+    def _empty_pending(self):
+        return [{"keys": tf.zeros([0], tf.int64), "grads": tf.zeros([0, g.group.dim]),
+                 "init_keys": tf.zeros([0], tf.int64), "step": tf.constant(0, tf.int64)}
+                for g in self.lookups]
+
+    def _apply_pending(self, pending):
+        return [g.table.apply_gradients(p["keys"], p["grads"], p["init_keys"], step=p["step"])
+                for g, p in zip(self.lookups, pending)]
+
+    def _flush(self, pending):
+        self._apply_pending(pending)  # ops run as the function's stateful ops
+
+    def _route(self, x):
+        """Per micro-batch, per lookup: the route() dict of ``x``'s slice (DBP stage 3)."""
+        routed = []
+        bounds = micro_batch_slices(_features_batch_size(x, self.layers),
+                                    self.options.micro_batches)
+        for i, (lo, hi) in enumerate(bounds):
+            xi = slice_rows(x, lo, hi)
+            with staged_lookups(None, self._suffix(i)):
+                routed.append([r for layer in self.layers
+                               for r in layer.route({f.name: _feature(xi, f.name, layer)
+                                                     for f in layer.features})])
+        return routed
+
+    def _retrieve(self, routed):
+        """Rows of every routed lookup from the tables (DBP stage 4)."""
+        return [[dict(r, rows=g.retrieve(r)) for g, r in zip(self.lookups, mb)] for mb in routed]
+
+    def _prefetch(self, x):
+        return self._retrieve(self._route(x))
+
+    def _suffix(self, i):
+        return f"/mb{i}" if self.options.micro_batches > 1 else ""
+
+    def _step(self, x, y, prepared, pending, next_x):
+        opts, comm = self.options, self.comm
+        delayed = self._apply_pending(pending) if pending is not None else []
+        nxt = None
+        if next_x is not None:  # DBP: routing + retrieval of t+1, after t-1's writes
+            routed_next = self._route(next_x)
+            with tf.control_dependencies([d for d in delayed if d is not None]):
+                nxt = self._retrieve(routed_next)
+        local_n = batch_size_of(y)
+        global_n = tf.maximum(comm.allreduce_sum(tf.cast(local_n, tf.float32),
+                                                 "fusedemb/global_batch"), 1.0)
+        # FWP: every micro-batch's forward first, then the backwards, so each one's
+        # collectives can be in flight while another computes.
+        tapes, sums, scaled, preds, all_records = [], [], [], [], []
+        for i, (lo, hi) in enumerate(micro_batch_slices(local_n, opts.micro_batches)):
+            staged = None if prepared is None else {
+                id(g): p for g, p in zip(self.lookups, prepared[i])}
+            with staged_lookups(staged, self._suffix(i)), \
+                    tf.GradientTape() as tape, record_lookups(tape) as records:
+                pred = self.model(slice_rows(x, lo, hi), training=True)
+                sums.append(tf.reduce_sum(self.loss_fn(slice_rows(y, lo, hi), pred)))
+                scaled.append(sums[-1] / global_n)  # inside the tape: differentiated
+            tapes.append(tape)
+            preds.append(pred)
+            all_records.append(records)
+        dense_vars = list(self.model.trainable_variables)  # built by the first forward
+        dense_sum = [tf.zeros_like(v) for v in dense_vars]
+        parts = {id(g.table): [] for g in self.lookups}
+        for tape, loss_i, records in zip(tapes, scaled, all_records):
+            grads = tape.gradient(loss_i, dense_vars + [r.rows for r in records])
+            dense_sum = [a + dense_gradient(g, v) for a, g, v in zip(dense_sum, grads, dense_vars)]
+            for r, g in zip(records, grads[len(dense_vars):]):
+                parts[id(r.table)].append((r.keys, row_gradient(g, r.rows), r.init_keys))
+        if dense_vars:
+            dense = comm.allreduce_sum_list(dense_sum, "fusedemb/dense_grads")
+            self.optimizer.apply_gradients(zip(dense, dense_vars))
+        updates, new_pending, synced = [], [], [[] for _ in range(len(nxt or []))]
+        for j, g in enumerate(self.lookups):
+            keys, grads, init = _coalesce(parts[id(g.table)], g.group.dim)
+            if nxt is None:
+                updates.append(g.table.apply_gradients(keys, grads, init))
+                continue
+            nxt_j = [mb[j] for mb in nxt]
+            up, pend, rows = self._apply_prior(g, keys, grads, init, nxt_j)
+            updates.append(up)
+            new_pending.append(pend)
+            for i, r in enumerate(rows):
+                synced[i].append(dict(nxt_j[i], rows=r))
+        with tf.control_dependencies([u for u in updates if u is not None]):
+            loss = comm.allreduce_sum(tf.add_n(sums), "fusedemb/loss_sum") / global_n
+        pred = tf.concat(preds, 0) if len(preds) > 1 else preds[0]
+        return loss, pred, synced, (new_pending or None)
+
+    def _apply_prior(self, g, keys, grads, init, nxt_j):
+        """Updates prior rows of one group now and returns (op, pending delayed part,
+        synchronised prefetch rows per micro-batch of t+1)."""
+        next_keys = tf.concat([p["keys"] for p in nxt_j], 0)
+        step = g.table.advance_step()
+        if self.options.uses_vertical:
+            prior, _ = keysets.find_keys(keys, next_keys)
+        else:
+            prior = tf.ones_like(keys, tf.bool)
+        delayed = tf.logical_not(prior)
+        pending = {"keys": tf.boolean_mask(keys, delayed), "grads": tf.boolean_mask(grads, delayed),
+                   "init_keys": tf.boolean_mask(init, delayed), "step": step}
+        pk, pg, pi = (tf.boolean_mask(t, prior) for t in (keys, grads, init))
+        if not self.options.sync_buffers:  # the stale variant: t+1 keeps pre-update rows
+            with tf.control_dependencies([p["rows"] for p in nxt_j]):
+                op = g.table.apply_gradients(pk, pg, pi, step=step)
+            return op, pending, [p["rows"] for p in nxt_j]
+        op, new_rows = g.table.apply_gradients(pk, pg, pi, step=step, return_rows=True)
+        padded = tf.concat([new_rows, tf.zeros([1, g.group.dim])], 0)
+        rows = []
+        for p in nxt_j:  # dual-buffer synchronisation: fresh values of K(B_t) ∩ K(B_t+1)
+            found, index = keysets.find_keys(p["keys"], pk)
+            index = tf.where(found, index, tf.size(pk))
+            rows.append(tf.where(found[:, None], tf.gather(padded, index), p["rows"]))
+        return op, pending, rows
+
+
+def _coalesce(parts, dim):
+    """One (keys, grads, init_keys) per group from its micro-batches' records."""
+    if not parts:  # the group's layer was not called: an empty update
+        return tf.zeros([0], tf.int64), tf.zeros([0, dim]), tf.zeros([0], tf.int64)
+    if len(parts) == 1:  # keys are unique already (the owner's lookup keys)
+        return parts[0]
+    return keysets.coalesce(*(tf.concat(list(c), 0) for c in zip(*parts)))
+
+
+def _feature(x, name, layer):
+    if not isinstance(x, dict) or name not in x:
+        raise ValueError(f"NestedPipeline: prefetch needs x to be a dict holding each "
+                         f"FusedEmbedding feature by name; feature '{name}' of layer "
+                         f"'{layer.name}' is missing")
+    return x[name]
+
+
+def _features_batch_size(x, layers):
+    value = _feature(x, layers[0].features[0].name, layers[0])
+    if isinstance(value, tf.RaggedTensor):
+        return value.nrows(out_type=tf.int64)
+    if isinstance(value, tf.SparseTensor):
+        return value.dense_shape[0]
+    return tf.shape(value, out_type=tf.int64)[0]

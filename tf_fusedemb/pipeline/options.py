@@ -1,0 +1,66 @@
+"""PipelineOptions: which of NestPipe's and EmbRace's schedules a training loop uses."""
+import dataclasses
+from typing import Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    """How :class:`~tf_fusedemb.pipeline.NestedPipeline` schedules a training step.
+
+    None of the options changes a computed value (NestPipe Section VI); they change when
+    work happens.
+
+    Attributes:
+      prefetch: NestPipe's dual-buffer pipelining (DBP): the key routing and row
+        retrieval of batch t+1 run during batch t's step; before t+1's forward the rows
+        of K(B_t) ∩ K(B_t+1) in the prefetch buffer are replaced by their values after
+        t's update.
+      micro_batches: N of NestPipe's frozen-window pipelining (FWP): each rank's batch
+        is split into N micro-batches whose lookups, forward/backward and gradient
+        AlltoAlls are independent, so TensorFlow overlaps one micro-batch's
+        communication with another's compute; gradients are applied once per batch.
+      vertical: EmbRace's vertical sparse scheduling, needs ``prefetch``: the coalesced
+        row gradients of K(B_t) ∩ K(B_t+1) are applied first (they feed the next
+        forward); the others are applied during the next step, overlapped with its
+        forward. Default: on with ``prefetch``.
+      sync_buffers: keep True. False drops DBP's synchronisation and makes batch t+1
+        use rows read before t's update: the stale pipeline the synchronisation
+        prevents, kept only so tests can show that it differs.
+    """
+    prefetch: bool = False
+    micro_batches: int = 1
+    vertical: Optional[bool] = None
+    sync_buffers: bool = True
+
+    def __post_init__(self):
+        n = self.micro_batches
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"PipelineOptions: micro_batches must be an int >= 1, got {n!r}")
+        if self.vertical and not self.prefetch:
+            raise ValueError("PipelineOptions: vertical scheduling needs prefetch=True (the "
+                             "prior rows are those the prefetched next batch uses)")
+        if not self.sync_buffers and not self.prefetch:
+            raise ValueError("PipelineOptions: sync_buffers=False only applies with prefetch")
+
+    @property
+    def uses_vertical(self) -> bool:
+        return self.prefetch if self.vertical is None else bool(self.vertical)
+
+    @classmethod
+    def parse(cls, text: str) -> "PipelineOptions":
+        """From a command-line string: "sync", or comma-separated "dbp", "fwp=N",
+        "novertical", e.g. "dbp,fwp=4"."""
+        kwargs = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            if part == "sync":
+                continue
+            if part == "dbp":
+                kwargs["prefetch"] = True
+            elif part.startswith("fwp="):
+                kwargs["micro_batches"] = int(part[4:])
+            elif part == "novertical":
+                kwargs["vertical"] = False
+            else:
+                raise ValueError(f"unknown pipeline option {part!r}; use sync, dbp, fwp=N, "
+                                 "novertical (comma-separated)")
+        return cls(**kwargs)
