@@ -9,7 +9,7 @@ Run plainly, it re-launches itself on ``--np`` (2) local Gloo workers
 (``tf_fusedemb.benchmarks.launcher``) and prints rank 0's JSON as the LAST line.
 
 Model: the lookup benchmark's Criteo net (26 one-hot features, dim 16, one fused group,
-Adagrad) with a larger dense part, ``--hidden`` (1024,512,256), so there is compute to
+Adagrad) with a larger dense part, ``--hidden`` (512,256,128), so there is compute to
 overlap; ``--batch-size`` samples per rank. Every variant trains through
 ``tf_fusedemb.pipeline.NestedPipeline`` on the same batches, in the same processes.
 
@@ -37,7 +37,7 @@ prefetch function); a synchronous step pays all of it, so ``exposed_lookup_ms[db
 clip(T_dbp - (T_sync - lookup_ms), 0, lookup_ms)``.
 
 Clustering: summed unique (feature, ID) keys over the N micro-batches of a rank's batch
-(what the AlltoAlls carry), unclustered vs clustered, mean over batches and ranks, and
+(what the AlltoAlls carry), unclustered vs clustered, mean over rank 0's batches, and
 the reduction; ``cluster_ms`` is the cost per batch on the CPU (off the step's path).
 """
 import argparse
@@ -54,9 +54,9 @@ def parse_args(argv=None):
     p.add_argument("--json", action="store_true", help="print one JSON object last")
     p.add_argument("--np", type=int, default=2, help="Horovod workers to launch")
     p.add_argument("--batch-size", type=int, default=4096, help="samples per rank")
-    p.add_argument("--hidden", default="1024,512,256", help="dense layer widths")
-    p.add_argument("--steps", type=int, default=6, help="steps per variant per round (>= 3)")
-    p.add_argument("--rounds", type=int, default=4, help="timed rounds")
+    p.add_argument("--hidden", default="512,256,128", help="dense layer widths")
+    p.add_argument("--steps", type=int, default=5, help="steps per variant per round (>= 3)")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds")
     p.add_argument("--num-batches", type=int, default=8, help="distinct global batches")
     p.add_argument("--data", default=None, help="Criteo TSV; default synthetic")
     p.add_argument("--max-rows", type=int, default=None, help="rows read from --data")
