@@ -45,6 +45,7 @@ def _model():
 
 
 def test_functional_fused_model_fits_and_learns():
+    tf_keras.utils.set_random_seed(0)  # fit() shuffles: a fixed order, a reproducible result
     model, layer = _model()
     model.compile(optimizer=tf_keras.optimizers.Adagrad(0.1),
                   loss=tf_keras.losses.BinaryCrossentropy(from_logits=True),
