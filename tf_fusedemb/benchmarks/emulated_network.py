@@ -5,7 +5,7 @@ millisecond per step and use the same CPU cores as the compute, so there is noth
 a pipeline to hide and no separate resource to hide it on. NestPipe's and EmbRace's
 premise is a network that moves bytes while the accelerators compute. This wrapper
 emulates that: after each real collective the received tensor is released only when an
-emulated link (one per process, used by one transfer at a time) has carried its bytes at
+emulated link (one per process, serving one transfer at a time in arrival order) has carried its bytes at
 ``megabytes_per_s``; the wait sleeps in a ``tf.py_function`` and holds no CPU. Gradients
 of an AlltoAll wait on the link the same way.
 
@@ -31,15 +31,25 @@ class EmulatedNetworkCommunicator(Communicator):
         self.rank, self.size = base.rank, base.size
         self.seconds_per_byte = 1.0 / (megabytes_per_s * 1e6)
         self.latency_s = latency_ms / 1e3
-        self._link = threading.Lock()
+        # A FIFO link: transfers are served in the order they arrive (a NIC's queue), not
+        # in the arbitrary order a plain lock would grant.
+        self._link = threading.Condition()
+        self._next_ticket = 0
+        self._serving = 0
         self.busy_seconds = 0.0  # total emulated transfer time (for reports)
 
     def _transfer(self, nbytes):
         def occupy(n):
             with self._link:
-                seconds = self.latency_s + float(n) * self.seconds_per_byte
-                time.sleep(seconds)
+                ticket = self._next_ticket
+                self._next_ticket += 1
+                self._link.wait_for(lambda: self._serving == ticket)
+            seconds = self.latency_s + float(n) * self.seconds_per_byte
+            time.sleep(seconds)
+            with self._link:
                 self.busy_seconds += seconds
+                self._serving += 1
+                self._link.notify_all()
             return np.int64(n)
         return tf.py_function(occupy, [tf.cast(nbytes, tf.int64)], tf.int64)
 

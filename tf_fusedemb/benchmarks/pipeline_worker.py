@@ -110,7 +110,7 @@ def run(args):
     if args.emulate_mbps:
         # Sleeping link transfers hold inter-op threads: more threads than cores, so the
         # compute is not starved while a transfer waits.
-        tf.config.threading.set_inter_op_parallelism_threads(64)
+        tf.config.threading.set_inter_op_parallelism_threads(16)
         emulated = {"megabytes_per_s": args.emulate_mbps, "latency_ms": args.emulate_latency_ms}
     comm = get_communicator()
     if emulated:

@@ -5,8 +5,9 @@ vertical sparse scheduling, computing exactly what ``tf_fusedemb.models.train_st
 One ``tf.function`` per step t holds, as independent dataflow that TensorFlow's executor
 runs concurrently (Horovod collectives are asynchronous kernels):
 
-* the delayed row updates of batch t-1 (vertical scheduling), then the key routing and
-  row retrieval of batch t+1 into the prefetch buffer (DBP stages 3-4);
+* the key routing of batch t+1 (DBP stage 3); after t's local backward, the delayed row
+  updates of batch t-1 (vertical scheduling), then the retrieval of t+1's rows into the
+  prefetch buffer (stage 4), overlapping t's gradient and dense collectives;
 * per micro-batch i of batch t: the rows AlltoAll, dense forward/backward, the gradient
   AlltoAll (FWP: one micro-batch's AlltoAlls overlap another's compute);
 * after the last micro-batch: dense AllReduce and update; per group, coalesced row
@@ -152,12 +153,8 @@ class NestedPipeline:
 
     def _step(self, x, y, prepared, pending, next_x):
         opts, comm = self.options, self.comm
-        delayed = self._apply_pending(pending) if pending is not None else []
-        nxt = None
-        if next_x is not None:  # DBP: routing + retrieval of t+1, after t-1's writes
-            routed_next = self._route(next_x)
-            with tf.control_dependencies([d for d in delayed if d is not None]):
-                nxt = self._retrieve(routed_next)
+        # DBP stage 3: t+1's key routing starts at once (its AlltoAll is small).
+        routed_next = self._route(next_x) if next_x is not None else None
         local_n = batch_size_of(y)
         global_n = tf.maximum(comm.allreduce_sum(tf.cast(local_n, tf.float32),
                                                  "fusedemb/global_batch"), 1.0)
@@ -183,6 +180,16 @@ class NestedPipeline:
             dense_sum = [a + dense_gradient(g, v) for a, g, v in zip(dense_sum, grads, dense_vars)]
             for r, g in zip(records, grads[len(dense_vars):]):
                 parts[id(r.table)].append((r.keys, row_gradient(g, r.rows), r.init_keys))
+        # t-1's delayed rows, then DBP stage 4 (retrieval of t+1's rows, which must see
+        # those writes), once t's local backward is computed: on shared cores they then
+        # fill the time t's gradient and dense collectives are in flight instead of
+        # competing with t's forward.
+        with tf.control_dependencies(dense_sum or scaled):
+            delayed = self._apply_pending(pending) if pending is not None else []
+        nxt = None
+        if routed_next is not None:
+            with tf.control_dependencies([d for d in delayed if d is not None] + scaled):
+                nxt = self._retrieve(routed_next)
         if dense_vars:
             dense = comm.allreduce_sum_list(dense_sum, "fusedemb/dense_grads")
             self.optimizer.apply_gradients(zip(dense, dense_vars))
