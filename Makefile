@@ -14,7 +14,15 @@ export TF_CPP_MIN_LOG_LEVEL := 2
 .PHONY: setup ops test train smoke bench clean
 NP ?= 2
 
-setup: $(HVD_STAMP) ops
+setup: netns-tools $(HVD_STAMP) ops
+
+# Emulated hosts (tf_fusedemb.testing.cluster) need iproute2's ip/tc and util-linux's taskset;
+# installed only where missing (apt-get; needs root).
+.PHONY: netns-tools
+netns-tools:
+	@command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1 || \
+		{ apt-get update && apt-get install -y iproute2; }
+	@command -v taskset >/dev/null 2>&1 || { apt-get update && apt-get install -y util-linux; }
 
 $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)

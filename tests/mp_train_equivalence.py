@@ -74,7 +74,7 @@ def main(argv=None):
 
     @tf.function(reduce_retracing=True, autograph=False)
     def step(x, y):
-        return train_step(model, x, y, em.bce, dense_opt, communicator=comm)[0]
+        return train_step(model, x, y, em.bce, dense_opt, communicator=comm).loss
 
     if args.keras_fit:
         model.compile(optimizer=dense_opt, loss=em.bce)

@@ -10,7 +10,7 @@ from tf_fusedemb.layers import FusedEmbedding
 from tf_fusedemb.models import train_step
 from tf_fusedemb.pipeline import NestedPipeline, PipelineOptions, keysets
 from tf_fusedemb.pipeline.micro_batches import micro_batch_slices, slice_rows
-from tf_fusedemb.pipeline.tracing import RankInvariantFunction, relaxed_spec
+from tf_fusedemb.training.tracing import RankInvariantFunction, relaxed_spec
 from tf_fusedemb.specs import FeatureSpec, InitializerSpec, OptimizerSpec, TableSpec
 
 
@@ -125,7 +125,7 @@ def _rows(model):
 def test_pipeline_equals_train_step_single_process(options):
     data = _batches(6)
     ref, ref_opt = _Net(), tf_keras.optimizers.SGD(0.1)
-    ref_losses = [float(train_step(ref, x, y, _loss, ref_opt)[0]) for x, y in data]
+    ref_losses = [float(train_step(ref, x, y, _loss, ref_opt).loss) for x, y in data]
     net, opt = _Net(), tf_keras.optimizers.SGD(0.1)
     pipe = NestedPipeline(net, _loss, opt, PipelineOptions.parse(options))
     losses = [float(loss) for loss, _ in pipe.run(data)]

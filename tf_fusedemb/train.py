@@ -25,10 +25,12 @@ import tensorflow as tf  # noqa: E402
 import tf_keras  # noqa: E402
 
 from tf_fusedemb.comm import get_communicator  # noqa: E402
-from tf_fusedemb.models import fused_embedding_layers, per_example_loss, train_step  # noqa: E402
+from tf_fusedemb.models import fused_embedding_layers  # noqa: E402
 from tf_fusedemb.pipeline import NestedPipeline, PipelineOptions, cluster_dataset  # noqa: E402
 from tf_fusedemb.training import job  # noqa: E402
+from tf_fusedemb.training import KerasLoss, train_step  # noqa: E402
 from tf_fusedemb.training.checkpoint import CheckpointManager  # noqa: E402
+from tf_fusedemb.training.tracing import RankInvariantFunction  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -82,11 +84,20 @@ def build(args, comm):
 
 
 def evaluate(model, evaluation, comm):
-    """Global AUC and logloss of the held-out split (predictions gathered on all ranks)."""
+    """Global AUC and logloss of the held-out split (predictions gathered on all ranks).
+
+    Ranks may hold different numbers of eval batches (real data sharded by line): every
+    rank runs as many forward passes as the rank with the most, feeding empty batches
+    once its own run out, so the lookups' collectives always meet."""
+    batches = list(evaluation)
+    rounds = max(comm.allgather_object(len(batches)))
+    if not batches:
+        raise ValueError(f"rank {comm.rank} has no evaluation rows at all")
+    empty = tf.nest.map_structure(lambda t: t[:0], batches[0])
+    predict = RankInvariantFunction(lambda x: tf.sigmoid(model(x, training=False)))
     preds, labels = [], []
-    predict = tf.function(lambda x: tf.sigmoid(model(x, training=False)), reduce_retracing=True,
-                          autograph=False)
-    for x, y in evaluation:
+    for i in range(rounds):
+        x, y = batches[i] if i < len(batches) else empty
         preds.append(predict(x).numpy().ravel())
         labels.append(y.numpy().ravel())
     gathered = comm.allgather_object((np.concatenate(preds), np.concatenate(labels)))
@@ -111,7 +122,7 @@ def train(args):
     tf.random.set_seed(args.seed)
     model, train_ds, evaluation, kinds, dense = build(args, comm)
     optimizer = tf_keras.optimizers.Adagrad(args.lr)
-    loss_fn = per_example_loss(tf_keras.losses.BinaryCrossentropy(from_logits=True))
+    loss_fn = KerasLoss(tf_keras.losses.BinaryCrossentropy(from_logits=True))
     manager = CheckpointManager(args.checkpoint_dir, model, optimizer) \
         if args.checkpoint_dir else None
     start = 0
@@ -120,8 +131,11 @@ def train(args):
     batches = iter(train_ds.skip(start))  # resume where the data stopped
     # No AutoGraph: the step has no tensor-dependent Python control flow, and converting
     # all of tf_keras under it makes the first trace ~10x slower.
-    step_fn = tf.function(lambda x, y: train_step(model, x, y, loss_fn, optimizer),
-                          reduce_retracing=True, autograph=False)
+    # Traced once with unknown batch dimensions: the same graph on every rank.
+    def sync_step(x, y):
+        result = train_step(model, x, y, loss_fn, optimizer)
+        return result.loss, result.weight, result.predictions
+    step_fn = RankInvariantFunction(sync_step)
     pipeline = NestedPipeline(model, loss_fn, optimizer, args.pipeline) \
         if args.pipeline else None
     layers = fused_embedding_layers(model)
@@ -138,7 +152,7 @@ def train(args):
         upcoming = next(batches) if step + 1 < args.steps else None
         begin = time.perf_counter()
         if pipeline is None:
-            loss, logits = step_fn(x, y)
+            loss, _, logits = step_fn(x, y)
         else:  # routes and retrieves the next batch during this step
             loss, logits = pipeline.step(x, y, None if upcoming is None else upcoming[0])
         loss = float(loss)

@@ -17,7 +17,7 @@ import tf_keras  # noqa: E402
 from tf_fusedemb.benchmarks import lookup_comm, lookup_data, lookup_models  # noqa: E402
 from tf_fusedemb.comm import CommCounters, get_communicator  # noqa: E402
 from tf_fusedemb.layers import FusedEmbedding  # noqa: E402
-from tf_fusedemb.models import per_example_loss, train_step  # noqa: E402
+from tf_fusedemb.training import train_step  # noqa: E402
 from tf_fusedemb.specs import plan_fusion, unfused_plan  # noqa: E402
 
 
@@ -63,7 +63,10 @@ class Variant:
 def build_variants(names, comm, hvd, lr):
     """{name: Variant} for the requested variant names, in a fixed order."""
     specs = lookup_models.feature_specs(lr)
-    loss_fn = per_example_loss(tf_keras.losses.BinaryCrossentropy(from_logits=True))
+    loss = tf_keras.losses.BinaryCrossentropy(from_logits=True)
+    # TFRA's step sums per-example losses itself (labels and logits are both [B, 1]).
+    per_example = tf_keras.losses.BinaryCrossentropy(
+        from_logits=True, reduction=tf_keras.losses.Reduction.NONE)
     out = {}
 
     def fused_variant(name, plan):
@@ -74,7 +77,7 @@ def build_variants(names, comm, hvd, lr):
 
         @_step_function
         def step(x, y):
-            return train_step(model, x, y, loss_fn, optimizer, communicator=comm)[0]
+            return train_step(model, x, y, loss, optimizer, communicator=comm).loss
 
         def counters():
             return lookup_comm.sum_snapshots(list(layer.comm_counters().values()))
@@ -91,7 +94,7 @@ def build_variants(names, comm, hvd, lr):
 
         @_step_function
         def step(x, y):
-            return lookup_models.tfra_train_step(model, x, y, loss_fn, optimizer, hvd)[0]
+            return lookup_models.tfra_train_step(model, x, y, per_example, optimizer, hvd)[0]
         variant = Variant(name, model, step, counters.snapshot,
                           lambda: lookup_comm.AlltoallShim.counting(counters))
         return variant

@@ -14,7 +14,6 @@ from tf_fusedemb.benchmarks.emulated_network import EmulatedNetworkCommunicator
 from tf_fusedemb.benchmarks.lookup_models import CriteoNet, DIM, feature_specs
 from tf_fusedemb.comm import LocalCommunicator, get_communicator
 from tf_fusedemb.layers import FusedEmbedding
-from tf_fusedemb.models import per_example_loss
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.pipeline import (NestedPipeline, PipelineOptions, cluster_permutation,
                                   unique_keys_per_micro_batch)
@@ -148,7 +147,7 @@ def run(args):
     to_tf = lambda bs: [({k: tf.constant(v) for k, v in x.items()}, tf.constant(y))  # noqa: E731
                         for x, y in bs]
     batches, clustered = to_tf(raw), to_tf(clustered_raw)
-    loss_fn = per_example_loss(tf_keras.losses.BinaryCrossentropy(from_logits=True))
+    loss_fn = tf_keras.losses.BinaryCrossentropy(from_logits=True)
     model, optimizer = _model(comm, args)
     local_model, local_optimizer = _model(LocalCommunicator(), args)
     runs = {name: (NestedPipeline(model, loss_fn, optimizer, o, communicator=comm),

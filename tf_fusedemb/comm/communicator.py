@@ -34,6 +34,11 @@ class Communicator:
         """Sums of a list of tensors over ranks, as few collective rounds as possible."""
         raise NotImplementedError
 
+    def allgather(self, tensor, name):
+        """Concatenation over ranks (in rank order) of ``tensor`` along its first
+        dimension; each rank may hold a different number of rows. Not differentiable."""
+        raise NotImplementedError
+
     def allgather_object(self, obj):
         raise NotImplementedError
 
@@ -52,6 +57,10 @@ class LocalCommunicator(Communicator):
     def allreduce_sum_list(self, tensors, name):
         del name
         return list(tensors)
+
+    def allgather(self, tensor, name):
+        del name
+        return tf.identity(tensor)
 
     def allgather_object(self, obj):
         return [obj]
@@ -103,6 +112,9 @@ class HorovodCommunicator(Communicator):
         # One grouped collective for all dense gradients (EmbRace's dense AllReduce).
         del name  # grouped_allreduce names its ops after the graph's node names
         return self._hvd.grouped_allreduce(list(tensors), op=self._hvd.Sum)
+
+    def allgather(self, tensor, name):
+        return self._hvd.allgather(tf.stop_gradient(tensor), name=name)
 
     def allgather_object(self, obj):
         return self._hvd.allgather_object(obj)

@@ -1,12 +1,14 @@
 """``FusedEmbedding``: a dict of features in, a dict of embeddings out, fused and sharded."""
 from typing import Mapping, Optional, Sequence
 
+import numpy as np
 import tensorflow as tf
 import tf_keras
 
 from tf_fusedemb.comm import get_communicator
 from tf_fusedemb.layers.group_lookup import GroupLookup
-from tf_fusedemb.layers.inputs import flatten_feature
+from tf_fusedemb.layers.inputs import flatten_feature, to_tensor
+from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FeatureSpec, FusionPlan, plan_fusion
 
 
@@ -62,30 +64,65 @@ class FusedEmbedding(tf_keras.layers.Layer):
                     f"or specs than rank {self._comm.rank}: {_plan_diff(mine, other)}. Every "
                     "rank must build the layer with identical FeatureSpecs.")
 
+    def __call__(self, inputs, *args, **kwargs):
+        # Keras converts Python/numpy leaves of the input dict one element at a time before
+        # call(), so e.g. a list holding 2**63 would fail with no feature named: convert
+        # them here, per feature, first.
+        if isinstance(inputs, Mapping):
+            inputs = {k: to_tensor(k, v) if isinstance(v, (list, tuple, np.ndarray, int))
+                      else v for k, v in inputs.items()}
+        return super().__call__(inputs, *args, **kwargs)
+
     def _check_inputs(self, inputs):
+        """The input must be a dict with exactly the layer's features (same on every rank,
+        see ``_check_same_plan_on_all_ranks``): a missing or unknown feature is an error."""
+        if not isinstance(inputs, Mapping):
+            raise ValueError(f"FusedEmbedding '{self.name}': expected a dict {{feature name: "
+                             f"IDs}} of the features {sorted(f.name for f in self.features)}, "
+                             f"got {type(inputs).__name__}")
         names = {f.name for f in self.features}
         given = set(inputs)
         if given != names:
             raise ValueError(f"FusedEmbedding '{self.name}': missing features "
-                             f"{sorted(names - given)}, unexpected features {sorted(given - names)}")
+                             f"{sorted(names - given, key=str)}, unexpected features "
+                             f"{sorted(given - names, key=str)}")
+
+    def _flatten(self, lookup, inputs):
+        """FlatFeatures of one group's features, validated (packed keys: IDs must fit)."""
+        id_bits = None
+        if lookup.key_mode == "packed" and not lookup.group.is_static:
+            id_bits = hashing.default_id_bits(len(lookup.table_names))
+        return [flatten_feature(f, inputs[f.name], id_bits) for f in lookup.group.features]
 
     def route(self, inputs: Mapping[str, tf.Tensor]):
         """Key routing of ``inputs`` ahead of the forward pass (used by pipelines): one
         ``GroupLookup.route`` dict per group, in ``self.groups`` order."""
         self._check_inputs(inputs)
-        return [lookup.route([flatten_feature(f, inputs[f.name]) for f in lookup.group.features])
-                for lookup in self.groups]
+        return [lookup.route(self._flatten(lookup, inputs)) for lookup in self.groups]
 
     def call(self, inputs: Mapping[str, tf.Tensor]):
         self._check_inputs(inputs)
         outputs = {}
         for lookup in self.groups:
             feats = lookup.group.features
-            flats = [flatten_feature(f, inputs[f.name]) for f in feats]
+            flats = self._flatten(lookup, inputs)
             embs = lookup(flats, [f.combiner for f in feats])
             for spec, flat, emb in zip(feats, flats, embs):
                 outputs[spec.name] = _shape_output(spec, flat, emb)
         return outputs
+
+    def set_embedding_weights(self, weights: Mapping[str, object]):
+        """Loads whole tables, e.g. the weights of the Keras Embeddings this layer replaces
+        (``{feature or table name: float32[V, dim]}``, row i = ID i). Every rank calls
+        it with the same weights and keeps the rows it owns (eager)."""
+        tables = {f.name: f.table.name for f in self.features}
+        tables.update({f.table.name: f.table.name for f in self.features})
+        for name, matrix in weights.items():
+            if name not in tables:
+                raise ValueError(f"FusedEmbedding '{self.name}': no feature or table {name!r}")
+            lookup = next(g for g in self.groups if tables[name] in g.table_names)
+            matrix = np.asarray(matrix, np.float32)
+            lookup.load_rows(tables[name], np.arange(len(matrix)), matrix)
 
     def comm_counters(self):
         """{group name: cumulative counter snapshot} (eager)."""

@@ -82,6 +82,38 @@ class GroupLookup(tf.Module):
                              "have no recorded (table, ID); the statistics were not restored")
         return tables, ids
 
+    def load_rows(self, table: str, ids, rows):
+        """Writes ``rows`` as the values of ``ids`` of ``table`` (e.g. weights of a Keras
+        Embedding being converted), keeping only the IDs this rank owns. The rows become
+        stored keys with optimizer slots at their initial values, and their (table, ID)
+        is recorded in the statistics (with no access), so checkpoints and export see the
+        table and its statistics as one unit (eager).
+
+        Args:
+          table: one of the group's table names.
+          ids: int64[n] instance IDs. rows: float32[n, dim].
+        """
+        if table not in self.table_names:
+            raise ValueError(f"group '{self.group.name}' has no table {table!r}; its tables "
+                             f"are {self.table_names}")
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        rows = np.asarray(rows, np.float32)
+        if rows.shape != (len(ids), self.group.dim):
+            raise ValueError(f"table {table!r}: rows must be float32[{len(ids)}, "
+                             f"{self.group.dim}], got shape {rows.shape}")
+        mine = hashing.owner_rank(ids, self.comm.size) == self.comm.rank
+        ids, rows = ids[mine], rows[mine]
+        category = self.table_names.index(table)
+        segment = np.full(len(ids), category, np.int64)
+        if self.group.is_static:
+            keys = self._offsets.numpy()[category] + ids
+        elif self.key_mode == "packed":
+            keys = hashing.packed_unified_keys(ids, segment, len(self.table_names))
+        else:
+            keys = hashing.hashed_unified_keys(ids, [table] * len(ids))
+        self.table.load({"keys": keys, "values": rows})
+        self.stats.load(keys, np.zeros(len(ids), np.int64), segment, ids)
+
     def hashed_keys(self, ids, segment_ids):
         """Plan-independent unified keys mix64(id ^ tag(table)): int64[n]."""
         mixed = tf.bitwise.bitwise_xor(tf.cast(ids, tf.int64), tf.gather(self._tags, segment_ids))

@@ -1,6 +1,7 @@
 """Models and the sparse-aware training step of tf_fusedemb."""
 from tf_fusedemb.models.callbacks import CommCountersLogger, fused_embedding_layers
-from tf_fusedemb.models.fused_model import FusedModel, per_example_loss, train_step
+from tf_fusedemb.models.fused_model import FusedModel
+from tf_fusedemb.training.step import train_step
 from tf_fusedemb.models.blocks import (CRITEO_CATEGORICAL, CRITEO_DENSE, MLP,
                                        criteo_feature_specs)
 from tf_fusedemb.models.dcn import CrossLayer, DCNv2
@@ -11,5 +12,4 @@ from tf_fusedemb.models.sequence import (LocalActivationUnit, SequenceModel,
 __all__ = ["CRITEO_CATEGORICAL", "CRITEO_DENSE", "CrossLayer", "DCNv2", "DLRM", "DotInteraction",
            "LocalActivationUnit", "MLP", "SequenceModel", "criteo_feature_specs",
            "movielens_feature_specs",
-           "CommCountersLogger", "FusedModel", "fused_embedding_layers", "per_example_loss",
-           "train_step"]
+           "CommCountersLogger", "FusedModel", "fused_embedding_layers", "train_step"]

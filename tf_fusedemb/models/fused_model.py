@@ -1,95 +1,126 @@
-"""The synchronous training step of a model with FusedEmbedding layers, and FusedModel.
+"""FusedModel: a Keras Model whose fit/evaluate/predict train FusedEmbedding tables.
 
-Correctness contract: with N ranks each holding a slice of the global batch, one step
-computes exactly the global-batch-mean loss and its update, as a single process would:
-* each rank's loss is its per-example SUM divided by the GLOBAL batch size (an
-  AllReduce), so unequal or empty per-rank batches are exact too;
-* dense gradients are summed over ranks (one grouped AllReduce: EmbRace's hybrid scheme);
-* embedding-row gradients are summed over requesting ranks by the gradient AlltoAll and
-  applied by each group's row optimizer to the touched rows on their owner.
+``fit`` gives what plain ``tf_keras.Model.fit`` gives for the same model on the global
+batch (loss of ``compile`` with any reduction, label/prediction rank matching, sample and
+class weights, compiled metrics, the epoch's running-mean ``loss``, validation,
+callbacks), with the embedding rows updated sparsely on their owner ranks. The step is
+:mod:`tf_fusedemb.training.step`; metrics see the global batch (labels, predictions and
+sample weights are gathered from all ranks), so every rank reports the same history.
+
+Every collective of a step runs inside a :class:`RankInvariantFunction`, traced once per
+input structure with unknown batch dimensions: Keras traces its own step functions with
+``reduce_retracing``, which would let ranks with different batch shapes run different
+graphs whose collectives never meet.
 """
 import tensorflow as tf
 import tf_keras
 
 from tf_fusedemb.comm import get_communicator
-from tf_fusedemb.layers.recording import dense_gradient, record_lookups, row_gradient
+from tf_fusedemb.training import step as steps
+from tf_fusedemb.training.loss import KerasLoss
+from tf_fusedemb.training.tracing import RankInvariantFunction
 
-
-def per_example_loss(loss):
-    """A callable (y_true, y_pred) -> float[B] from a Keras loss name, object or function."""
-    if isinstance(loss, str):
-        loss = tf_keras.losses.get(loss)
-    if isinstance(loss, tf_keras.losses.Loss):
-        config = loss.get_config()
-        config["reduction"] = tf_keras.losses.Reduction.NONE
-        return type(loss).from_config(config)
-    if callable(loss):
-        return loss
-    raise ValueError(f"loss must be a Keras loss name, object or function, got {loss!r}")
-
-
-def train_step(model, x, y, loss_fn, optimizer, sample_weight=None, communicator=None):
-    """One synchronous training step; returns (global mean loss, this rank's predictions).
-
-    Args:
-      model: a Keras model containing FusedEmbedding layers.
-      x, y: this rank's slice of the global batch.
-      loss_fn: per-example loss (see :func:`per_example_loss`).
-      optimizer: the Keras optimizer of the dense variables.
-    """
-    comm = communicator or get_communicator()
-    local_n = tf.cast(tf.shape(y)[0], tf.float32)
-    global_n = tf.maximum(comm.allreduce_sum(local_n, "fusedemb/global_batch"), 1.0)
-    with tf.GradientTape() as tape, record_lookups(tape) as records:
-        y_pred = model(x, training=True)
-        per_example = loss_fn(y, y_pred)
-        if sample_weight is not None:
-            per_example = per_example * tf.cast(sample_weight, per_example.dtype)
-        local_sum = tf.reduce_sum(per_example)
-        loss = local_sum / global_n
-    dense_vars = list(model.trainable_variables)
-    grads = tape.gradient(loss, dense_vars + [r.rows for r in records])
-    dense_grads = comm.allreduce_sum_list(
-        [dense_gradient(g, v) for g, v in zip(grads[:len(dense_vars)], dense_vars)],
-        "fusedemb/dense_grads") if dense_vars else []
-    optimizer.apply_gradients(zip(dense_grads, dense_vars))
-    updates = [r.table.apply_gradients(r.keys, row_gradient(g, r.rows), r.init_keys)
-               for r, g in zip(records, grads[len(dense_vars):])]
-    with tf.control_dependencies([u for u in updates if u is not None]):
-        global_loss = comm.allreduce_sum(local_sum, "fusedemb/loss_sum") / global_n
-    return global_loss, y_pred
+METRICS_GATHER = "fusedemb/metrics_inputs"
 
 
 class SparseTrainingMixin:
-    """``compile`` and ``train_step`` of FusedModel, shared by its subclassed and functional
-    forms (a mixin, so the functional form need not inherit from FusedModel; see there)."""
+    """``compile``, the steps and ``metrics`` of FusedModel, shared by its subclassed and
+    functional forms (a mixin, so the functional form need not inherit from FusedModel;
+    see there)."""
 
-    def compile(self, optimizer="rmsprop", loss=None, metrics=None, **kwargs):
-        super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
-        self._per_example_loss = per_example_loss(loss) if loss is not None else None
+    def compile(self, optimizer="rmsprop", loss=None, metrics=None, loss_weights=None,
+                weighted_metrics=None, **kwargs):
+        super().compile(optimizer=optimizer, loss=loss, metrics=metrics,
+                        loss_weights=loss_weights, weighted_metrics=weighted_metrics, **kwargs)
+        self._fused_compile = {"loss": loss, "loss_weights": loss_weights,
+                               "gather": bool(metrics or weighted_metrics)}
+        self._fused_loss = None  # built at the first step, when output names are known
+        self._loss_tracker = tf_keras.metrics.Mean(name="loss")
+        self._fused_steps = {}
 
-    # AutoGraph would rewrite all of tf_keras under this step (10x slower first traces,
-    # measured by the models' tests); the step has no tensor-dependent Python control flow.
+    @property
+    def metrics(self):
+        tracker = getattr(self, "_loss_tracker", None)
+        others = [m for m in super().metrics if m is not tracker]
+        return ([tracker] if tracker is not None else []) + others
+
+    def fit(self, *args, **kwargs):
+        """Keras ``fit``; ranks other than 0 print no progress bar unless asked to."""
+        if get_communicator().rank != 0 and "verbose" not in kwargs and len(args) < 5:
+            kwargs["verbose"] = 0
+        return super().fit(*args, **kwargs)
+
+    # ---------------------------------------------------------------- Keras steps
     @tf.autograph.experimental.do_not_convert
     def train_step(self, data):
         x, y, sample_weight = tf_keras.utils.unpack_x_y_sample_weight(data)
-        if getattr(self, "_per_example_loss", None) is None:
-            raise ValueError("FusedModel.compile() needs a loss")
-        loss, y_pred = train_step(self, x, y, self._per_example_loss, self.optimizer,
-                                  sample_weight)
-        self.compiled_metrics.update_state(y, y_pred, sample_weight)
-        results = self.get_metrics_result()
-        results["loss"] = loss
-        return results
+        loss, weight, _, gathered = self._traced("train", self._train_core)(x, y, sample_weight)
+        return self._report(loss, weight, gathered)
+
+    @tf.autograph.experimental.do_not_convert
+    def test_step(self, data):
+        x, y, sample_weight = tf_keras.utils.unpack_x_y_sample_weight(data)
+        loss, weight, gathered = self._traced("test", self._test_core)(x, y, sample_weight)
+        return self._report(loss, weight, gathered)
+
+    @tf.autograph.experimental.do_not_convert
+    def predict_step(self, data):
+        x, _, _ = tf_keras.utils.unpack_x_y_sample_weight(data)
+        return self._traced("predict", lambda x: self(x, training=False))(x)
+
+    # ---------------------------------------------------------------- traced cores
+    def _train_core(self, x, y, sample_weight):
+        result = steps.train_step(self, x, y, self._keras_loss(), self.optimizer,
+                                  sample_weight, get_communicator())
+        return result.loss, result.weight, result.predictions, \
+            self._gather(y, result.predictions, sample_weight)
+
+    def _test_core(self, x, y, sample_weight):
+        result = steps.test_step(self, x, y, self._keras_loss(), sample_weight,
+                                 get_communicator())
+        return result.loss, result.weight, self._gather(y, result.predictions, sample_weight)
+
+    def _traced(self, kind, fn):
+        if not hasattr(self, "_fused_steps"):
+            raise ValueError(f"{type(self).__name__}: call compile() before fit/evaluate/predict")
+        if kind not in self._fused_steps:
+            self._fused_steps[kind] = RankInvariantFunction(fn)
+        return self._fused_steps[kind]
+
+    def _keras_loss(self):
+        if self._fused_loss is None:
+            if self._fused_compile["loss"] is None:
+                raise ValueError(f"{type(self).__name__}.compile() needs a loss")
+            self._fused_loss = KerasLoss(self._fused_compile["loss"],
+                                         self._fused_compile["loss_weights"], self.output_names)
+        return self._fused_loss
+
+    def _gather(self, y, y_pred, sample_weight):
+        """(y, y_pred, sample_weight) of the global batch for the compiled metrics, or
+        None when there are none (no collective then)."""
+        if not self._fused_compile["gather"]:
+            return None
+        comm = get_communicator()
+        values = tf.nest.flatten((y, y_pred, sample_weight))
+        gathered = [None if v is None else comm.allgather(v, f"{METRICS_GATHER}/{i}")
+                    for i, v in enumerate(values)]
+        return tf.nest.pack_sequence_as((y, y_pred, sample_weight), gathered)
+
+    def _report(self, loss, weight, gathered):
+        self._loss_tracker.update_state(loss, sample_weight=weight)
+        if gathered is not None:
+            self.compiled_metrics.update_state(*gathered)
+        return self.get_metrics_result()
 
 
 class FusedModel(SparseTrainingMixin, tf_keras.Model):
     """A Keras Model whose ``fit`` trains FusedEmbedding tables with sparse owner updates.
 
     Build it like any functional (``FusedModel(inputs, outputs)``) or subclassed model;
-    ``compile(optimizer, loss, metrics)`` as usual (the optimizer is for dense variables;
-    each embedding group has its own optimizer in its TableSpec). Under horovodrun each
-    rank feeds its own slice.
+    ``compile(optimizer, loss, metrics, loss_weights, weighted_metrics)`` as usual (the
+    optimizer is for dense variables; each embedding group has its own row optimizer in
+    its TableSpec). Under horovodrun each rank feeds its own slice of every global batch;
+    ``fit``/``evaluate`` then equal plain Keras on the global batch in one process.
 
     ``FusedModel(inputs, outputs)`` returns a functional model with the same training
     step (class ``FunctionalFusedModel``): Keras makes a Model subclass used functionally

@@ -1,6 +1,6 @@
 """NestedPipeline: the fused training step with NestPipe's nested pipelining (dual-buffer
 prefetch across batches, frozen-window micro-batches inside a batch) and EmbRace's
-vertical sparse scheduling, computing exactly what ``tf_fusedemb.models.train_step`` does.
+vertical sparse scheduling, computing exactly what ``tf_fusedemb.training.train_step`` does.
 
 One ``tf.function`` per step t holds, as independent dataflow that TensorFlow's executor
 runs concurrently (Horovod collectives are asynchronous kernels):
@@ -36,7 +36,8 @@ from tf_fusedemb.layers.staging import staged_lookups
 from tf_fusedemb.pipeline import keysets
 from tf_fusedemb.pipeline.micro_batches import batch_size_of, micro_batch_slices, slice_rows
 from tf_fusedemb.pipeline.options import PipelineOptions
-from tf_fusedemb.pipeline.tracing import RankInvariantFunction
+from tf_fusedemb.training.step import DENSE_GRADS, LOSS_STATS, as_keras_loss, regularization
+from tf_fusedemb.training.tracing import RankInvariantFunction
 
 
 class NestedPipeline:
@@ -46,8 +47,8 @@ class NestedPipeline:
       model: a Keras model whose FusedEmbedding layers receive ``x[feature name]``
         unchanged (prefetch routes those inputs ahead of the forward pass; a model that
         transforms them fails with an error saying so).
-      loss_fn: per-example loss ``(y_true, y_pred) -> float[B]``
-        (``tf_fusedemb.models.per_example_loss``).
+      loss: the loss, in any form ``compile(loss=...)`` accepts (a name, function,
+        ``tf_keras.losses.Loss`` or a ``tf_fusedemb.training.KerasLoss``).
       optimizer: Keras optimizer of the dense variables.
       options: PipelineOptions (default: synchronous).
       communicator: default ``tf_fusedemb.comm.get_communicator()``.
@@ -57,9 +58,10 @@ class NestedPipeline:
     export): with vertical scheduling the last step's delayed rows are pending.
     """
 
-    def __init__(self, model, loss_fn, optimizer, options: Optional[PipelineOptions] = None,
+    def __init__(self, model, loss, optimizer, options: Optional[PipelineOptions] = None,
                  communicator=None):
-        self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
+        self.model, self.optimizer = model, optimizer
+        self.loss = as_keras_loss(loss, model)
         self.options = options or PipelineOptions()
         self.comm = communicator or get_communicator()
         self.layers = fused_embedding_layers(model)
@@ -156,27 +158,34 @@ class NestedPipeline:
         # DBP stage 3: t+1's key routing starts at once (its AlltoAll is small).
         routed_next = self._route(next_x) if next_x is not None else None
         local_n = batch_size_of(y)
-        global_n = tf.maximum(comm.allreduce_sum(tf.cast(local_n, tf.float32),
-                                                 "fusedemb/global_batch"), 1.0)
         # FWP: every micro-batch's forward first, then the backwards, so each one's
         # collectives can be in flight while another computes.
-        tapes, sums, scaled, preds, all_records = [], [], [], [], []
+        tapes, partials, preds, all_records = [], [], [], []
+        reg = None
         for i, (lo, hi) in enumerate(micro_batch_slices(local_n, opts.micro_batches)):
             staged = None if prepared is None else {
                 id(g): p for g, p in zip(self.lookups, prepared[i])}
             with staged_lookups(staged, self._suffix(i)), \
                     tf.GradientTape() as tape, record_lookups(tape) as records:
                 pred = self.model(slice_rows(x, lo, hi), training=True)
-                sums.append(tf.reduce_sum(self.loss_fn(slice_rows(y, lo, hi), pred)))
-                scaled.append(sums[-1] / global_n)  # inside the tape: differentiated
+                partials.append(self.loss.partial(slice_rows(y, lo, hi), pred))
+                if i == 0:  # weight regularisers: once per batch, as in Keras
+                    reg = regularization(self.model)
             tapes.append(tape)
             preds.append(pred)
             all_records.append(records)
+        summed = tf.add_n([p.stacked() for p in partials])
+        totals = self.loss.combine(partials[0], comm.allreduce_sum(summed, LOSS_STATS), reg)
         dense_vars = list(self.model.trainable_variables)  # built by the first forward
         dense_sum = [tf.zeros_like(v) for v in dense_vars]
         parts = {id(g.table): [] for g in self.lookups}
-        for tape, loss_i, records in zip(tapes, scaled, all_records):
-            grads = tape.gradient(loss_i, dense_vars + [r.rows for r in records])
+        for i, (tape, part, records) in enumerate(zip(tapes, partials, all_records)):
+            targets, scales = list(part.sums), list(totals.coefficients)
+            if i == 0 and reg is not None:
+                targets.append(reg)
+                scales.append(totals.regularization / comm.size)
+            grads = tape.gradient(targets, dense_vars + [r.rows for r in records],
+                                  output_gradients=scales)
             dense_sum = [a + dense_gradient(g, v) for a, g, v in zip(dense_sum, grads, dense_vars)]
             for r, g in zip(records, grads[len(dense_vars):]):
                 parts[id(r.table)].append((r.keys, row_gradient(g, r.rows), r.init_keys))
@@ -184,14 +193,14 @@ class NestedPipeline:
         # those writes), once t's local backward is computed: on shared cores they then
         # fill the time t's gradient and dense collectives are in flight instead of
         # competing with t's forward.
-        with tf.control_dependencies(dense_sum or scaled):
+        with tf.control_dependencies(dense_sum or [totals.value]):
             delayed = self._apply_pending(pending) if pending is not None else []
         nxt = None
         if routed_next is not None:
-            with tf.control_dependencies([d for d in delayed if d is not None] + scaled):
+            with tf.control_dependencies([d for d in delayed if d is not None] + [totals.value]):
                 nxt = self._retrieve(routed_next)
         if dense_vars:
-            dense = comm.allreduce_sum_list(dense_sum, "fusedemb/dense_grads")
+            dense = comm.allreduce_sum_list(dense_sum, DENSE_GRADS)
             self.optimizer.apply_gradients(zip(dense, dense_vars))
         updates, new_pending, synced = [], [], [[] for _ in range(len(nxt or []))]
         for j, g in enumerate(self.lookups):
@@ -205,10 +214,8 @@ class NestedPipeline:
             new_pending.append(pend)
             for i, r in enumerate(rows):
                 synced[i].append(dict(nxt_j[i], rows=r))
-        with tf.control_dependencies([u for u in updates if u is not None]):
-            loss = comm.allreduce_sum(tf.add_n(sums), "fusedemb/loss_sum") / global_n
         pred = tf.concat(preds, 0) if len(preds) > 1 else preds[0]
-        return loss, pred, synced, (new_pending or None)
+        return totals.value, pred, synced, (new_pending or None)
 
     def _apply_prior(self, g, keys, grads, init, nxt_j):
         """Updates prior rows of one group now and returns (op, pending delayed part,

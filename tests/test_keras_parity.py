@@ -1,0 +1,148 @@
+"""FusedModel.fit/evaluate/predict against plain tf_keras Model.fit of the same model with
+Embedding layers, from identical initial weights: per-epoch history, per-batch losses
+seen by callbacks, evaluate results and predictions equal to 1e-5 relative.
+
+The reference is Keras itself (one process, the global batch), so a bug shared by our
+step and our own reference helpers cannot hide here. Lazy Adam, which by design moves
+only touched rows (Keras's Adam moves every row of an Embedding), is checked against
+Keras's Adam formula applied to the touched rows only."""
+import json
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+import keras_parity as kp
+from horovod_launch import horovodrun
+
+RTOL = 1e-5
+
+
+def assert_same(got, want, what=""):
+    assert set(got) == set(want), (what, sorted(got), sorted(want))
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=RTOL, atol=1e-6, err_msg=f"{what} {k}")
+
+
+def compare(got, want):
+    assert_same(got["history"], want["history"], "history")
+    np.testing.assert_allclose(got["batch_losses"], want["batch_losses"], rtol=RTOL, atol=1e-6)
+    if "evaluate" in want:
+        assert_same(got["evaluate"], want["evaluate"], "evaluate")
+        np.testing.assert_allclose(got["predictions"], want["predictions"], rtol=RTOL, atol=1e-6)
+
+
+def run_pair(optimizer, loss, label_rank=1, output_rank=2, weights=False, class_weight=None,
+             dynamic=False):
+    x, y, sw = kp.data(96, 0)
+    xt, yt, _ = kp.data(40, 1)
+    if label_rank == 2:
+        y, yt = y[:, None], yt[:, None]
+    kwargs = dict(sample_weight=sw if weights else None, class_weight=class_weight,
+                  validation=(xt, yt), test=(xt, yt))
+    plain = kp.plain_model(output_rank)
+    fused = kp.fused_twin(plain, optimizer, output_rank, dynamic=dynamic)
+    want = kp.train(plain, kp.keras_optimizer(optimizer), kp.LOSSES[loss](), x, y, 32, **kwargs)
+    got = kp.train(fused, kp.keras_optimizer(optimizer), kp.LOSSES[loss](), x, y, 32, **kwargs)
+    return got, want
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "ftrl"])
+def test_fit_equals_keras_one_process(optimizer):
+    """The reported case: labels [B], logits [B, 1], a BinaryCrossentropy object."""
+    got, want = run_pair(optimizer, "bce_object", weights=True)
+    compare(got, want)
+    assert want["history"]["loss"][1] < want["history"]["loss"][0]  # it trains
+
+
+@pytest.mark.parametrize("loss,label_rank,output_rank", [
+    ("bce_object", 2, 2), ("bce_object", 1, 1), ("bce_sum", 1, 2), ("bce_none", 1, 2),
+    ("mse_string", 2, 2), ("mse_string", 1, 1), ("function", 1, 2)])
+def test_every_loss_form_equals_keras(loss, label_rank, output_rank):
+    # Keras itself rejects [B] sample weights against a loss of [B] outputs (the
+    # loss reduces the batch axis then), so those forms run without them.
+    got, want = run_pair("adagrad", loss, label_rank, output_rank, weights=output_rank == 2)
+    compare(got, want)
+
+
+def test_class_weight_and_dynamic_tables_equal_keras():
+    got, want = run_pair("sgd", "bce_object", class_weight={0: 0.3, 1: 2.0}, dynamic=True)
+    compare(got, want)
+
+
+def test_compile_without_loss_fails_clearly():
+    model = kp.fused_twin(kp.plain_model(), "sgd")
+    model.compile(optimizer="sgd")
+    x, y, _ = kp.data(8, 0)
+    with pytest.raises(ValueError, match="needs a loss"):
+        model.fit(x, y, verbose=0)
+
+
+def _lazy_adam_reference(x, y, steps, batch):
+    """Plain Keras model; dense part with Keras's Adam, each Embedding with Keras's Adam
+    formula applied to the rows its IndexedSlices gradient touches (numpy)."""
+    model = kp.plain_model()
+    lr, b1, b2, eps = kp.LR["adam"], 0.9, 0.999, 1e-7
+    dense_opt = tf_keras.optimizers.Adam(lr)
+    loss_fn = tf_keras.losses.BinaryCrossentropy(from_logits=True)
+    embs = [model.get_layer(f"emb_{f}").embeddings for f in kp.FEATURES]
+    moments = {id(v): (np.zeros(v.shape, np.float32), np.zeros(v.shape, np.float32)) for v in embs}
+    losses = []
+    for t in range(1, steps + 1):
+        rows = slice((t - 1) * batch, t * batch)
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y[rows, None], model({f: v[rows] for f, v in x.items()}))
+        dense = [v for v in model.trainable_variables if all(v is not e for e in embs)]
+        grads = tape.gradient(loss, dense + embs)
+        dense_opt.apply_gradients(zip(grads[:len(dense)], dense))
+        for var, g in zip(embs, grads[len(dense):]):
+            idx, inv = np.unique(g.indices.numpy(), return_inverse=True)
+            gsum = np.zeros((len(idx), var.shape[1]), np.float32)
+            np.add.at(gsum, inv, g.values.numpy())
+            m, v = moments[id(var)]
+            m[idx] = b1 * m[idx] + (1 - b1) * gsum
+            v[idx] = b2 * v[idx] + (1 - b2) * gsum ** 2
+            lr_t = lr * np.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+            w = var.numpy()
+            w[idx] -= lr_t * m[idx] / (np.sqrt(v[idx]) + eps)
+            var.assign(w)
+        losses.append(float(loss))
+    return model, losses
+
+
+def test_lazy_adam_equals_keras_adam_on_touched_rows():
+    x, y, _ = kp.data(96, 0)
+    ref, ref_losses = _lazy_adam_reference(x, y, 3, 32)
+    fused = kp.fused_twin(kp.plain_model(), "adam")
+    got = kp.train(fused, kp.keras_optimizer("adam"), kp.LOSSES["bce_object"](), x, y, 32,
+                   epochs=1, metrics=False)
+    np.testing.assert_allclose(got["batch_losses"], np.cumsum(ref_losses) / np.arange(1, 4),
+                               rtol=1e-5)
+    xt, _, _ = kp.data(40, 1)
+    np.testing.assert_allclose(fused.predict(xt, verbose=0), ref.predict(xt, verbose=0),
+                               rtol=1e-4, atol=1e-5)
+
+
+def _keras_global(optimizer, rows, global_batch):
+    """Plain Keras on the global batches, one process: the multi-rank reference."""
+    x, y, sw = kp.data(rows, 0)
+    xt, yt, _ = kp.data(rows // 2, 1)
+    return kp.train(kp.plain_model(), kp.keras_optimizer(optimizer), kp.LOSSES["bce_object"](),
+                    x, y, global_batch, sample_weight=sw, validation=(xt, yt), test=(xt, yt))
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("shares,rows", [
+    ("16,16", 96),   # even slices
+    ("20,12", 100),  # different batch sizes per rank, uneven last batch, an empty batch
+])
+def test_fit_on_two_ranks_equals_keras_on_the_global_batch(shares, rows):
+    optimizers = "sgd,adagrad,ftrl" if shares == "16,16" else "adagrad"
+    out = horovodrun(["tests/keras_parity_worker.py", "--shares", shares, "--rows", str(rows),
+                      "--optimizers", optimizers], 2, timeout=800)
+    results = [json.loads(l.split("RESULT ", 1)[1]) for l in out.splitlines() if "RESULT " in l]
+    assert [r["optimizer"] for r in results] == optimizers.split(",")
+    global_batch = sum(int(s) for s in shares.split(","))
+    for result in results:
+        compare(result, _keras_global(result["optimizer"], rows, global_batch))

@@ -1,0 +1,197 @@
+"""Starting Horovod ranks in emulated hosts: rendezvous, processes, output, exit codes.
+
+It does what ``horovod/runner/gloo_run.py:launch_gloo`` does, with ``ip netns exec HOST``
+instead of ssh as the way to reach a host: Horovod's own rendezvous server (kept alive for
+the whole job: process sets rendezvous through it too), the environment of
+``create_run_env_vars`` + ``create_slot_env_vars`` for every slot, and output prefixed
+``[rank]<stdout>:`` like horovodrun. Unlike launch_gloo, the first rank that exits non-zero
+gets the others killed at once (a Gloo peer that lost its partner can wait for minutes),
+and a timeout kills every rank.
+"""
+import contextlib
+import dataclasses
+import os
+import signal
+import subprocess
+import threading
+import time
+from typing import IO, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from tf_fusedemb.testing.cluster.errors import ClusterTimeout, ClusterUnavailable
+from tf_fusedemb.testing.cluster.network import HOST_IFACE
+from tf_fusedemb.testing.cluster.placement import thread_env
+
+_POLL_S = 0.05
+
+
+@dataclasses.dataclass
+class JobResult:
+    """What one job did.
+
+    Attributes:
+        returncode: int, 0 if every rank exited 0, else the exit status of the first rank
+            seen failing (128 + N for a rank killed by signal N).
+        failed_rank: int or None, that rank.
+        seconds: float, wall time from the first start to the last exit.
+        stdout: {rank: [line, ...]}, every line each rank wrote, without the prefix.
+        stderr: {rank: [line, ...]}.
+    """
+    returncode: int
+    failed_rank: Optional[int]
+    seconds: float
+    stdout: Dict[int, List[str]]
+    stderr: Dict[int, List[str]]
+
+    def text(self, rank: int, stream: str = "stdout") -> str:
+        """The whole output of ``rank`` on ``stream`` ("stdout" or "stderr") as one string."""
+        return "".join(getattr(self, stream)[rank])
+
+
+def _rendezvous_server(address: str):
+    """Horovod's RendezvousServer, listening on ``address`` only.
+
+    Its own start() binds every address of the machine; binding the bridge's address keeps
+    the job's traffic on the emulated network. The subclass sets the two attributes that
+    init() and stop() use (horovod 0.28.1)."""
+    try:
+        from horovod.runner.http.http_server import (  # pylint: disable=import-outside-toplevel
+            RendezvousHandler, RendezvousHTTPServer, RendezvousServer)
+        from horovod.runner.util.threads import (  # pylint: disable=import-outside-toplevel
+            in_thread)
+    except ImportError as e:
+        raise ClusterUnavailable(f"horovod is not installed ({e})") from None
+
+    class _BoundRendezvousServer(RendezvousServer):
+        def start(self, handler_cls=RendezvousHandler):
+            self._httpd = RendezvousHTTPServer((address, 0), handler_cls, self._verbose)
+            self._listen_thread = in_thread(target=self._httpd.serve_forever)
+            return self._httpd.server_address[1]
+
+        def stop(self):
+            super().stop()
+            self._httpd.server_close()  # stop() leaves the listening socket open
+
+    return _BoundRendezvousServer(0)
+
+
+def _pump(pipe: IO[bytes], prefix: str, sink: Optional[IO[str]], lines: List[str],
+          lock: threading.Lock) -> None:
+    """Copies a rank's pipe line by line into ``lines`` and, prefixed, into ``sink``."""
+    for raw in iter(pipe.readline, b""):
+        line = raw.decode("utf-8", errors="replace")
+        lines.append(line)
+        if sink is not None:
+            with lock:
+                sink.write(prefix + (line if line.endswith("\n") else line + "\n"))
+                sink.flush()
+    pipe.close()
+
+
+def _kill_all(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM to every rank's process group, SIGKILL to what is left after ``grace_s``.
+    Whole groups, because a rank's command may have started children of its own."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, sig)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(_POLL_S)
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=grace_s)
+
+
+def _status(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def run_job(command: Sequence[str], plan: Sequence, rendezvous_address: str,
+            cpus: Optional[Sequence[Tuple[int, ...]]] = None,
+            env: Optional[Mapping[str, str]] = None,
+            cwd: Optional[str] = None, timeout: Optional[float] = None,
+            stdout: Optional[IO[str]] = None, stderr: Optional[IO[str]] = None,
+            inter_op_threads: Optional[int] = None, grace_s: float = 3.0) -> JobResult:
+    """Runs ``command`` once per slot of ``plan``, each in its slot's host, and waits.
+
+    Args:
+        command: argv of every rank, e.g. [sys.executable, "train.py"].
+        plan: list of horovod SlotInfo (get_host_assignments); slot.hostname is the
+            namespace the rank runs in.
+        rendezvous_address: str, the root namespace's address on the bridge.
+        cpus: per rank, the cores to pin it to (taskset), or None for no pinning.
+        env: extra environment of every rank, over this process's own and the thread
+            counts of pinning (HOROVOD_* of this process are dropped, the job's own set).
+        cwd: working directory of the ranks (default: this process's).
+        timeout: seconds, or None to wait forever.
+        stdout, stderr: where prefixed lines go (None: only recorded in the result).
+        inter_op_threads: TF_NUM_INTEROP_THREADS of each rank (default max(2, cores)).
+        grace_s: seconds between SIGTERM and SIGKILL when ranks are stopped.
+
+    Returns:
+        JobResult; returncode != 0 when a rank failed (the others were killed).
+
+    Raises:
+        ClusterTimeout: after killing every rank, when ``timeout`` ran out; its ``result``
+            holds the output until then (returncode 124).
+    """
+    from horovod.runner.gloo_run import (  # pylint: disable=import-outside-toplevel
+        create_run_env_vars, create_slot_env_vars)
+    plan = sorted(plan, key=lambda slot: slot.rank)  # procs[r] is rank r
+    base = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}
+    server = _rendezvous_server(rendezvous_address)
+    port = server.start()
+    procs: List[subprocess.Popen] = []
+    pumps: List[threading.Thread] = []
+    out: Dict[int, List[str]] = {}
+    err: Dict[int, List[str]] = {}
+    lock = threading.Lock()
+    start = time.monotonic()
+    timed_out: Optional[List[int]] = None  # ranks still running at the timeout
+    failed: Optional[int] = None
+    try:
+        server.init(plan)
+        run_env = create_run_env_vars(rendezvous_address, [HOST_IFACE], port)
+        for slot in plan:
+            argv = ["ip", "netns", "exec", slot.hostname]
+            rank_env = dict(base)
+            if cpus is not None:
+                rank_env.update(thread_env(cpus[slot.rank], inter_op_threads))
+                argv += ["taskset", "-c", ",".join(str(c) for c in cpus[slot.rank])]
+            rank_env.update(env or {})  # the caller's settings win over the defaults above
+            rank_env.update({k: str(v) for k, v in run_env.items()})
+            rank_env.update(create_slot_env_vars(slot))
+            rank_env["FUSEDEMB_CLUSTER_HOST"] = slot.hostname
+            rank_env["PYTHONUNBUFFERED"] = "1"  # lines reach the prefixer as they are printed
+            p = subprocess.Popen(argv + list(command), env=rank_env, cwd=cwd,
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, start_new_session=True)
+            procs.append(p)
+            out[slot.rank], err[slot.rank] = [], []
+            for pipe, sink, lines, tag in ((p.stdout, stdout, out[slot.rank], "stdout"),
+                                           (p.stderr, stderr, err[slot.rank], "stderr")):
+                t = threading.Thread(target=_pump, daemon=True,
+                                     args=(pipe, f"[{slot.rank}]<{tag}>:", sink, lines, lock))
+                t.start()
+                pumps.append(t)
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = next((r for r, c in enumerate(codes) if c), None)  # lowest failed rank
+            if failed is not None or all(c is not None for c in codes):
+                break
+            if timeout is not None and time.monotonic() - start > timeout:
+                timed_out = [r for r, c in enumerate(codes) if c is None]
+                break
+            time.sleep(_POLL_S)
+    finally:
+        _kill_all(procs, grace_s)  # ranks left after a failure, a timeout, an exception, a signal
+        for t in pumps:
+            t.join(timeout=5)
+        server.stop()
+    seconds = time.monotonic() - start
+    if timed_out is not None:
+        raise ClusterTimeout(f"job timed out after {timeout:g} s with ranks {timed_out} still "
+                             f"running; every rank was killed: {list(command)}",
+                             JobResult(124, None, seconds, out, err))
+    code = 0 if failed is None else _status(procs[failed].returncode)
+    return JobResult(code, failed, seconds, out, err)

@@ -1,0 +1,186 @@
+"""Keras ``compile(loss=...)`` semantics, split into partial sums over ranks and micro-batches.
+
+``tf_keras.Model.fit`` computes, per output o of the global batch,
+
+    value_o = loss_o(y_o, p_o, sample_weight)     # after matching ranks and dtypes
+    total   = sum_o loss_weight_o * value_o + sum(model.losses)
+
+where ``loss_o`` reduces its weighted per-element losses ``w * l`` by its reduction:
+SUM_OVER_BATCH_SIZE (and AUTO) divides their sum by their number of elements, SUM keeps
+the sum, NONE keeps the vector (and ``tape.gradient`` then differentiates its sum). Its
+``loss`` metric is a running ``Mean`` of ``total`` weighted by the batch's row count.
+
+A rank (or a micro-batch) only holds a slice of the global batch. :meth:`KerasLoss.partial`
+returns the additive pieces of its slice (weighted element sums, element counts, rows);
+once those are summed over ranks, :meth:`KerasLoss.combine` gives the coefficients that
+turn each slice's sums into its share of the global gradient, and the value Keras would
+report. Summing the shares over ranks gives exactly the single-process gradient.
+"""
+import copy
+import dataclasses
+from typing import List, Optional
+
+import tensorflow as tf
+import tf_keras
+# Keras's own wrapper of a loss function (what compile() builds for "mse", a function,
+# ...) and its rank matching: no public export, and reusing them is what makes the loss
+# exactly compile()'s.
+from tf_keras.src.engine.compile_utils import match_dtype_and_rank
+from tf_keras.src.losses import LossFunctionWrapper
+
+_NONE = tf_keras.losses.Reduction.NONE
+_SUM = tf_keras.losses.Reduction.SUM
+_MEAN_LIKE = (tf_keras.losses.Reduction.SUM_OVER_BATCH_SIZE, tf_keras.losses.Reduction.AUTO)
+
+
+@dataclasses.dataclass
+class LossPartial:
+    """The additive pieces of one slice of a batch.
+
+    sums: per output, float32 scalar sum of its weighted per-element losses;
+    counts: per output, float32 scalar number of those elements;
+    rows: float32 scalar, rows of the slice (of the first output's labels)."""
+    sums: List[tf.Tensor]
+    counts: List[tf.Tensor]
+    rows: tf.Tensor
+    outputs: List[int] = dataclasses.field(default_factory=list)  # their output indices
+
+    def stacked(self) -> tf.Tensor:
+        """float32[2 * outputs + 1]: sums, counts, rows (one collective sums them all)."""
+        return tf.stack(list(self.sums) + list(self.counts) + [self.rows])
+
+
+@dataclasses.dataclass
+class LossTotals:
+    """The global loss of one step, from the summed :class:`LossPartial` of all slices.
+
+    coefficients: per output, d total / d sums_o (each slice's share of the gradient is
+      ``sum_o coefficients[o] * its sums_o``); regularization: d total / d sum(model.losses);
+    value, weight: what Keras's ``loss`` metric is updated with (value the step's loss).
+    """
+    coefficients: List[tf.Tensor]
+    regularization: tf.Tensor
+    value: tf.Tensor
+    weight: tf.Tensor
+
+
+def _loss_object(loss):
+    """A Keras ``Loss`` for a loss name, function or object, as compile() builds it."""
+    if isinstance(loss, str):
+        loss = tf_keras.losses.get(loss)
+    if isinstance(loss, tf_keras.losses.Loss):
+        return loss
+    if callable(loss):
+        name = getattr(loss, "__name__", None) or type(loss).__name__
+        return LossFunctionWrapper(loss, name=name)
+    raise ValueError(f"loss must be a Keras loss name, function or Loss object, got {loss!r}")
+
+
+class KerasLoss:
+    """The loss of ``compile(loss, loss_weights)``, computable slice by slice.
+
+    Args:
+      loss: a loss name, function or ``tf_keras.losses.Loss`` (any reduction,
+        ``from_logits`` etc. kept), or a list / dict (by output name) of those for a
+        model with several outputs.
+      loss_weights: None, a list, or a dict by output name.
+      output_names: the model's output names (for dict losses, weights and labels).
+
+    Example:
+      >>> loss = KerasLoss(tf_keras.losses.BinaryCrossentropy(from_logits=True))
+      >>> part = loss.partial(labels, logits)           # labels [B] or [B, 1]
+    """
+
+    def __init__(self, loss, loss_weights=None, output_names=None):
+        self.output_names = list(output_names or [])
+        self._losses = self._per_output(loss, "loss")
+        weights = self._per_output(loss_weights, "loss_weights") if loss_weights is not None \
+            else [1.0] * len(self._losses)
+        self._weights = [1.0 if w is None else float(w) for w in weights]
+        self._objects = [None if l is None else _loss_object(l) for l in self._losses]
+        self._reductions = [None if o is None else o.reduction for o in self._objects]
+        # Per-element weighted losses: Keras's own objects with reduction NONE.
+        self._elementwise = []
+        for obj in self._objects:
+            none = None if obj is None else copy.copy(obj)
+            if none is not None:
+                none.reduction = _NONE
+            self._elementwise.append(none)
+        if _NONE in self._reductions and len(self._losses) > 1:
+            raise ValueError("a loss with reduction NONE is supported for single-output "
+                             "models only (Keras then differentiates the sum of its vector)")
+
+    def _per_output(self, value, what):
+        if isinstance(value, dict):
+            unknown = set(value) - set(self.output_names)
+            if unknown:
+                raise ValueError(f"{what} names unknown outputs {sorted(unknown)}; the "
+                                 f"model's outputs are {self.output_names}")
+            return [value.get(n) for n in self.output_names]
+        if isinstance(value, (list, tuple)):
+            return list(value)
+        return [value] * max(1, len(self.output_names))
+
+    def _output(self, i):
+        """(elementwise Loss or None, reduction, loss weight) of output ``i``."""
+        j = 0 if len(self._objects) == 1 else i
+        return self._elementwise[j], self._reductions[j], self._weights[j]
+
+    def _flat(self, y_true, y_pred, sample_weight):
+        preds = tf.nest.flatten(y_pred)
+        if len(self._objects) not in (1, len(preds)):
+            raise ValueError(f"the model has {len(preds)} outputs but {len(self._objects)} losses")
+        if isinstance(y_true, dict) and not isinstance(y_pred, dict):
+            y_true = [y_true.get(n) for n in self.output_names]
+        trues = tf.nest.flatten(y_true) if len(preds) > 1 else [y_true]
+        if len(trues) != len(preds):
+            raise ValueError(f"got {len(trues)} label tensors for {len(preds)} outputs")
+        weights = tf.nest.flatten(sample_weight) if isinstance(sample_weight, (list, tuple, dict)) \
+            else [sample_weight] * len(preds)
+        return trues, preds, weights
+
+    def partial(self, y_true, y_pred, sample_weight=None) -> LossPartial:
+        """The additive pieces of a slice: labels, predictions and sample weights of its
+        rows (``y_true`` [B] or [B, 1] against ``y_pred`` [B, 1] alike, as in Keras)."""
+        trues, preds, weights = self._flat(y_true, y_pred, sample_weight)
+        sums, counts, rows, outputs = [], [], None, []
+        for i, (y_t, y_p, sw) in enumerate(zip(trues, preds, weights)):
+            obj = self._output(i)[0]
+            if obj is None or y_t is None:  # Keras: an output may have no loss
+                continue
+            outputs.append(i)
+            y_t, y_p, sw = match_dtype_and_rank(tf.convert_to_tensor(y_t), y_p,
+                                                None if sw is None else tf.convert_to_tensor(sw))
+            elements = tf.cast(obj(y_t, y_p, sample_weight=sw), tf.float32)
+            sums.append(tf.reduce_sum(elements))
+            counts.append(tf.cast(tf.size(elements), tf.float32))
+            if rows is None:
+                rows = tf.cast(tf.shape(y_t)[0], tf.float32)
+        if rows is None:
+            raise ValueError("no output has both a loss and labels")
+        return LossPartial(sums, counts, rows, outputs)
+
+    def combine(self, partial: LossPartial, summed: tf.Tensor,
+                regularization: Optional[tf.Tensor] = None) -> LossTotals:
+        """Global coefficients and value from ``summed`` = the sum over all slices of
+        :meth:`LossPartial.stacked` (float32[2 * outputs + 1]); ``partial`` is this
+        slice's (for the output indices); ``regularization`` is ``sum(model.losses)``
+        (identical on every rank) or None."""
+        n = len(partial.outputs)
+        sums, counts, rows = tf.unstack(summed[:n]), tf.unstack(summed[n:2 * n]), summed[-1]
+        active = [self._output(i) for i in partial.outputs]
+        coefficients = []
+        for (_, reduction, weight), count in zip(active, counts):
+            if reduction in _MEAN_LIKE:  # Keras's _safe_mean: 0 for an empty batch
+                coefficients.append(tf.math.divide_no_nan(tf.constant(weight), count))
+            else:
+                coefficients.append(tf.constant(weight))
+        value = tf.add_n([c * s for c, s in zip(coefficients, sums)])
+        reg = tf.constant(0.0) if regularization is None else tf.cast(regularization, tf.float32)
+        if active[0][1] == _NONE:
+            # Keras's total is the vector w*l + reg: its gradient is that of its sum, and
+            # its Mean metric adds sum(vector) * rows over count * rows per batch.
+            count = counts[0]
+            return LossTotals(coefficients, count, tf.math.divide_no_nan(value + count * reg, count),
+                              rows * count)
+        return LossTotals(coefficients, tf.constant(1.0), value + reg, rows)
