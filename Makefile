@@ -53,11 +53,24 @@ test: setup
 
 # The main job: DLRM on Criteo-profile synthetic data (teacher labels), NP workers;
 # trains, evaluates, checkpoints and exports under runs/main (started afresh each time).
+# HOSTS=2 (or more) runs the NP workers on emulated hosts instead (tf_fusedemb.testing.cluster,
+# needs root): HOSTS hosts x NP/HOSTS ranks, each host's link LINK_MBIT Mbit/s, e.g.
+# `make train HOSTS=2` (2 x 1) or `make train HOSTS=2 NP=4 LINK_MBIT=300` (2 x 2).
 RUN_DIR ?= runs/main
 TRAIN_ARGS ?= --model dlrm --data synthetic --steps 300 --batch-size 1024
+HOSTS ?= 1
+LINK_MBIT ?= 1000
+ifeq ($(HOSTS),1)
+TRAIN_LAUNCH = $(VENV)/bin/horovodrun -np $(NP) --gloo -H localhost:$(NP)
+else
+RANKS_PER_HOST = $(shell echo $$(( $(NP) / $(HOSTS) )))
+TRAIN_LAUNCH = $(if $(filter 0,$(shell echo $$(( $(NP) % $(HOSTS) )))),,$(error NP=$(NP) is \
+	not a multiple of HOSTS=$(HOSTS)))$(PY) -m tf_fusedemb.testing.cluster --hosts $(HOSTS) \
+	--ranks-per-host $(RANKS_PER_HOST) --link-mbit $(LINK_MBIT) --
+endif
 train: setup
 	rm -rf $(RUN_DIR)
-	$(VENV)/bin/horovodrun -np $(NP) --gloo -H localhost:$(NP) $(PY) -m tf_fusedemb.train \
+	$(TRAIN_LAUNCH) $(PY) -m tf_fusedemb.train \
 		$(TRAIN_ARGS) --checkpoint-dir $(RUN_DIR)/ckpt --export-dir $(RUN_DIR)/export \
 		--log-dir $(RUN_DIR)/tensorboard
 
@@ -66,6 +79,30 @@ smoke: setup
 
 bench: setup
 	$(PY) -m tf_fusedemb.benchmarks.ops --json
+
+# The op library built with AddressSanitizer + UndefinedBehaviorSanitizer into a separate
+# .so (loaded through TF_FUSEDEMB_OPS_LIBRARY), and the op tests run against it. Python and
+# TensorFlow are not instrumented: the sanitizer runtimes are preloaded, leak detection is
+# off (both leak by design), and any finding aborts the run with a non-zero status; pytest
+# captures at the sys level only (--capture=sys), so the sanitizer's report reaches stderr.
+SAN_DIR := build/sanitize
+SAN_LIB := $(SAN_DIR)/_fusedemb_ops_asan_ubsan.so
+SAN_TESTS ?= tests/test_segment_unique.py tests/test_rankwise_sort.py tests/test_category_hash.py \
+	tests/test_recovery.py tests/test_ops_loading.py tests/test_hostile_ops.py
+SAN_CXXFLAGS := -shared -fPIC -O1 -g -std=c++17 -fsanitize=address,undefined \
+	-fno-sanitize-recover=all -fno-omit-frame-pointer -Icustom_ops
+SAN_ENV = LD_PRELOAD="$$(g++ -print-file-name=libasan.so):$$(g++ -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1:detect_stack_use_after_return=1 \
+	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	TF_FUSEDEMB_OPS_LIBRARY=$(abspath $(SAN_LIB))
+.PHONY: sanitize
+sanitize: $(STAMP)
+	@mkdir -p $(SAN_DIR)
+	g++ $(SAN_CXXFLAGS) custom_ops/*.cc -o $(SAN_LIB) \
+		$$($(PY) -c "import tensorflow as tf; print(' '.join(tf.sysconfig.get_compile_flags() + tf.sysconfig.get_link_flags()))" 2>/dev/null)
+	$(SAN_ENV) $(PY) -c "from tf_fusedemb.ops import _loader; _loader.load_library(); \
+		print('sanitized op library loaded:', _loader.library_path())"
+	$(SAN_ENV) $(PY) -m pytest -q -rs -p no:cacheprovider --capture=sys --timeout=900 $(SAN_TESTS)
 
 clean:
 	rm -rf build tf_fusedemb/_fusedemb_ops.so *.egg-info

@@ -3,6 +3,8 @@
 // comparing that pair with each later pair that maps to the same key.
 #include <algorithm>
 #include <string>
+#include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "fusedemb_common.h"
@@ -23,10 +25,12 @@ class CategoryHashOp : public OpKernel {
     int category_bits = 0;
     while ((int64_t{1} << category_bits) < static_cast<int64_t>(categories_.size())) ++category_bits;
     if (id_bits_ < 0) id_bits_ = 63 - category_bits;
-    OP_REQUIRES(ctx, !packed_ || (id_bits_ >= 1 && id_bits_ + category_bits <= 63),
-                errors::InvalidArgument("id_bits = ", id_bits_, " leaves no room for ",
-                                        categories_.size(), " categories (needs ", category_bits,
-                                        " bits) in a non-negative int64"));
+    // Compared as id_bits <= 63 - category_bits: id_bits + category_bits could overflow int.
+    OP_REQUIRES(ctx, !packed_ || (id_bits_ >= 1 && id_bits_ <= 63 - category_bits),
+                errors::InvalidArgument("id_bits = ", id_bits_, " must lie in [1, ",
+                                        63 - category_bits, "] so that ", categories_.size(),
+                                        " categories (", category_bits,
+                                        " bits) and the IDs fit in a non-negative int64"));
     for (const std::string& name : categories_) tags_.push_back(CategoryTag(name));
   }
 
@@ -51,7 +55,7 @@ class CategoryHashOp : public OpKernel {
     std::vector<T> first_ids(n);
     std::vector<int32_t> first_segs(n), counts(n, 0);
     int64_t collisions = 0;
-    std::vector<std::pair<int32_t, int64_t>> seen;  // colliding pairs counted so far
+    PairSet seen;  // colliding pairs counted so far
     DenseIndexSet<int64_t> set;
     set.Reset(keys.data(), std::min<int64_t>(n, 1 << 16));
     for (int64_t i = 0; i < n; ++i) {
@@ -79,7 +83,7 @@ class CategoryHashOp : public OpKernel {
         first_ids[j] = ids[i];
         first_segs[j] = s;
       } else if ((first_segs[j] != s || static_cast<int64_t>(first_ids[j]) != id) &&
-                 IsFirstOccurrence(ids, seg, i, &seen)) {
+                 seen.insert({s, id}).second) {
         // A different pair behind the same key is a collision, counted once per pair.
         ++collisions;
       }
@@ -100,16 +104,16 @@ class CategoryHashOp : public OpKernel {
   }
 
  private:
-  // Collisions are rare, so the exact (category, id) set is only built for colliders.
-  static bool IsFirstOccurrence(const T* ids, const int32_t* seg, int64_t i,
-                                std::vector<std::pair<int32_t, int64_t>>* seen) {
-    const std::pair<int32_t, int64_t> pair(seg[i], static_cast<int64_t>(ids[i]));
-    for (const auto& p : *seen) {
-      if (p == pair) return false;
+  // Collisions are rare, so the exact (category, id) set is only built for colliders. A
+  // hash set, not a list: crafted input (x of a, x ^ tag(a) ^ tag(b) of b, for many x)
+  // makes every pair collide, and a linear scan per pair would be quadratic in n.
+  struct PairHash {
+    size_t operator()(const std::pair<int32_t, int64_t>& p) const {
+      return static_cast<size_t>(Mix64(static_cast<uint64_t>(p.second) ^
+                                       Mix64(static_cast<uint64_t>(p.first))));
     }
-    seen->push_back(pair);
-    return true;
-  }
+  };
+  using PairSet = std::unordered_set<std::pair<int32_t, int64_t>, PairHash>;
 
   std::vector<std::string> categories_;
   std::vector<uint64_t> tags_;

@@ -3,6 +3,8 @@
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
 
+#include "shape_fn_util.h"
+
 namespace tensorflow {
 namespace fusedemb {
 
@@ -24,9 +26,13 @@ REGISTER_OP("FusedEmb>CategoryHash")
     .Attr("id_bits: int = -1")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle ids, seg;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &ids));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &seg));
-      TF_RETURN_IF_ERROR(c->Merge(ids, seg, &ids));
+      TF_RETURN_IF_ERROR(InputWithRank(c, 0, 1, "ids", &ids));
+      TF_RETURN_IF_ERROR(InputWithRank(c, 1, 1, "segment_ids", &seg));
+      if (!c->Merge(ids, seg, &ids).ok()) {
+        return errors::InvalidArgument("ids and segment_ids must have the same length, got ",
+                                       c->DebugString(c->input(0)), " and ",
+                                       c->DebugString(c->input(1)));
+      }
       auto unknown = c->Vector(InferenceContext::kUnknownDim);
       c->set_output(0, unknown);
       c->set_output(1, unknown);

@@ -10,7 +10,12 @@ namespace tensorflow {
 namespace fusedemb {
 
 namespace {
-Status ReadNumRanks(const Tensor& t, int32_t* num_ranks) {
+// RankwiseSort allocates O(num_ranks) (its rank_splits output and one histogram row per
+// chunk), so a hostile num_ranks such as 2^31-1 would ask for ~24 GB and get the process
+// killed; no Horovod job comes near this bound.
+constexpr int32_t kMaxRanks = 1 << 20;
+
+Status ReadNumRanks(const Tensor& t, int32_t* num_ranks, int32_t max_ranks = INT32_MAX) {
   if (t.dims() != 0) {
     return errors::InvalidArgument("num_ranks must be a scalar, got shape ",
                                    t.shape().DebugString());
@@ -18,6 +23,10 @@ Status ReadNumRanks(const Tensor& t, int32_t* num_ranks) {
   *num_ranks = t.scalar<int32_t>()();
   if (*num_ranks <= 0) {
     return errors::InvalidArgument("num_ranks must be positive, got ", *num_ranks);
+  }
+  if (*num_ranks > max_ranks) {
+    return errors::InvalidArgument("num_ranks = ", *num_ranks, " exceeds the supported maximum ",
+                                   max_ranks);
   }
   return OkStatus();
 }
@@ -34,7 +43,7 @@ class RankwiseSortOp : public OpKernel {
     const int64_t n = keys_t.NumElements();
     OP_REQUIRES_OK(ctx, ValidateSplits(ctx->input(1), n, "segment_splits"));
     int32_t num_ranks;
-    OP_REQUIRES_OK(ctx, ReadNumRanks(ctx->input(2), &num_ranks));
+    OP_REQUIRES_OK(ctx, ReadNumRanks(ctx->input(2), &num_ranks, kMaxRanks));
     const T* keys = keys_t.flat<T>().data();
     auto splits = ctx->input(1).flat<int64_t>();
     const int64_t num_segments = splits.size() - 1;

@@ -2,6 +2,8 @@
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
 
+#include "shape_fn_util.h"
+
 namespace tensorflow {
 namespace fusedemb {
 
@@ -20,11 +22,11 @@ REGISTER_OP("FusedEmb>RankwiseSort")
     .Attr("T: {int32, int64}")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle keys, splits, ranks;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &keys));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &splits));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 0, &ranks));
+      TF_RETURN_IF_ERROR(InputWithRank(c, 0, 1, "keys", &keys));
+      TF_RETURN_IF_ERROR(InputWithRank(c, 1, 1, "segment_splits", &splits));
+      TF_RETURN_IF_ERROR(InputWithRank(c, 2, 0, "num_ranks", &ranks));
       DimensionHandle num_ranks;
-      TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(2, &num_ranks));
+      TF_RETURN_IF_ERROR(CountInput(c, 2, 1, "num_ranks", &num_ranks));
       c->set_output(0, keys);
       c->set_output(1, keys);
       c->set_output(2, c->Vector(num_ranks));
@@ -50,7 +52,7 @@ REGISTER_OP("FusedEmb>OwnerRank")
     .Attr("T: {int32, int64}")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle ranks;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &ranks));
+      TF_RETURN_IF_ERROR(InputWithRank(c, 1, 0, "num_ranks", &ranks));
       c->set_output(0, c->input(0));
       return absl::OkStatus();
     })

@@ -98,7 +98,9 @@ class RecoveryGatherOp : public OpKernel {
           for (int64_t i = b; i < e; ++i) {
             const int32_t r = sort_idx[inv[i]];
             rec[i] = r;
-            std::memcpy(out + i * d, rows + r * d, d * sizeof(T));
+            // D == 0: both buffers may be null, and memcpy(nullptr, ...) is UB even for
+            // 0 bytes (found by UBSan, `make sanitize`).
+            if (d > 0) std::memcpy(out + i * d, rows + r * d, d * sizeof(T));
           }
         });
   }

@@ -3,6 +3,8 @@
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
 
+#include "shape_fn_util.h"
+
 namespace tensorflow {
 namespace fusedemb {
 
@@ -19,8 +21,10 @@ REGISTER_OP("FusedEmb>RecoveryGather")
     .Attr("T: {float, double}")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle rows, inv;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &rows));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &inv));
+      ShapeHandle sort;
+      TF_RETURN_IF_ERROR(InputWithRank(c, 0, 2, "rows", &rows));
+      TF_RETURN_IF_ERROR(InputWithRank(c, 1, 1, "sort_indices", &sort));
+      TF_RETURN_IF_ERROR(InputWithRank(c, 2, 1, "unique_inverse", &inv));
       c->set_output(0, c->Matrix(c->Dim(inv, 0), c->Dim(rows, 1)));
       c->set_output(1, inv);
       return absl::OkStatus();
@@ -45,10 +49,15 @@ REGISTER_OP("FusedEmb>RecoveryPool")
     .Attr("combiners: list({'sum', 'mean', 'sqrtn'}) >= 1")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle rows, splits;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &rows));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &splits));
+      ShapeHandle rec, fsplits;
+      TF_RETURN_IF_ERROR(InputWithRank(c, 0, 2, "rows", &rows));
+      TF_RETURN_IF_ERROR(InputWithRank(c, 1, 1, "recover_indices", &rec));
+      TF_RETURN_IF_ERROR(InputWithRank(c, 2, 1, "pool_splits", &splits));
+      TF_RETURN_IF_ERROR(InputWithRank(c, 3, 1, "feature_pool_splits", &fsplits));
       DimensionHandle pooled;
-      TF_RETURN_IF_ERROR(c->Subtract(c->Dim(splits, 0), 1, &pooled));
+      if (!c->Subtract(c->Dim(splits, 0), 1, &pooled).ok()) {
+        return errors::InvalidArgument("pool_splits must have at least one element");
+      }
       c->set_output(0, c->Matrix(pooled, c->Dim(rows, 1)));
       return absl::OkStatus();
     })
@@ -75,9 +84,9 @@ REGISTER_OP("FusedEmb>RecoveryPoolGrad")
     .Attr("combiners: list({'sum', 'mean', 'sqrtn'}) >= 1")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle grad;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &grad));
+      TF_RETURN_IF_ERROR(InputWithRank(c, 0, 2, "grad", &grad));
       DimensionHandle m;
-      TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(4, &m));
+      TF_RETURN_IF_ERROR(CountInput(c, 4, 0, "num_rows", &m));
       c->set_output(0, c->Matrix(m, c->Dim(grad, 1)));
       return absl::OkStatus();
     })

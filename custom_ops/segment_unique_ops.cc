@@ -2,6 +2,8 @@
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
 
+#include "shape_fn_util.h"
+
 namespace tensorflow {
 namespace fusedemb {
 
@@ -18,8 +20,8 @@ REGISTER_OP("FusedEmb>SegmentUnique")
     .Attr("T: {int32, int64}")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle keys, splits;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &keys));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &splits));
+      TF_RETURN_IF_ERROR(InputWithRank(c, 0, 1, "keys", &keys));
+      TF_RETURN_IF_ERROR(InputWithRank(c, 1, 1, "segment_splits", &splits));
       c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
       c->set_output(1, splits);
       c->set_output(2, keys);

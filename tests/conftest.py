@@ -7,6 +7,14 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import pytest  # noqa: E402
 
+try:  # property tests (tests/test_hostile_*.py): deterministic, no example database, no deadline
+    from hypothesis import settings
+    settings.register_profile("ci", derandomize=True, database=None, deadline=None,
+                              print_blob=True)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+except ImportError:  # the property tests skip themselves without hypothesis
+    pass
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 

@@ -71,14 +71,14 @@ def test_main_job_runs_on_other_real_datasets(shared_data, model, data, path, ev
 
 @pytest.mark.timeout(900)
 def test_pipelined_main_job_equals_synchronous(tmp_path):
-    """``--pipeline dbp,fwp=4 --cluster`` (2 workers, with a mid-run checkpoint that
+    """``--pipeline dbp,fwp=4 --cluster-samples`` (2 workers, with a mid-run checkpoint that
     flushes the delayed rows) trains exactly like the synchronous loop: same final loss
     and evaluation to float tolerance."""
     base = ["-m", "tf_fusedemb.train", "--steps", "12", "--batch-size", "128", "--rows",
             "8000", "--checkpoint-every", "5"]
     sync = parse(horovodrun(base + ["--checkpoint-dir", str(tmp_path / "a")], 2, timeout=800))
     piped = parse(horovodrun(base + ["--checkpoint-dir", str(tmp_path / "b"), "--pipeline",
-                                     "dbp,fwp=4", "--cluster"], 2, timeout=800))
+                                     "dbp,fwp=4", "--cluster-samples"], 2, timeout=800))
     assert piped["alltoall_rounds_per_step"] == {"g0_d16_adagrad": 12.0}  # 3 per micro-batch
     assert piped["final_loss"] == pytest.approx(sync["final_loss"], rel=1e-5)
     assert piped["eval_logloss"] == pytest.approx(sync["eval_logloss"], rel=1e-5)

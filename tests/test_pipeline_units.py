@@ -8,8 +8,9 @@ import tf_keras
 
 from tf_fusedemb.layers import FusedEmbedding
 from tf_fusedemb.models import train_step
-from tf_fusedemb.pipeline import NestedPipeline, PipelineOptions, keysets
-from tf_fusedemb.pipeline.micro_batches import micro_batch_slices, slice_rows
+from tf_fusedemb.pipeline import NestedPipeline, PipelineOptions
+from tf_fusedemb.training import keysets
+from tf_fusedemb.training.micro_batches import micro_batch_slices, slice_rows
 from tf_fusedemb.training.tracing import RankInvariantFunction, relaxed_spec
 from tf_fusedemb.specs import FeatureSpec, InitializerSpec, OptimizerSpec, TableSpec
 

@@ -129,6 +129,16 @@ class OptimizerSpec:
     @classmethod
     def adam(cls, learning_rate: float, beta1: float = 0.9, beta2: float = 0.999,
              epsilon: float = 1e-7) -> "OptimizerSpec":
+        """Lazy (row-wise) Adam: Keras's Adam formula (``tf_keras.optimizers.Adam``, same
+        defaults) applied to the rows a batch touched only, with the bias correction of
+        the table's step counter (one step per batch).
+
+        How it differs from Keras's Adam on an ``Embedding``: Keras keeps updating every
+        row at every step (untouched rows still move by their decaying momentum ``m``);
+        here an untouched row and its ``m``/``v`` stay exactly as they are (as in
+        tensorflow_addons' LazyAdam and TFRA/SOK sparse Adam). Training equals Keras's
+        Adam when every row is touched at every step, and otherwise differs by design
+        (tested against Keras's formula on the touched rows)."""
         return cls("adam", learning_rate, {"beta1": beta1, "beta2": beta2, "epsilon": epsilon})
 
     @classmethod

@@ -29,6 +29,7 @@ from tf_fusedemb.models import fused_embedding_layers  # noqa: E402
 from tf_fusedemb.pipeline import NestedPipeline, PipelineOptions, cluster_dataset  # noqa: E402
 from tf_fusedemb.training import job  # noqa: E402
 from tf_fusedemb.training import KerasLoss, train_step  # noqa: E402
+from tf_fusedemb.training import faults  # noqa: E402
 from tf_fusedemb.training.checkpoint import CheckpointManager  # noqa: E402
 from tf_fusedemb.training.tracing import RankInvariantFunction  # noqa: E402
 
@@ -43,6 +44,7 @@ def parse_args(argv=None):
                    help="instead of --steps: passes over the synthetic/real training rows")
     p.add_argument("--batch-size", type=int, default=1024, help="per rank")
     p.add_argument("--rows", type=int, default=200_000, help="synthetic training rows")
+    p.add_argument("--eval-rows", type=int, default=20_000, help="synthetic held-out rows")
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
@@ -54,7 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--pipeline", default=None,
                    help="NestPipe/EmbRace pipelining, e.g. 'dbp,fwp=4' (dual-buffer prefetch "
                         "with vertical scheduling, 4 micro-batches); default synchronous")
-    p.add_argument("--cluster", action="store_true",
+    p.add_argument("--cluster-samples", action="store_true",
                    help="key-centric sample clustering of each batch for the pipeline's "
                         "micro-batches (tf.data, asynchronous)")
     p.add_argument("--export-only", action="store_true", help=argparse.SUPPRESS)
@@ -63,8 +65,8 @@ def parse_args(argv=None):
         args.pipeline = PipelineOptions.parse(args.pipeline) if args.pipeline else None
     except ValueError as e:
         p.error(str(e))
-    if args.cluster and (args.pipeline is None or args.pipeline.micro_batches == 1):
-        p.error("--cluster needs --pipeline with micro-batches, e.g. --pipeline dbp,fwp=4")
+    if args.cluster_samples and (args.pipeline is None or args.pipeline.micro_batches == 1):
+        p.error("--cluster-samples needs --pipeline with micro-batches, e.g. --pipeline dbp,fwp=4")
     if args.epochs is not None:
         args.steps = max(1, int(args.epochs * args.rows / (args.batch_size * max(
             1, int(os.environ.get("HOROVOD_SIZE", "1"))))))
@@ -74,8 +76,8 @@ def parse_args(argv=None):
 def build(args, comm):
     train, evaluation, kinds, dense = job.make_data(
         args.data, args.data_path, args.batch_size, comm.rank, comm.size, rows=args.rows,
-        seed=args.seed)
-    if args.cluster:  # reorders samples inside each batch only (NestPipe V-C)
+        eval_rows=args.eval_rows, seed=args.seed)
+    if args.cluster_samples:  # reorders samples inside each batch only (NestPipe V-C)
         train = cluster_dataset(train, sorted(kinds), args.pipeline.micro_batches)
     model = job.make_model(args.model, kinds, dense, dim=args.dim, lr=args.lr)
     x0, _ = next(iter(evaluation))
@@ -123,8 +125,10 @@ def train(args):
     model, train_ds, evaluation, kinds, dense = build(args, comm)
     optimizer = tf_keras.optimizers.Adagrad(args.lr)
     loss_fn = KerasLoss(tf_keras.losses.BinaryCrossentropy(from_logits=True))
-    manager = CheckpointManager(args.checkpoint_dir, model, optimizer) \
-        if args.checkpoint_dir else None
+    # Rank 0's running training AUC is checkpointed too: a resumed run reports the same.
+    auc = tf_keras.metrics.AUC(num_thresholds=2000)
+    manager = CheckpointManager(args.checkpoint_dir, model, optimizer,
+                                extra={"train_auc": auc}) if args.checkpoint_dir else None
     start = 0
     if manager is not None and manager.latest():
         start = manager.restore()["state"]["data_position"]
@@ -132,10 +136,7 @@ def train(args):
     # No AutoGraph: the step has no tensor-dependent Python control flow, and converting
     # all of tf_keras under it makes the first trace ~10x slower.
     # Traced once with unknown batch dimensions: the same graph on every rank.
-    def sync_step(x, y):
-        result = train_step(model, x, y, loss_fn, optimizer)
-        return result.loss, result.weight, result.predictions
-    step_fn = RankInvariantFunction(sync_step)
+    step_fn = RankInvariantFunction(lambda x, y: train_step(model, x, y, loss_fn, optimizer))
     pipeline = NestedPipeline(model, loss_fn, optimizer, args.pipeline) \
         if args.pipeline else None
     layers = fused_embedding_layers(model)
@@ -143,7 +144,6 @@ def train(args):
     writer = tf.summary.create_file_writer(args.log_dir) if rank0 and args.log_dir else None
     bar = tf_keras.utils.Progbar(args.steps, stateful_metrics=["auc", "samples/s"]) \
         if rank0 else None
-    auc = tf_keras.metrics.AUC(num_thresholds=2000)
     timed, timed_samples = 0.0, 0
     counters_before = [layer.comm_counters() for layer in layers]
     upcoming = next(batches) if start < args.steps else None
@@ -151,11 +151,13 @@ def train(args):
         x, y = upcoming
         upcoming = next(batches) if step + 1 < args.steps else None
         begin = time.perf_counter()
-        if pipeline is None:
-            loss, _, logits = step_fn(x, y)
-        else:  # routes and retrieves the next batch during this step
-            loss, logits = pipeline.step(x, y, None if upcoming is None else upcoming[0])
-        loss = float(loss)
+        faults.inject("step", step + 1, comm.rank)  # tests only: TF_FUSEDEMB_FAULT
+        with comm.watch(f"training step {step + 1}"):  # a lost peer: named, no hang
+            if pipeline is None:
+                loss, _, logits = step_fn(x, y)
+            else:  # routes and retrieves the next batch during this step
+                loss, _, logits = pipeline.step(x, y, None if upcoming is None else upcoming[0])
+            loss = float(loss)
         elapsed = time.perf_counter() - begin
         if step >= start + 3:  # after tracing and warm-up
             timed += elapsed
@@ -191,7 +193,8 @@ def train(args):
               "alltoall_rounds_per_step": {
                   g: (c[g]["rounds"] - b[g]["rounds"]) / max(1, args.steps - start)
                   for b, c in zip(counters_before, counters) for g in c}}
-    result.update(evaluate(model, evaluation, comm))
+    with comm.watch("evaluation"):
+        result.update(evaluate(model, evaluation, comm))
     if writer:
         log_scalars(writer, args.steps, {k: result[k] for k in ("eval_auc", "eval_logloss")})
     if args.export_dir and rank0:
@@ -221,6 +224,8 @@ def export_only(args):
     comm = get_communicator()
     model, _, evaluation, kinds, dense = build(args, comm)
     meta = CheckpointManager(args.checkpoint_dir, model).restore()
+    if meta is None:
+        raise SystemExit(f"export: no complete checkpoint in {args.checkpoint_dir}")
     x, _ = next(iter(evaluation))
     trained = model(x, training=False).numpy()
     export_saved_model(model, args.export_dir, kinds, dense_features=dense)

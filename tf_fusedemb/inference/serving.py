@@ -22,6 +22,7 @@ class ServingGroup(tf.Module):
     def __init__(self, lookup):
         super().__init__(name=f"serving_{lookup.group.name}")
         self.group = lookup.group
+        self.key_mode, self.table_names = lookup.key_mode, lookup.table_names  # input checks
         self._feature_table = tf.constant(self.group.table_index, tf.int64)
         self._tags = tf.constant(np.array([hashing.category_tag(n) for n in lookup.table_names],
                                           np.uint64).view(np.int64))
@@ -36,6 +37,13 @@ class ServingGroup(tf.Module):
         tables, ids = lookup.key_metadata(keys)
         names = np.array(lookup.table_names)[tables] if len(keys) else np.array([], str)
         hashed = hashing.hashed_unified_keys(ids, names)
+        if not len(hashed):
+            # A group that never trained stores no row: every key reads its initial row.
+            # (A lookup table cannot be initialised from empty tensors, so one row whose
+            # key no lookup asks for stands in: index -1 is never stored.)
+            hashed = np.zeros([1], np.int64)
+            values = np.zeros([1, self.group.dim], np.float32)
+            self._empty = True
         self.rows = tf.Variable(values.reshape(-1, self.group.dim), trainable=False, name="rows")
         self.index = tf.lookup.StaticHashTable(tf.lookup.KeyValueTensorInitializer(
             tf.constant(hashed, tf.int64), tf.range(len(hashed), dtype=tf.int64)), -1)
@@ -46,13 +54,16 @@ class ServingGroup(tf.Module):
         mixed = tf.bitwise.bitwise_xor(ids, tf.gather(self._tags, table))
         keys = tf.bitcast(hashing.tf_mix64(mixed), tf.int64)
         pos = self.index.lookup(keys)
+        if getattr(self, "_empty", False):
+            pos = tf.fill(tf.shape(pos), tf.constant(-1, tf.int64))
         stored = tf.gather(self.rows, tf.maximum(pos, 0))
         fresh = init_rows(keys, self.group.dim, self.group.initializer)
         return tf.where((pos >= 0)[:, None], stored, fresh)
 
-    def __call__(self, flats, combiners):
+    def __call__(self, flats, combiners, context=None, record_statistics=False):
         """Same contract as ``GroupLookup.__call__``: per feature [B_f, dim] pooled or
-        [n_f, dim] one row per ID."""
+        [n_f, dim] one row per ID. ``context`` and ``record_statistics`` are ignored:
+        serving neither trains, prefetches nor counts."""
         outputs = []
         for f, flat, combiner in zip(range(len(flats)), flats, combiners):
             table = tf.fill(tf.shape(flat.ids), self._feature_table[f])

@@ -1,7 +1,7 @@
 """Keras (tf_keras) layers of tf_fusedemb."""
 from tf_fusedemb.layers.converter import from_keras_embeddings
 from tf_fusedemb.layers.fused_embedding import FusedEmbedding, fused_embedding_layers
-from tf_fusedemb.layers.recording import LookupRecord, record_lookups
+from tf_fusedemb.layers.lookup_context import LookupContext, LookupRecord, use_context
 
-__all__ = ["FusedEmbedding", "LookupRecord", "from_keras_embeddings", "fused_embedding_layers",
-           "record_lookups"]
+__all__ = ["FusedEmbedding", "LookupContext", "LookupRecord", "from_keras_embeddings",
+           "fused_embedding_layers", "use_context"]

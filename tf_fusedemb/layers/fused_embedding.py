@@ -7,6 +7,7 @@ import tf_keras
 
 from tf_fusedemb.comm import get_communicator
 from tf_fusedemb.layers.group_lookup import GroupLookup
+from tf_fusedemb.layers.lookup_context import NO_CONTEXT, LookupContext
 from tf_fusedemb.layers.inputs import flatten_feature, to_tensor
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FeatureSpec, FusionPlan, plan_fusion
@@ -50,6 +51,8 @@ class FusedEmbedding(tf_keras.layers.Layer):
         self._comm = communicator or get_communicator()
         self._check_same_plan_on_all_ranks()
         self.groups = [GroupLookup(g, self._comm, key_mode) for g in self.plan.groups]
+        # Installed by a training step for one forward pass (see lookup_context).
+        self.lookup_context = NO_CONTEXT
 
     def _check_same_plan_on_all_ranks(self):
         """Raises on every rank (no hang) when ranks were given different features/specs."""
@@ -94,19 +97,23 @@ class FusedEmbedding(tf_keras.layers.Layer):
             id_bits = hashing.default_id_bits(len(lookup.table_names))
         return [flatten_feature(f, inputs[f.name], id_bits) for f in lookup.group.features]
 
-    def route(self, inputs: Mapping[str, tf.Tensor]):
+    def route(self, inputs: Mapping[str, tf.Tensor], context: LookupContext = NO_CONTEXT):
         """Key routing of ``inputs`` ahead of the forward pass (used by pipelines): one
-        ``GroupLookup.route`` dict per group, in ``self.groups`` order."""
+        ``GroupLookup.route`` dict per group, in ``self.groups`` order; collective names
+        take ``context.suffix``."""
         self._check_inputs(inputs)
-        return [lookup.route(self._flatten(lookup, inputs)) for lookup in self.groups]
+        return [lookup.route(self._flatten(lookup, inputs), context) for lookup in self.groups]
 
-    def call(self, inputs: Mapping[str, tf.Tensor]):
+    def call(self, inputs: Mapping[str, tf.Tensor], training=None):
+        # Access statistics count training lookups (and direct calls), never those of
+        # evaluate/predict (training=False): eviction and reports must not see eval data.
+        record = training is not False
         self._check_inputs(inputs)
         outputs = {}
         for lookup in self.groups:
             feats = lookup.group.features
             flats = self._flatten(lookup, inputs)
-            embs = lookup(flats, [f.combiner for f in feats])
+            embs = lookup(flats, [f.combiner for f in feats], self.lookup_context, record)
             for spec, flat, emb in zip(feats, flats, embs):
                 outputs[spec.name] = _shape_output(spec, flat, emb)
         return outputs
@@ -160,7 +167,10 @@ def _shape_output(spec, flat, emb):
     if not spec.is_sequence:
         return emb
     if flat.dense_length is not None:
-        return tf.reshape(emb, [-1, flat.dense_length, spec.dim])
+        # The batch size is explicit: with -1, an empty [0, 0] input became [1, 0, dim] and
+        # [B, 0] for B > 0 failed (the size of -1 cannot be inferred from 0 elements).
+        shape = tf.stack([tf.cast(flat.batch_size, tf.int32), flat.dense_length, spec.dim])
+        return tf.reshape(emb, shape)
     ragged = tf.RaggedTensor.from_row_splits(emb, flat.row_splits, validate=False)
     return ragged.to_tensor(shape=[None, spec.max_len, spec.dim])
 

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from tf_fusedemb import ops
 from tf_fusedemb.comm import CommCounters
-from tf_fusedemb.layers import recording, staging
+from tf_fusedemb.layers.lookup_context import NO_CONTEXT, LookupContext
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FusedGroup
 from tf_fusedemb.storage.statistics import AccessStatistics
@@ -112,14 +112,14 @@ class GroupLookup(tf.Module):
         else:
             keys = hashing.hashed_unified_keys(ids, [table] * len(ids))
         self.table.load({"keys": keys, "values": rows})
-        self.stats.load(keys, np.zeros(len(ids), np.int64), segment, ids)
+        self.stats.register(keys, segment, ids)
 
     def hashed_keys(self, ids, segment_ids):
         """Plan-independent unified keys mix64(id ^ tag(table)): int64[n]."""
         mixed = tf.bitwise.bitwise_xor(tf.cast(ids, tf.int64), tf.gather(self._tags, segment_ids))
         return tf.bitcast(hashing.tf_mix64(mixed), tf.int64)
 
-    def route(self, flats):
+    def route(self, flats, context: LookupContext = NO_CONTEXT, record_statistics: bool = True):
         """Steps 1-5 of the lookup for ``flats``: fuse, segment unique, rankwise sort, the
         key AlltoAll and category hashing on the owner (access statistics recorded).
 
@@ -127,7 +127,7 @@ class GroupLookup(tf.Module):
         ``sort_indices`` int32[u] (I_s), ``unique_inverse`` int32[n] (I_u),
         ``recv_splits`` int32[N]; owner side ``keys`` int64[u_l] storage keys,
         ``init_keys`` int64[u_l] and ``inverse`` int32[m] (I_l, received order)."""
-        suffix = staging.name_suffix()
+        suffix = context.suffix
         lengths = tf.stack([tf.size(f.ids, out_type=tf.int64) for f in flats])
         splits = tf.concat([tf.zeros([1], tf.int64), tf.cumsum(lengths)], 0)
         ids = tf.concat([f.ids for f in flats], 0)
@@ -149,7 +149,8 @@ class GroupLookup(tf.Module):
             keys = hashed.lookup_keys
         init_keys = (hashed.lookup_keys if self.key_mode == "hashed"
                      else self.hashed_keys(hashed.lookup_ids, hashed.lookup_segment_ids))
-        self.stats.record(hashed, accesses)  # runs as a stateful op; gates nothing
+        if record_statistics:  # training accesses only: not evaluation or prediction
+            self.stats.record(hashed, accesses)  # runs as a stateful op; gates nothing
         return {"ids": ids, "sort_indices": srt.indices, "unique_inverse": uniq.inverse,
                 "recv_splits": recv_splits, "keys": keys, "init_keys": init_keys,
                 "inverse": hashed.inverse}
@@ -160,39 +161,37 @@ class GroupLookup(tf.Module):
         rows.set_shape([None, self.group.dim])  # collectives and tables lose the static dim
         return rows
 
-    def serve(self, routed, rows, flats, combiners):
+    def serve(self, routed, rows, flats, combiners, context: LookupContext = NO_CONTEXT):
         """Steps 7-8: rows back to the requesters (AlltoAll) and recovery per feature.
-        In a ``record_lookups`` block the owner's ``rows`` are watched and recorded."""
-        active = recording.active()
-        if active is not None:
-            tape, records = active
-            tape.watch(rows)
-            records.append(recording.LookupRecord(rows, routed["keys"], routed["init_keys"],
-                                                  self.table, None, self.group.name))
+        With a tape in ``context`` the owner's ``rows`` are watched and recorded."""
+        context.record(rows, routed["keys"], routed["init_keys"], self.table, self.group.name)
         served = tf.gather(rows, routed["inverse"])
         back, _ = self.comm.alltoall(served, routed["recv_splits"],
-                                     f"fusedemb/{self.group.name}/rows{staging.name_suffix()}",
+                                     f"fusedemb/{self.group.name}/rows{context.suffix}",
                                      self.counters)
         back.set_shape([None, self.group.dim])
         return ops.recover_features(back, routed["sort_indices"], routed["unique_inverse"],
                                     [f.row_splits for f in flats], combiners)
 
-    def __call__(self, flats, combiners):
+    def __call__(self, flats, combiners, context: LookupContext = NO_CONTEXT,
+                 record_statistics: bool = True):
         """Embeddings of the group's features.
 
         Args:
           flats: one ``FlatFeature`` per feature of the group, in group order.
           combiners: per feature 'sum' | 'mean' | 'sqrtn', or None for one row per ID.
+          context: the step's LookupContext (prepared lookups, names, recording).
+          record_statistics: count these accesses (False for evaluation/prediction).
         Returns:
           per feature float32[B_f, dim] (pooled) or float32[n_f, dim] (one row per ID).
         """
-        prepared = staging.prepared_for(self)
+        prepared = context.prepared_for(self)
         if prepared is None:
-            routed = self.route(flats)
-            return self.serve(routed, self.retrieve(routed), flats, combiners)
+            routed = self.route(flats, context, record_statistics)
+            return self.serve(routed, self.retrieve(routed), flats, combiners, context)
         ids = tf.concat([f.ids for f in flats], 0)
         return self.serve(prepared, self._check_prepared(prepared, ids)["rows"], flats,
-                          combiners)
+                          combiners, context)
 
     def _check_prepared(self, prepared, ids):
         """Fails clearly when the layer is called with other IDs than were prefetched."""

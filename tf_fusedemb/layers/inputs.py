@@ -16,22 +16,30 @@ class FlatFeature:
         return tf.shape(self.row_splits, out_type=tf.int64)[0] - 1
 
 
-def flatten_feature(spec: FeatureSpec, value) -> FlatFeature:
+def flatten_feature(spec: FeatureSpec, value, id_bits=None) -> FlatFeature:
     """int32/int64 ``[B]`` (one ID per sample), ``[B, L]`` (L IDs per sample, no padding),
     ``tf.RaggedTensor [B, None]`` or ``tf.SparseTensor [B, L]`` -> FlatFeature.
 
+    A SparseTensor may come in any index order (it is reordered); a pooled feature's
+    sample may have gaps between its columns, a sequence feature's may not (its IDs must
+    be left-aligned, columns 0..len-1); repeated or out-of-shape indices are errors.
+
     Raises ValueError naming the feature for a wrong dtype or rank; static-vocabulary
-    features get a run-time check that IDs lie in ``[0, vocabulary_size)``."""
+    features get a run-time check that IDs lie in ``[0, vocabulary_size)``, tables with
+    ``key_dtype="int32"`` one that IDs fit in int32, and ``id_bits`` (packed unified keys
+    of a dynamic table) one that IDs lie in ``[0, 2^id_bits)``."""
     name = spec.name
+    if value is None:
+        raise ValueError(f"feature '{name}': got None instead of a tensor of IDs")
     if isinstance(value, tf.SparseTensor):
-        value = tf.RaggedTensor.from_sparse(value)
+        value = _sparse_to_ragged(spec, value)
     if isinstance(value, tf.RaggedTensor):
         if value.ragged_rank != 1 or value.shape.rank != 2:
             raise ValueError(f"feature '{name}': a RaggedTensor input must be [B, None], got "
                              f"shape {value.shape} with ragged_rank {value.ragged_rank}")
         flat = FlatFeature(value.flat_values, tf.cast(value.row_splits, tf.int64))
     else:
-        value = tf.convert_to_tensor(value)
+        value = to_tensor(name, value)
         _check_dtype(name, value.dtype)
         if value.shape.rank == 1:
             n = tf.size(value, out_type=tf.int64)
@@ -45,9 +53,17 @@ def flatten_feature(spec: FeatureSpec, value) -> FlatFeature:
             raise ValueError(f"feature '{name}': expected a [B] or [B, L] tensor, a "
                              f"RaggedTensor or a SparseTensor, got shape {value.shape}")
     _check_dtype(name, flat.ids.dtype)
+    wide = flat.ids.dtype == tf.int64
     flat.ids = tf.cast(flat.ids, tf.int64)
     if spec.table.is_static:
         flat.ids = _check_range(name, flat.ids, spec.table.vocabulary_size)
+    elif id_bits is not None:
+        flat.ids = _check_range(name, flat.ids, 1 << id_bits,
+                                f"[0, 2^{id_bits}) of key_mode='packed'")
+    if wide and spec.table.key_dtype == "int32" and not spec.table.is_static:
+        int32 = tf.int32
+        flat.ids = _check_range(name, flat.ids, int32.max + 1, f"[{int32.min}, {int32.max}] "
+                                f"of its key_dtype='int32' table", low=int32.min)
     if spec.is_sequence and flat.dense_length is None:
         lengths = flat.row_splits[1:] - flat.row_splits[:-1]
         with tf.control_dependencies([tf.debugging.assert_less_equal(
@@ -63,12 +79,68 @@ def _check_dtype(name, dtype):
         raise ValueError(f"feature '{name}': IDs must be int32 or int64, got {dtype.name}")
 
 
-def _check_range(name, ids, vocabulary_size):
+def to_tensor(name, value):
+    """``value`` (a tensor, numpy array or Python list) as a tensor, or a ValueError naming
+    the feature (e.g. Python ints beyond int64, ragged nested lists, None)."""
+    if isinstance(value, (tf.Tensor, tf.RaggedTensor, tf.SparseTensor)):
+        return value
+    try:
+        return tf.convert_to_tensor(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"feature '{name}': cannot convert the input to a tensor of IDs "
+                         f"({e})") from e
+
+
+def _check_range(name, ids, limit, what=None, low=0):
+    what = what or f"[0, {limit}) of its static table"
     checks = [
-        tf.debugging.assert_non_negative(ids, message=f"feature '{name}': negative ID"),
-        tf.debugging.assert_less(ids, tf.constant(vocabulary_size, tf.int64),
-                                 message=f"feature '{name}': ID out of range "
-                                         f"[0, {vocabulary_size}) of its static table"),
+        tf.debugging.assert_less(ids, tf.constant(limit, tf.int64),
+                                 message=f"feature '{name}': ID out of range {what}"),
     ]
+    if low == 0:
+        checks.append(tf.debugging.assert_non_negative(
+            ids, message=f"feature '{name}': negative ID, out of range {what}"))
+    else:
+        checks.append(tf.debugging.assert_greater_equal(
+            ids, tf.constant(low, tf.int64), message=f"feature '{name}': ID out of range {what}"))
     with tf.control_dependencies(checks):
         return tf.identity(ids)
+
+
+def _sparse_to_ragged(spec, st):
+    """A SparseTensor [B, L] as a RaggedTensor [B, None] holding each sample's IDs in
+    column order. ``tf.RaggedTensor.from_sparse`` is not used: it silently assigns the
+    values of unordered indices to the wrong samples and its errors name no feature."""
+    name = spec.name
+    if st.shape.rank is not None and st.shape.rank != 2:
+        raise ValueError(f"feature '{name}': a SparseTensor input must be [B, L], got "
+                         f"shape {st.shape}")
+    _check_dtype(name, st.values.dtype)
+    prefix = f"feature '{name}': SparseTensor"
+    shape = st.dense_shape
+    rank_check = tf.debugging.assert_equal(tf.size(shape), 2, message=f"{prefix} must be [B, L]")
+    with tf.control_dependencies([rank_check]):  # before indices[:, 1] can fail unnamed
+        st = tf.sparse.reorder(tf.SparseTensor(tf.identity(st.indices), st.values, shape))
+    rows, cols = st.indices[:, 0], st.indices[:, 1]
+    # After reorder, a repeated index is equal to its predecessor.
+    repeated = tf.reduce_any(tf.logical_and(tf.equal(rows[1:], rows[:-1]),
+                                            tf.equal(cols[1:], cols[:-1])))
+    checks = [
+        tf.debugging.assert_non_negative(st.indices, message=f"{prefix} has a negative index"),
+        tf.debugging.assert_less(rows, shape[0], message=f"{prefix} has a row index >= B"),
+        tf.debugging.assert_less(cols, shape[1], message=f"{prefix} has a column index >= L"),
+        tf.debugging.assert_equal(repeated, False, message=f"{prefix} has a repeated index"),
+    ]
+    with tf.control_dependencies(checks):  # before the row ids index anything
+        rows = tf.identity(rows)
+    ragged = tf.RaggedTensor.from_value_rowids(st.values, rows, nrows=shape[0], validate=False)
+    if not spec.is_sequence:
+        return ragged
+    # A sequence keeps positions: column j must be the sample's j-th ID (no gaps).
+    position = tf.range(tf.size(rows, out_type=tf.int64)) - tf.gather(ragged.row_splits, rows)
+    aligned = tf.debugging.assert_equal(
+        cols, position, message=f"{prefix} of a sequence feature must be left-aligned "
+                                "(columns 0..len-1 of each sample, no gaps)")
+    with tf.control_dependencies([aligned]):
+        return tf.RaggedTensor.from_row_splits(tf.identity(ragged.flat_values),
+                                               ragged.row_splits, validate=False)

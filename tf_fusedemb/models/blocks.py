@@ -119,12 +119,22 @@ def select_features(features: Mapping, names: Sequence[str], owner: str) -> dict
 def dense_matrix(features: Mapping, names: Sequence[str], owner: str = "model") -> tf.Tensor:
     """Dense features float[B] (or [B, 1]) each -> float32[B, len(names)], in ``names`` order."""
     columns = select_features(features, names, owner)
-    out = []
+    out, batch = [], None
     for n in names:
-        x = tf.convert_to_tensor(columns[n])
+        try:
+            x = tf.convert_to_tensor(columns[n])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{owner}: dense feature {n!r} is not a numeric tensor ({e})") from e
+        if not (x.dtype.is_floating or x.dtype.is_integer or x.dtype == tf.bool):
+            raise ValueError(f"{owner}: dense feature {n!r} must be numeric, got {x.dtype.name}")
         if x.shape.rank not in (None, 1, 2) or (x.shape.rank == 2 and x.shape[1] not in (None, 1)):
             raise ValueError(f"{owner}: dense feature {n!r} must be [B] or [B, 1], got shape "
                              f"{x.shape}")
+        if x.shape.rank and x.shape[0] is not None:
+            if batch is not None and x.shape[0] != batch[1]:
+                raise ValueError(f"{owner}: dense feature {n!r} has batch size {x.shape[0]} but "
+                                 f"dense feature {batch[0]!r} has {batch[1]}")
+            batch = batch or (n, x.shape[0])
         out.append(tf.reshape(tf.cast(x, tf.float32), [-1, 1]))
     return tf.concat(out, axis=1)
 

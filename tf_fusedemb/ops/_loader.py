@@ -2,6 +2,9 @@
 
 The library is loaded on the first call of an op wrapper, never at import, so
 ``import tf_fusedemb`` stays cheap and works before the library is built.
+
+``TF_FUSEDEMB_OPS_LIBRARY=/path/to/lib.so`` loads another build of the same ops instead,
+e.g. the AddressSanitizer/UBSan build of ``make sanitize``.
 """
 import os
 import threading
@@ -10,6 +13,7 @@ import tensorflow as tf
 
 LIBRARY_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                             "_fusedemb_ops.so")
+LIBRARY_ENV = "TF_FUSEDEMB_OPS_LIBRARY"
 OP_NAMES = ("SegmentUnique", "RankwiseSort", "OwnerRank", "CategoryHash",
             "RecoveryGather", "RecoveryPool", "RecoveryPoolGrad")
 
@@ -22,17 +26,23 @@ def is_loaded():
     return _library is not None
 
 
+def library_path():
+    """The library to load: ``$TF_FUSEDEMB_OPS_LIBRARY`` if set, else the built-in one."""
+    return os.environ.get(LIBRARY_ENV) or LIBRARY_PATH
+
+
 def load_library():
     """Loads the op library once (thread-safe) and returns its module of raw ops."""
     global _library
     if _library is None:
         with _lock:
             if _library is None:
-                if not os.path.exists(LIBRARY_PATH):
-                    raise FileNotFoundError(
-                        f"tf_fusedemb op library not found at {LIBRARY_PATH}; build it with "
-                        "`make setup` or `python setup.py build_ext --inplace`")
-                _library = tf.load_op_library(LIBRARY_PATH)
+                path = library_path()
+                if not os.path.exists(path):
+                    how = (f"unset {LIBRARY_ENV} or build it" if path != LIBRARY_PATH else
+                           "build it with `make setup` or `python setup.py build_ext --inplace`")
+                    raise FileNotFoundError(f"tf_fusedemb op library not found at {path}; {how}")
+                _library = tf.load_op_library(path)
     return _library
 
 

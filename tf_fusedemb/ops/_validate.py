@@ -18,11 +18,36 @@ def key_tensor(value, arg_name):
 
 
 def int_tensor(value, dtype, arg_name):
-    """``value`` cast to the integer ``dtype``; rejects floats, strings and bools."""
+    """``value`` cast to the integer ``dtype``; rejects floats, strings and bools.
+
+    A narrowing cast (int64 -> int32, uint64 -> int64, ...) is checked: a value outside
+    ``dtype``'s range raises InvalidArgumentError naming ``arg_name`` (eagerly for known
+    values, else when the graph runs) instead of wrapping around silently."""
     t = tf.convert_to_tensor(value)
     if not t.dtype.is_integer:
         raise invalid(f"{arg_name} must be an integer tensor, got {t.dtype.name}")
-    return tf.cast(t, dtype) if t.dtype != dtype else t
+    if t.dtype == dtype:
+        return t
+    below, above = t.dtype.min < dtype.min, t.dtype.max > dtype.max
+    if not (below or above):
+        return tf.cast(t, dtype)
+    message = (f"{arg_name} must fit in {dtype.name} [{dtype.min}, {dtype.max}]; got "
+               f"{t.dtype.name} values outside that range")
+    static = tf.get_static_value(t)
+    if static is not None:
+        if static.size and ((below and static.min() < dtype.min) or
+                            (above and static.max() > dtype.max)):
+            raise invalid(message)
+        return tf.cast(t, dtype)
+    checks = []
+    if below:
+        checks.append(tf.debugging.assert_greater_equal(
+            t, tf.constant(dtype.min, t.dtype), message=message))
+    if above:
+        checks.append(tf.debugging.assert_less_equal(
+            t, tf.constant(dtype.max, t.dtype), message=message))
+    with tf.control_dependencies(checks):
+        return tf.cast(t, dtype)
 
 
 def float_tensor(value, arg_name):

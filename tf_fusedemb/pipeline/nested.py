@@ -1,6 +1,7 @@
 """NestedPipeline: the fused training step with NestPipe's nested pipelining (dual-buffer
 prefetch across batches, frozen-window micro-batches inside a batch) and EmbRace's
-vertical sparse scheduling, computing exactly what ``tf_fusedemb.training.train_step`` does.
+vertical sparse scheduling, computing exactly what the synchronous ``tf_fusedemb.training.train_step`` does: it IS
+that step, run with the :class:`PrefetchSchedule` below.
 
 One ``tf.function`` per step t holds, as independent dataflow that TensorFlow's executor
 runs concurrently (Horovod collectives are asynchronous kernels):
@@ -31,12 +32,11 @@ import tensorflow as tf
 
 from tf_fusedemb.comm import get_communicator
 from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
-from tf_fusedemb.layers.recording import dense_gradient, record_lookups, row_gradient
-from tf_fusedemb.layers.staging import staged_lookups
-from tf_fusedemb.pipeline import keysets
-from tf_fusedemb.pipeline.micro_batches import batch_size_of, micro_batch_slices, slice_rows
+from tf_fusedemb.layers.lookup_context import LookupContext
 from tf_fusedemb.pipeline.options import PipelineOptions
-from tf_fusedemb.training.step import DENSE_GRADS, LOSS_STATS, as_keras_loss, regularization
+from tf_fusedemb.training import keysets
+from tf_fusedemb.training.micro_batches import micro_batch_slices, slice_rows
+from tf_fusedemb.training.step import Schedule, as_keras_loss, train_step
 from tf_fusedemb.training.tracing import RankInvariantFunction
 
 
@@ -75,27 +75,28 @@ class NestedPipeline:
         self._flush_fn = RankInvariantFunction(self._flush)
 
     # ------------------------------------------------------------------ public API
-    def step(self, x, y, next_x=None):
-        """One training step on this rank's batch ``(x, y)``.
+    def step(self, x, y, next_x=None, sample_weight=None):
+        """One training step on this rank's batch ``(x, y, sample_weight)``.
 
         Args:
-          x, y: this rank's slice of the global batch.
+          x, y, sample_weight: this rank's slice of the global batch.
           next_x: with prefetch, the next batch's features (None at the last step);
             they are routed and retrieved during this step. The next call must pass
             the same features as its ``x``.
         Returns:
-          (global mean loss float32 scalar, this rank's predictions).
+          a :class:`~tf_fusedemb.training.StepResult` (global loss, its weight in
+          Keras's running mean, this rank's predictions).
         """
         if not self.options.prefetch:
-            loss, pred, _, _ = self._step_fn(x, y, None, None, None)
-            return loss, pred
+            result, _, _ = self._step_fn(x, y, sample_weight, None, None, None)
+            return result
         if self._prepared is None:
             self._prepared = self._prefetch_fn(x)
         pending = self._pending if self._pending is not None else self._empty_pending()
-        loss, pred, prepared, self._pending = self._step_fn(x, y, self._prepared, pending,
-                                                            next_x)
+        result, prepared, self._pending = self._step_fn(x, y, sample_weight, self._prepared,
+                                                        pending, next_x)
         self._prepared = prepared if next_x is not None else None
-        return loss, pred
+        return result
 
     def flush(self):
         """Applies pending delayed row updates (call before reading or saving tables)."""
@@ -112,8 +113,8 @@ class NestedPipeline:
         while current is not None and (steps is None or done < steps):
             last = steps is not None and done + 1 >= steps
             upcoming = None if last else next(iterator, None)
-            x, y = current[0], current[1]
-            yield self.step(x, y, None if upcoming is None else upcoming[0])
+            result = self.step(current[0], current[1], None if upcoming is None else upcoming[0])
+            yield result.loss, result.predictions
             current, done = upcoming, done + 1
         self.flush()
 
@@ -133,14 +134,15 @@ class NestedPipeline:
     def _route(self, x):
         """Per micro-batch, per lookup: the route() dict of ``x``'s slice (DBP stage 3)."""
         routed = []
+        schedule = Schedule(self.options.micro_batches)
         bounds = micro_batch_slices(_features_batch_size(x, self.layers),
                                     self.options.micro_batches)
         for i, (lo, hi) in enumerate(bounds):
             xi = slice_rows(x, lo, hi)
-            with staged_lookups(None, self._suffix(i)):
-                routed.append([r for layer in self.layers
-                               for r in layer.route({f.name: _feature(xi, f.name, layer)
-                                                     for f in layer.features})])
+            context = LookupContext(suffix=schedule.suffix(i))
+            routed.append([r for layer in self.layers
+                           for r in layer.route({f.name: _feature(xi, f.name, layer)
+                                                 for f in layer.features}, context)])
         return routed
 
     def _retrieve(self, routed):
@@ -150,75 +152,62 @@ class NestedPipeline:
     def _prefetch(self, x):
         return self._retrieve(self._route(x))
 
-    def _suffix(self, i):
-        return f"/mb{i}" if self.options.micro_batches > 1 else ""
+    def _step(self, x, y, sample_weight, prepared, pending, next_x):
+        schedule = PrefetchSchedule(self, prepared, pending, next_x)
+        result = train_step(self.model, x, y, self.loss, self.optimizer, sample_weight,
+                            self.comm, schedule)
+        return result, schedule.synced, (schedule.new_pending or None)
 
-    def _step(self, x, y, prepared, pending, next_x):
-        opts, comm = self.options, self.comm
+
+class PrefetchSchedule(Schedule):
+    """NestPipe's DBP and FWP with EmbRace's vertical scheduling, for one traced step t.
+
+    The key routing of batch t+1 starts at once; after t's local backward, the delayed
+    row updates of t-1, then the retrieval of t+1's rows (which must see those writes);
+    per group, the coalesced gradients of K(B_t) ∩ K(B_t+1) (prior) are applied now and
+    their fresh rows overwrite the prefetch buffer's copies, the rest (delayed) in step
+    t+1. Results after tracing: ``synced`` (t+1's prepared lookups per micro-batch) and
+    ``new_pending`` (the delayed updates)."""
+
+    def __init__(self, pipeline: NestedPipeline, prepared, pending, next_x):
+        super().__init__(pipeline.options.micro_batches)
+        self.pipeline, self.options = pipeline, pipeline.options
+        self._prepared, self._pending = prepared, pending
         # DBP stage 3: t+1's key routing starts at once (its AlltoAll is small).
-        routed_next = self._route(next_x) if next_x is not None else None
-        local_n = batch_size_of(y)
-        # FWP: every micro-batch's forward first, then the backwards, so each one's
-        # collectives can be in flight while another computes.
-        tapes, partials, preds, all_records = [], [], [], []
-        reg = None
-        for i, (lo, hi) in enumerate(micro_batch_slices(local_n, opts.micro_batches)):
-            staged = None if prepared is None else {
-                id(g): p for g, p in zip(self.lookups, prepared[i])}
-            with staged_lookups(staged, self._suffix(i)), \
-                    tf.GradientTape() as tape, record_lookups(tape) as records:
-                pred = self.model(slice_rows(x, lo, hi), training=True)
-                partials.append(self.loss.partial(slice_rows(y, lo, hi), pred))
-                if i == 0:  # weight regularisers: once per batch, as in Keras
-                    reg = regularization(self.model)
-            tapes.append(tape)
-            preds.append(pred)
-            all_records.append(records)
-        summed = tf.add_n([p.stacked() for p in partials])
-        totals = self.loss.combine(partials[0], comm.allreduce_sum(summed, LOSS_STATS), reg)
-        dense_vars = list(self.model.trainable_variables)  # built by the first forward
-        dense_sum = [tf.zeros_like(v) for v in dense_vars]
-        parts = {id(g.table): [] for g in self.lookups}
-        for i, (tape, part, records) in enumerate(zip(tapes, partials, all_records)):
-            targets, scales = list(part.sums), list(totals.coefficients)
-            if i == 0 and reg is not None:
-                targets.append(reg)
-                scales.append(totals.regularization / comm.size)
-            grads = tape.gradient(targets, dense_vars + [r.rows for r in records],
-                                  output_gradients=scales)
-            dense_sum = [a + dense_gradient(g, v) for a, g, v in zip(dense_sum, grads, dense_vars)]
-            for r, g in zip(records, grads[len(dense_vars):]):
-                parts[id(r.table)].append((r.keys, row_gradient(g, r.rows), r.init_keys))
+        self._routed_next = pipeline._route(next_x) if next_x is not None else None  # pylint: disable=protected-access
+        self._next = None
+        self.synced = [[] for _ in range(len(self._routed_next or []))]
+        self.new_pending = []
+
+    def prepared(self, i):
+        if self._prepared is None:
+            return {}
+        return {id(g): p for g, p in zip(self.pipeline.lookups, self._prepared[i])}
+
+    def after_backward(self, done):
         # t-1's delayed rows, then DBP stage 4 (retrieval of t+1's rows, which must see
         # those writes), once t's local backward is computed: on shared cores they then
         # fill the time t's gradient and dense collectives are in flight instead of
         # competing with t's forward.
-        with tf.control_dependencies(dense_sum or [totals.value]):
-            delayed = self._apply_pending(pending) if pending is not None else []
-        nxt = None
-        if routed_next is not None:
-            with tf.control_dependencies([d for d in delayed if d is not None] + [totals.value]):
-                nxt = self._retrieve(routed_next)
-        if dense_vars:
-            dense = comm.allreduce_sum_list(dense_sum, DENSE_GRADS)
-            self.optimizer.apply_gradients(zip(dense, dense_vars))
-        updates, new_pending, synced = [], [], [[] for _ in range(len(nxt or []))]
-        for j, g in enumerate(self.lookups):
-            keys, grads, init = _coalesce(parts[id(g.table)], g.group.dim)
-            if nxt is None:
-                updates.append(g.table.apply_gradients(keys, grads, init))
-                continue
-            nxt_j = [mb[j] for mb in nxt]
-            up, pend, rows = self._apply_prior(g, keys, grads, init, nxt_j)
-            updates.append(up)
-            new_pending.append(pend)
-            for i, r in enumerate(rows):
-                synced[i].append(dict(nxt_j[i], rows=r))
-        pred = tf.concat(preds, 0) if len(preds) > 1 else preds[0]
-        return totals.value, pred, synced, (new_pending or None)
+        with tf.control_dependencies(done):
+            delayed = self.pipeline._apply_pending(self._pending) if self._pending else []  # pylint: disable=protected-access
+        if self._routed_next is not None:
+            with tf.control_dependencies([d for d in delayed if d is not None] + done):
+                self._next = self.pipeline._retrieve(self._routed_next)  # pylint: disable=protected-access
+
+    def apply_rows(self, lookup, keys, grads, init_keys):
+        if self._next is None:
+            lookup.table.apply_gradients(keys, grads, init_keys)
+            return
+        j = self.pipeline.lookups.index(lookup)
+        nxt_j = [mb[j] for mb in self._next]
+        pending, rows = self._apply_prior(lookup, keys, grads, init_keys, nxt_j)
+        self.new_pending.append(pending)
+        for i, r in enumerate(rows):
+            self.synced[i].append(dict(nxt_j[i], rows=r))
 
     def _apply_prior(self, g, keys, grads, init, nxt_j):
-        """Updates prior rows of one group now and returns (op, pending delayed part,
+        """Updates prior rows of one group now; returns (pending delayed part,
         synchronised prefetch rows per micro-batch of t+1)."""
         next_keys = tf.concat([p["keys"] for p in nxt_j], 0)
         step = g.table.advance_step()
@@ -232,25 +221,16 @@ class NestedPipeline:
         pk, pg, pi = (tf.boolean_mask(t, prior) for t in (keys, grads, init))
         if not self.options.sync_buffers:  # the stale variant: t+1 keeps pre-update rows
             with tf.control_dependencies([p["rows"] for p in nxt_j]):
-                op = g.table.apply_gradients(pk, pg, pi, step=step)
-            return op, pending, [p["rows"] for p in nxt_j]
-        op, new_rows = g.table.apply_gradients(pk, pg, pi, step=step, return_rows=True)
+                g.table.apply_gradients(pk, pg, pi, step=step)
+            return pending, [p["rows"] for p in nxt_j]
+        _, new_rows = g.table.apply_gradients(pk, pg, pi, step=step, return_rows=True)
         padded = tf.concat([new_rows, tf.zeros([1, g.group.dim])], 0)
         rows = []
         for p in nxt_j:  # dual-buffer synchronisation: fresh values of K(B_t) ∩ K(B_t+1)
             found, index = keysets.find_keys(p["keys"], pk)
             index = tf.where(found, index, tf.size(pk))
             rows.append(tf.where(found[:, None], tf.gather(padded, index), p["rows"]))
-        return op, pending, rows
-
-
-def _coalesce(parts, dim):
-    """One (keys, grads, init_keys) per group from its micro-batches' records."""
-    if not parts:  # the group's layer was not called: an empty update
-        return tf.zeros([0], tf.int64), tf.zeros([0, dim]), tf.zeros([0], tf.int64)
-    if len(parts) == 1:  # keys are unique already (the owner's lookup keys)
-        return parts[0]
-    return keysets.coalesce(*(tf.concat(list(c), 0) for c in zip(*parts)))
+        return pending, rows
 
 
 def _feature(x, name, layer):

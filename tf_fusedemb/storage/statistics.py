@@ -64,13 +64,25 @@ class AccessStatistics(tf.Module):
         cats, ids = (t.numpy() for t in self.key_metadata(keys))
         return {"keys": keys, "counts": counts, "categories": cats, "ids": ids}
 
+    def register(self, keys, categories, ids):
+        """Records the (category, ID) behind stored ``keys`` (int64[u], int64[u],
+        int64[u]) with no access: rows written by a restore or a weight import carry
+        their identity with them, so the table and its metadata stay one unit (eager)."""
+        if len(keys) == 0:
+            return
+        keys = tf.constant(keys, tf.int64)
+        self._counts.insert(keys, self._counts.lookup(keys))
+        self._ids.insert(keys, tf.constant(ids, tf.int64))
+        self._cats.insert(keys, tf.constant(categories, tf.int64))
+
     def load(self, keys, counts, categories, ids):
         """Adds per-key statistics (e.g. this rank's share of a checkpoint); category
         totals are recomputed from them, so resharding loses no count (eager)."""
+        if len(keys) == 0:
+            return
+        self.register(keys, categories, ids)
         keys = tf.constant(keys, tf.int64)
         self._counts.insert(keys, self._counts.lookup(keys) + tf.constant(counts, tf.int64))
-        self._ids.insert(keys, tf.constant(ids, tf.int64))
-        self._cats.insert(keys, tf.constant(categories, tf.int64))
         self.category_counts.assign_add(tf.math.unsorted_segment_sum(
             tf.constant(counts, tf.int64), tf.constant(categories, tf.int32),
             len(self.categories)))

@@ -10,9 +10,11 @@ Layout of ``<dir>/ckpt-<step>/``:
 
 Atomicity: everything is written into ``ckpt-<step>.tmp`` first; after a barrier rank 0
 writes meta.json, renames the directory into place and replaces ``latest`` with
-``os.replace``. An interrupted save leaves at most a ``.tmp`` directory and never touches
-the last good checkpoint. The directory must be shared by all ranks (one host, or a
-shared filesystem).
+``os.replace``. An interrupted save (an exception, or a rank killed half-way) leaves at
+most a ``.tmp`` directory and never touches the last good checkpoint; the next save
+removes such debris. The directory must be shared by all ranks (one host, or a shared
+filesystem). A rank lost during a save makes the others raise PeerLostError naming it
+(comm/watchdog.py) instead of waiting at the save's barrier.
 
 Restore onto M ranks: every rank reads all N shards and keeps the rows it owns under M
 (owner = mix64(raw ID) mod M, the rule of rankwise_sort), so no key and no slot is lost.
@@ -27,6 +29,7 @@ import tensorflow as tf
 from tf_fusedemb.comm import get_communicator
 from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
 from tf_fusedemb.ops import hashing
+from tf_fusedemb.training import faults
 
 LATEST = "latest"
 
@@ -39,35 +42,46 @@ class CheckpointManager:
       model: the Keras model (its FusedEmbedding layers are found recursively).
       optimizer: the dense optimizer (its variables are saved with the dense weights).
       max_to_keep: complete checkpoints kept; older ones are deleted after a save.
+      extra: {name: trackable} saved with the dense weights (rank 0's values, restored on
+        every rank), e.g. the state of a running training metric, so that a resumed run
+        reports what an uninterrupted one would.
     """
 
-    def __init__(self, directory, model, optimizer=None, max_to_keep=3, communicator=None):
+    def __init__(self, directory, model, optimizer=None, max_to_keep=3, communicator=None,
+                 extra=None):
         self.directory = directory
         self.comm = communicator or get_communicator()
         self.layers = fused_embedding_layers(model)
         self.groups = [(li, g) for li, layer in enumerate(self.layers) for g in layer.groups]
         embedding_vars = {id(v) for _, g in self.groups for v in g.variables}
         dense = [v for v in model.variables if id(v) not in embedding_vars]
-        self._dense = tf.train.Checkpoint(dense=dense, optimizer=optimizer) if optimizer \
-            else tf.train.Checkpoint(dense=dense)
+        trackables = dict(extra or {}, dense=dense)
+        if optimizer:
+            trackables["optimizer"] = optimizer
+        self._dense = tf.train.Checkpoint(**trackables)
         self.max_to_keep = max_to_keep
 
     # ---- save -------------------------------------------------------------------------
     def save(self, step, state=None):
         """Writes checkpoint ``step`` (all ranks must call it); returns its path."""
-        final = os.path.join(self.directory, f"ckpt-{int(step)}")
+        with self.comm.watch(f"checkpoint save {int(step)}"):
+            return self._save(int(step), state)
+
+    def _save(self, step, state):
+        final = os.path.join(self.directory, f"ckpt-{step}")
         tmp = final + ".tmp"
         if self.comm.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            self._remove_debris()
             os.makedirs(tmp)
         self._barrier("ckpt_mkdir")
-        np.savez(os.path.join(tmp, f"shard-{self.comm.rank}-of-{self.comm.size}.npz"),
-                 **self._export_shards())
+        shard = os.path.join(tmp, f"shard-{self.comm.rank}-of-{self.comm.size}.npz")
+        np.savez(shard, **self._export_shards())
+        faults.inject("save", step, self.comm.rank, partial_file=shard)  # tests only
         if self.comm.rank == 0:
             self._dense.write(os.path.join(tmp, "dense"))
         self._barrier("ckpt_written")
         if self.comm.rank == 0:
-            meta = {"step": int(step), "world_size": self.comm.size, "state": state or {},
+            meta = {"step": step, "world_size": self.comm.size, "state": state or {},
                     "plans": [layer.plan.fingerprint() for layer in self.layers]}
             with open(os.path.join(tmp, "meta.json"), "w") as f:
                 json.dump(meta, f)
@@ -80,6 +94,18 @@ class CheckpointManager:
             self._prune()
         self._barrier("ckpt_done")
         return final
+
+    def _remove_debris(self):
+        """Removes what interrupted saves left (``ckpt-*.tmp``, ``latest.tmp``): no save
+        runs while all ranks are in this one."""
+        if not os.path.isdir(self.directory):
+            return
+        for name in os.listdir(self.directory):
+            path = os.path.join(self.directory, name)
+            if name.startswith("ckpt-") and name.endswith(".tmp"):
+                shutil.rmtree(path, ignore_errors=True)
+            elif name == LATEST + ".tmp":
+                os.remove(path)
 
     def _export_shards(self):
         arrays = {}
@@ -101,7 +127,8 @@ class CheckpointManager:
             shutil.rmtree(os.path.join(self.directory, f"ckpt-{s}"), ignore_errors=True)
 
     def _barrier(self, name):
-        self.comm.allreduce_sum(tf.constant(0, tf.int32), f"fusedemb/{name}").numpy()
+        with self.comm.watch(f"barrier fusedemb/{name}"):
+            self.comm.allreduce_sum(tf.constant(0, tf.int32), f"fusedemb/{name}").numpy()
 
     # ---- restore ----------------------------------------------------------------------
     def latest(self):
@@ -144,3 +171,6 @@ class CheckpointManager:
         stats = {k: merged("stats/" + k) for k in ("keys", "counts", "categories", "ids")}
         owned = hashing.owner_rank(stats["ids"], self.comm.size) == self.comm.rank
         g.stats.load(*(stats[k][owned] for k in ("keys", "counts", "categories", "ids")))
+        # The rows' (table, ID) come from the rows' own arrays, last: a restored row can
+        # never lack (or get another) identity, whatever the access statistics hold.
+        g.stats.register(rows["keys"], merged("tables")[mine], ids[mine])

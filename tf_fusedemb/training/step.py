@@ -1,4 +1,4 @@
-"""The synchronous training and evaluation steps of a model with FusedEmbedding layers.
+"""The one training step of a model with FusedEmbedding layers, and its evaluation step.
 
 Correctness contract: with N ranks each holding a slice of the global batch, one step
 computes exactly what ``tf_keras.Model.fit`` computes for the global batch in one process
@@ -12,28 +12,67 @@ computes exactly what ``tf_keras.Model.fit`` computes for the global batch in on
 * dense gradients are summed over ranks (one grouped AllReduce: EmbRace's hybrid scheme);
 * embedding-row gradients are summed over requesting ranks by the gradient AlltoAll and
   applied by each group's row optimizer to the touched rows on their owner.
+
+A :class:`Schedule` decides only *when* parts of the step run (NestPipe Section VI): how
+many micro-batches (FWP), which lookups were prepared ahead (DBP), what runs once the
+local backward is done, and how the row updates are split (EmbRace). The synchronous
+step is :class:`Schedule` itself; ``tf_fusedemb.pipeline`` provides the pipelined one.
 """
-import dataclasses
-from typing import Optional
+from typing import List, NamedTuple, Optional
 
 import tensorflow as tf
 
 from tf_fusedemb.comm import get_communicator
-from tf_fusedemb.layers.recording import dense_gradient, record_lookups, row_gradient
+from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
+from tf_fusedemb.layers.lookup_context import (LookupContext, dense_gradient, row_gradient,
+                                               use_context)
+from tf_fusedemb.training import keysets
 from tf_fusedemb.training.loss import KerasLoss, LossTotals
+from tf_fusedemb.training.micro_batches import batch_size_of, micro_batch_slices, slice_rows
 
 LOSS_STATS = "fusedemb/loss_stats"
 DENSE_GRADS = "fusedemb/dense_grads"
 
 
-@dataclasses.dataclass
-class StepResult:
-    """What a step returns: ``loss`` float32 scalar (the global batch's loss, as Keras
-    reports it per batch), ``weight`` (its weight in Keras's running ``loss`` Mean: the
-    global batch's rows) and this rank's ``predictions``."""
+class StepResult(NamedTuple):
+    """What a step returns (a tuple, so traced functions can return it): ``loss`` float32
+    scalar (the global batch's loss, as Keras reports it per batch), ``weight`` (its
+    weight in Keras's running ``loss`` Mean: the global batch's rows) and this rank's
+    ``predictions``."""
     loss: tf.Tensor
     weight: tf.Tensor
     predictions: object
+
+
+class Schedule:
+    """The synchronous schedule (and the interface of pipelined ones): one micro-batch,
+    every lookup routed during the forward pass, every row update applied at once.
+
+    Args:
+      micro_batches: N, the rank's batch is split into N micro-batches whose forward and
+        backward (and collectives) are independent; gradients are applied once.
+    """
+
+    def __init__(self, micro_batches: int = 1):
+        self.micro_batches = micro_batches
+
+    def suffix(self, i: int) -> str:
+        """Collective-name suffix of micro-batch ``i`` (names must differ per micro-batch)."""
+        return f"/mb{i}" if self.micro_batches > 1 else ""
+
+    def prepared(self, i: int) -> dict:
+        """{id(GroupLookup): prepared lookup} of micro-batch ``i`` (none: route now)."""
+        del i
+        return {}
+
+    def after_backward(self, done: List[tf.Tensor]):
+        """Runs once every micro-batch's local backward is computed (``done``): a
+        pipeline's delayed writes and next-batch retrieval go here."""
+
+    def apply_rows(self, lookup, keys, grads, init_keys):
+        """Applies one group's coalesced row gradients (keys int64[u], grads
+        float32[u, dim], init_keys int64[u])."""
+        lookup.table.apply_gradients(keys, grads, init_keys)
 
 
 def as_keras_loss(loss, model=None) -> KerasLoss:
@@ -49,15 +88,16 @@ def regularization(model) -> Optional[tf.Tensor]:
     return tf.add_n([tf.cast(l, tf.float32) for l in losses]) if losses else None
 
 
-def loss_totals(loss: KerasLoss, partial, reg, comm) -> LossTotals:
-    """Sums ``partial`` over ranks (one AllReduce) and combines it (see KerasLoss)."""
-    summed = comm.allreduce_sum(partial.stacked(), LOSS_STATS)
-    return loss.combine(partial, summed, reg)
+def loss_totals(loss: KerasLoss, partials, reg, comm) -> LossTotals:
+    """Sums the slices' ``partials`` over micro-batches and ranks (one AllReduce) and
+    combines them (see KerasLoss)."""
+    summed = tf.add_n([p.stacked() for p in partials])
+    return loss.combine(partials[0], comm.allreduce_sum(summed, LOSS_STATS), reg)
 
 
-def train_step(model, x, y, loss, optimizer, sample_weight=None,
-               communicator=None) -> StepResult:
-    """One synchronous training step on this rank's slice ``(x, y, sample_weight)``.
+def train_step(model, x, y, loss, optimizer, sample_weight=None, communicator=None,
+               schedule: Optional[Schedule] = None) -> StepResult:
+    """One training step on this rank's slice ``(x, y, sample_weight)``.
 
     Args:
       model: a Keras model containing FusedEmbedding layers.
@@ -66,28 +106,52 @@ def train_step(model, x, y, loss, optimizer, sample_weight=None,
       loss: a :class:`KerasLoss`, or anything ``compile(loss=...)`` accepts.
       optimizer: the Keras optimizer of the dense variables.
       communicator: default ``tf_fusedemb.comm.get_communicator()``.
+      schedule: default the synchronous :class:`Schedule`.
     """
     comm = communicator or get_communicator()
     loss = as_keras_loss(loss, model)
-    with tf.GradientTape() as tape, record_lookups(tape) as records:
-        y_pred = model(x, training=True)
-        partial = loss.partial(y, y_pred, sample_weight)
-        reg = regularization(model)
-    totals = loss_totals(loss, partial, reg, comm)
-    targets = list(partial.sums) + ([reg] if reg is not None else [])
-    scales = list(totals.coefficients) + (
-        [totals.regularization / comm.size] if reg is not None else [])
-    dense_vars = list(model.trainable_variables)
-    grads = tape.gradient(targets, dense_vars + [r.rows for r in records],
-                          output_gradients=scales)
+    schedule = schedule or Schedule()
+    # FWP: every micro-batch's forward first, then the backwards, so each one's
+    # collectives can be in flight while another computes.
+    tapes, partials, preds, records, reg = [], [], [], [], None
+    for i, (lo, hi) in enumerate(micro_batch_slices(batch_size_of(y), schedule.micro_batches)):
+        context = LookupContext(None, schedule.prepared(i), schedule.suffix(i))
+        with tf.GradientTape() as tape, use_context(model, context):
+            context.tape = tape
+            pred = model(slice_rows(x, lo, hi), training=True)
+            partials.append(loss.partial(slice_rows(y, lo, hi), pred,
+                                         slice_rows(sample_weight, lo, hi)))
+            if i == 0:  # weight regularisers: once per batch, as in Keras
+                reg = regularization(model)
+        tapes.append(tape)
+        preds.append(pred)
+        records.append(context.records)
+    totals = loss_totals(loss, partials, reg, comm)
+    dense_vars = list(model.trainable_variables)  # built by the first forward
+    dense_sum = [tf.zeros_like(v) for v in dense_vars]
+    parts = {}
+    for i, (tape, part, recs) in enumerate(zip(tapes, partials, records)):
+        targets, scales = list(part.sums), list(totals.coefficients)
+        if i == 0 and reg is not None:
+            targets.append(reg)
+            scales.append(totals.regularization / comm.size)
+        grads = tape.gradient(targets, dense_vars + [r.rows for r in recs],
+                              output_gradients=scales)
+        dense_sum = [a + dense_gradient(g, v) for a, g, v in zip(dense_sum, grads, dense_vars)]
+        for r, g in zip(recs, grads[len(dense_vars):]):
+            parts.setdefault(id(r.table), []).append((r.keys, row_gradient(g, r.rows),
+                                                      r.init_keys))
+    schedule.after_backward(dense_sum or [totals.value])
     if dense_vars:
-        dense_grads = comm.allreduce_sum_list(
-            [dense_gradient(g, v) for g, v in zip(grads[:len(dense_vars)], dense_vars)],
-            DENSE_GRADS)
-        optimizer.apply_gradients(zip(dense_grads, dense_vars))
-    for r, g in zip(records, grads[len(dense_vars):]):
-        r.table.apply_gradients(r.keys, row_gradient(g, r.rows), r.init_keys)
-    return StepResult(totals.value, totals.weight, y_pred)
+        optimizer.apply_gradients(zip(comm.allreduce_sum_list(dense_sum, DENSE_GRADS),
+                                      dense_vars))
+    for layer in fused_embedding_layers(model):
+        for lookup in layer.groups:
+            keys, grads, init = _coalesce(parts.get(id(lookup.table), []), lookup.group.dim)
+            schedule.apply_rows(lookup, keys, grads, init)
+    pred = preds[0] if len(preds) == 1 else tf.nest.map_structure(
+        lambda *p: tf.concat(p, 0), *preds)
+    return StepResult(totals.value, totals.weight, pred)
 
 
 def test_step(model, x, y, loss, sample_weight=None, communicator=None) -> StepResult:
@@ -96,6 +160,15 @@ def test_step(model, x, y, loss, sample_weight=None, communicator=None) -> StepR
     comm = communicator or get_communicator()
     loss = as_keras_loss(loss, model)
     y_pred = model(x, training=False)
-    partial = loss.partial(y, y_pred, sample_weight)
-    totals = loss_totals(loss, partial, regularization(model), comm)
+    totals = loss_totals(loss, [loss.partial(y, y_pred, sample_weight)], regularization(model),
+                         comm)
     return StepResult(totals.value, totals.weight, y_pred)
+
+
+def _coalesce(parts, dim):
+    """One (keys, grads, init_keys) per group from its micro-batches' records."""
+    if not parts:  # the group was not looked up: an empty update
+        return tf.zeros([0], tf.int64), tf.zeros([0, dim]), tf.zeros([0], tf.int64)
+    if len(parts) == 1:  # keys are unique already (the owner's lookup keys)
+        return parts[0]
+    return keysets.coalesce(*(tf.concat(list(c), 0) for c in zip(*parts)))

@@ -1,0 +1,97 @@
+"""LookupContext: the one explicit channel between a training step and its FusedEmbedding
+layers.
+
+A step (``tf_fusedemb.training.step``, the pipeline) builds a :class:`LookupContext` and
+installs it on the model's FusedEmbedding layers for the duration of one forward pass
+(``with use_context(model, context):``). In it, each group lookup
+
+* takes its *prepared* lookup, routed and retrieved ahead of the forward pass (NestPipe's
+  DBP prefetch), instead of routing anew;
+* appends ``suffix`` to its collective names (micro-batches need distinct names: FWP);
+* with a ``tape``, watches the owner-side rows it looked up and appends a
+  :class:`LookupRecord`, so the step can differentiate them and apply the row update.
+
+Outside any context a lookup routes, retrieves and records nothing (inference).
+"""
+import contextlib
+import dataclasses
+from typing import Dict, List, Optional
+
+import tensorflow as tf
+
+
+@dataclasses.dataclass
+class LookupRecord:
+    """Owner-side rows of one group in one forward pass.
+
+    rows: float32[u_l, dim], watched by the tape; keys: int64[u_l] storage keys;
+    init_keys: int64[u_l] plan-independent keys seeding new rows; table: the GroupTable;
+    group: the group's name."""
+    rows: tf.Tensor
+    keys: tf.Tensor
+    init_keys: tf.Tensor
+    table: object
+    group: str
+
+
+@dataclasses.dataclass
+class LookupContext:
+    """What one forward pass's lookups take from, and give back to, their step.
+
+    Attributes:
+      tape: the step's GradientTape (None: record nothing).
+      prepared: {id(GroupLookup): dict of ``GroupLookup.route`` tensors + "rows"
+        float32[u_l, dim]}, lookups done ahead of the forward pass.
+      suffix: appended to collective names, e.g. "/mb2" for micro-batch 2.
+      records: filled with one LookupRecord per group lookup when ``tape`` is set.
+    """
+    tape: Optional[tf.GradientTape] = None
+    prepared: Dict[int, dict] = dataclasses.field(default_factory=dict)
+    suffix: str = ""
+    records: List[LookupRecord] = dataclasses.field(default_factory=list)
+
+    def prepared_for(self, lookup) -> Optional[dict]:
+        """The prepared lookup of ``lookup``, or None."""
+        return self.prepared.get(id(lookup))
+
+    def record(self, rows, keys, init_keys, table, group):
+        """Watches ``rows`` on the tape and records them (no-op without a tape)."""
+        if self.tape is None:
+            return
+        self.tape.watch(rows)
+        self.records.append(LookupRecord(rows, keys, init_keys, table, group))
+
+
+NO_CONTEXT = LookupContext()
+
+
+@contextlib.contextmanager
+def use_context(model, context: LookupContext):
+    """Installs ``context`` on every FusedEmbedding layer of ``model`` (a Keras model or
+    layer) for the block; yields it."""
+    from tf_fusedemb.layers.fused_embedding import fused_embedding_layers  # pylint: disable=import-outside-toplevel
+    layers = fused_embedding_layers(model)
+    previous = [layer.lookup_context for layer in layers]
+    for layer in layers:
+        layer.lookup_context = context
+    try:
+        yield context
+    finally:
+        for layer, old in zip(layers, previous):
+            layer.lookup_context = old
+
+
+def dense_gradient(grad, var):
+    """A dense variable's gradient as a tensor; zeros for None, so every rank's
+    collectives stay identical."""
+    return tf.zeros_like(var) if grad is None else tf.convert_to_tensor(grad)
+
+
+def row_gradient(grad, rows):
+    """The gradient of recorded owner rows as float32[u_l, dim]: IndexedSlices (from the
+    gather by I_l) are accumulated per row; None gives zeros."""
+    if grad is None:
+        return tf.zeros_like(rows)
+    if isinstance(grad, tf.IndexedSlices):  # accumulation by I_l on the owner
+        return tf.math.unsorted_segment_sum(grad.values, grad.indices, tf.shape(rows)[0])
+    return grad
