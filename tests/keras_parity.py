@@ -98,10 +98,10 @@ LOSSES = {
 
 
 def train(model, optimizer, loss, x, y, batch_size, epochs=2, sample_weight=None,
-          class_weight=None, validation=None, metrics=True, test=None):
+          class_weight=None, validation=None, metrics=True, test=None, **compile_kwargs):
     """compile + fit (+ evaluate and predict on ``test`` = (x, y)); returns history,
     per-batch losses, evaluate results and predictions."""
-    model.compile(optimizer=optimizer, loss=loss,
+    model.compile(optimizer=optimizer, loss=loss, **compile_kwargs,
                   metrics=[tf_keras.metrics.BinaryAccuracy(threshold=0.0, name="acc"),
                            tf_keras.metrics.AUC(from_logits=True, name="auc")]
                   if metrics else None)
@@ -137,9 +137,9 @@ def rank_dataset(arrays, bounds):
         lambda a, b: tf.nest.map_structure(lambda t: t[a:b], tensors))
 
 
-def fit_datasets(model, optimizer, loss, train, validation, test, epochs=2):
+def fit_datasets(model, optimizer, loss, train, validation, test, epochs=2, **compile_kwargs):
     """compile + fit + evaluate + predict on datasets (the multi-rank form of train)."""
-    model.compile(optimizer=optimizer, loss=loss,
+    model.compile(optimizer=optimizer, loss=loss, **compile_kwargs,
                   metrics=[tf_keras.metrics.BinaryAccuracy(threshold=0.0, name="acc"),
                            tf_keras.metrics.AUC(from_logits=True, name="auc")])
     batches = BatchLosses()

@@ -19,6 +19,7 @@ def main():
     p.add_argument("--optimizers", default="sgd,adagrad,ftrl")
     p.add_argument("--shares", default="16,16", help="rows per rank in each global batch")
     p.add_argument("--rows", type=int, default=96)
+    p.add_argument("--pipeline", default=None, help="compile(pipeline=...), e.g. dbp,fwp=4")
     args = p.parse_args()
     comm = get_communicator()
     shares = [int(s) for s in args.shares.split(",")]
@@ -31,7 +32,7 @@ def main():
     for name in args.optimizers.split(","):
         model = kp.fused_twin(kp.plain_model(), name)
         out = kp.fit_datasets(model, kp.keras_optimizer(name), kp.LOSSES["bce_object"](),
-                              train, test, test)
+                              train, test, test, pipeline=args.pipeline)
         # Predictions back into global row order.
         parts = comm.allgather_object((test_bounds, out["predictions"].tolist()))
         predictions = np.zeros(args.rows // 2)

@@ -71,6 +71,21 @@ def test_class_weight_and_dynamic_tables_equal_keras():
     compare(got, want)
 
 
+@pytest.mark.parametrize("pipeline", ["dbp", "dbp,fwp=2", "fwp=3", "dbp,novertical"])
+def test_pipelined_fit_equals_keras(pipeline):
+    """compile(pipeline=...) changes when work happens, never what fit computes."""
+    x, y, sw = kp.data(96, 0)
+    xt, yt, _ = kp.data(40, 1)
+    plain = kp.plain_model()
+    fused = kp.fused_twin(plain, "adagrad")
+    kwargs = dict(sample_weight=sw, validation=(xt, yt), test=(xt, yt))
+    want = kp.train(plain, kp.keras_optimizer("adagrad"), kp.LOSSES["bce_object"](), x, y, 32,
+                    **kwargs)
+    got = kp.train(fused, kp.keras_optimizer("adagrad"), kp.LOSSES["bce_object"](), x, y, 32,
+                   pipeline=pipeline, **kwargs)
+    compare(got, want)
+
+
 def test_compile_without_loss_fails_clearly():
     model = kp.fused_twin(kp.plain_model(), "sgd")
     model.compile(optimizer="sgd")
@@ -133,14 +148,17 @@ def _keras_global(optimizer, rows, global_batch):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("shares,rows", [
-    ("16,16", 96),   # even slices
-    ("20,12", 100),  # different batch sizes per rank, uneven last batch, an empty batch
+@pytest.mark.parametrize("shares,rows,pipeline", [
+    ("16,16", 96, None),          # even slices
+    ("20,12", 100, None),         # different batch sizes per rank, uneven last batch, an
+                                  # empty batch on rank 1
+    ("16,16", 96, "dbp,fwp=4"),   # pipelined fit
 ])
-def test_fit_on_two_ranks_equals_keras_on_the_global_batch(shares, rows):
-    optimizers = "sgd,adagrad,ftrl" if shares == "16,16" else "adagrad"
-    out = horovodrun(["tests/keras_parity_worker.py", "--shares", shares, "--rows", str(rows),
-                      "--optimizers", optimizers], 2, timeout=800)
+def test_fit_on_two_ranks_equals_keras_on_the_global_batch(shares, rows, pipeline):
+    optimizers = "sgd,adagrad,ftrl" if shares == "16,16" and not pipeline else "adagrad"
+    args = ["tests/keras_parity_worker.py", "--shares", shares, "--rows", str(rows),
+            "--optimizers", optimizers] + (["--pipeline", pipeline] if pipeline else [])
+    out = horovodrun(args, 2, timeout=800)
     results = [json.loads(l.split("RESULT ", 1)[1]) for l in out.splitlines() if "RESULT " in l]
     assert [r["optimizer"] for r in results] == optimizers.split(",")
     global_batch = sum(int(s) for s in shares.split(","))

@@ -29,14 +29,25 @@ class SparseTrainingMixin:
     see there)."""
 
     def compile(self, optimizer="rmsprop", loss=None, metrics=None, loss_weights=None,
-                weighted_metrics=None, **kwargs):
+                weighted_metrics=None, pipeline=None, **kwargs):
+        """Keras ``compile``, plus ``pipeline``: a ``tf_fusedemb.pipeline.PipelineOptions``
+        (or its string form, e.g. "dbp,fwp=4") making ``fit`` run NestPipe's dual-buffer
+        prefetch and micro-batches with EmbRace's vertical scheduling. Pipelining changes
+        when work happens, never what is computed: ``fit`` gives the same history and
+        weights as without it. Delayed row updates are applied at the end of each pass
+        over the data and before ``evaluate``/``predict`` (or call ``flush_pipeline``)."""
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics,
                         loss_weights=loss_weights, weighted_metrics=weighted_metrics, **kwargs)
         self._fused_compile = {"loss": loss, "loss_weights": loss_weights,
-                               "gather": bool(metrics or weighted_metrics)}
+                               "gather": bool(metrics or weighted_metrics),
+                               "pipeline": _pipeline_options(pipeline)}
+        if self._fused_compile["pipeline"] is not None and kwargs.get("steps_per_execution", 1) != 1:
+            raise ValueError("compile(pipeline=...) needs steps_per_execution=1")
         self._fused_loss = None  # built at the first step, when output names are known
         self._loss_tracker = tf_keras.metrics.Mean(name="loss")
         self._fused_steps = {}
+        self._pipeline = None
+        self._lookahead = None
 
     @property
     def metrics(self):
@@ -49,6 +60,53 @@ class SparseTrainingMixin:
         if get_communicator().rank != 0 and "verbose" not in kwargs and len(args) < 5:
             kwargs["verbose"] = 0
         return super().fit(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        self.flush_pipeline()
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        self.flush_pipeline()
+        return super().predict(*args, **kwargs)
+
+    def flush_pipeline(self):
+        """Applies the pipeline's delayed row updates (before reading or saving tables)."""
+        if getattr(self, "_pipeline", None) is not None:
+            self._pipeline.flush()
+
+    def make_train_function(self, force=False):
+        if getattr(self, "_fused_compile", {}).get("pipeline") is None:
+            return super().make_train_function(force)
+        if self.train_function is None or force:
+            self.train_function = self._pipelined_train_function
+        return self.train_function
+
+    def _pipelined_train_function(self, iterator):
+        """One pipelined step per call, looking one batch ahead in Keras's iterator (DBP
+        needs the next batch's features); at the end of the data the delayed updates are
+        applied and the next call ends the epoch."""
+        from tf_fusedemb.pipeline import NestedPipeline  # pylint: disable=import-outside-toplevel
+        if self._pipeline is None:
+            self._pipeline = NestedPipeline(self, self._keras_loss(), self.optimizer,
+                                            self._fused_compile["pipeline"], get_communicator())
+        if self._lookahead is None or self._lookahead[0] is not iterator:
+            current = next(iterator)  # StopIteration ends Keras's epoch
+        else:
+            current = self._lookahead[1]
+        if current is None:
+            self._lookahead = None
+            raise StopIteration
+        upcoming = next(iterator, None)
+        self._lookahead = (iterator, upcoming)
+        x, y, sample_weight = tf_keras.utils.unpack_x_y_sample_weight(current)
+        next_x = None if upcoming is None else tf_keras.utils.unpack_x_y_sample_weight(upcoming)[0]
+        result = self._pipeline.step(x, y, next_x, sample_weight)
+        if next_x is None:
+            self._pipeline.flush()
+        gathered = None
+        if self._fused_compile["gather"]:
+            gathered = self._traced("gather", self._gather)(y, result.predictions, sample_weight)
+        return self._report(result.loss, result.weight, gathered)
 
     # ---------------------------------------------------------------- Keras steps
     @tf.autograph.experimental.do_not_convert
@@ -136,6 +194,19 @@ class FusedModel(SparseTrainingMixin, tf_keras.Model):
 
 class FunctionalFusedModel(SparseTrainingMixin, tf_keras.Model):
     """A functional model with FusedModel's training step (see FusedModel)."""
+
+
+def _pipeline_options(pipeline):
+    """PipelineOptions from compile's ``pipeline`` argument; None when synchronous."""
+    if pipeline is None:
+        return None
+    from tf_fusedemb.pipeline import PipelineOptions  # pylint: disable=import-outside-toplevel
+    if isinstance(pipeline, str):
+        pipeline = PipelineOptions.parse(pipeline)
+    if not isinstance(pipeline, PipelineOptions):
+        raise ValueError(f"compile(pipeline=...) takes PipelineOptions or a string like "
+                         f"'dbp,fwp=4', got {pipeline!r}")
+    return None if pipeline == PipelineOptions() else pipeline
 
 
 def _functional_args(args, kwargs):
