@@ -164,3 +164,18 @@ def test_fit_on_two_ranks_equals_keras_on_the_global_batch(shares, rows, pipelin
     global_batch = sum(int(s) for s in shares.split(","))
     for result in results:
         compare(result, _keras_global(result["optimizer"], rows, global_batch))
+
+
+def test_auto_micro_batches_choose_by_measurement_and_equal_keras():
+    """micro_batches="auto" trains its measuring steps exactly too, then keeps one N."""
+    x, y, sw = kp.data(32 * 18, 0)  # 15 measuring steps (3 candidates x 5), then 3 more
+    plain = kp.plain_model()
+    fused = kp.fused_twin(plain, "adagrad")
+    want = kp.train(plain, kp.keras_optimizer("adagrad"), kp.LOSSES["bce_object"](), x, y, 32,
+                    epochs=1, sample_weight=sw)
+    got = kp.train(fused, kp.keras_optimizer("adagrad"), kp.LOSSES["bce_object"](), x, y, 32,
+                   epochs=1, sample_weight=sw, pipeline="dbp,fwp=auto")
+    compare(got, want)
+    pipeline = fused.training_pipeline
+    assert pipeline.chosen in (1, 2, 4) and set(pipeline.timings) == {1, 2, 4}
+    assert pipeline.timings[pipeline.chosen] == min(pipeline.timings.values())

@@ -26,7 +26,7 @@ import tf_keras  # noqa: E402
 
 from tf_fusedemb.comm import get_communicator  # noqa: E402
 from tf_fusedemb.models import fused_embedding_layers  # noqa: E402
-from tf_fusedemb.pipeline import NestedPipeline, PipelineOptions, cluster_dataset  # noqa: E402
+from tf_fusedemb.pipeline import PipelineOptions, cluster_dataset, make_pipeline  # noqa: E402
 from tf_fusedemb.training import job  # noqa: E402
 from tf_fusedemb.training import KerasLoss, train_step  # noqa: E402
 from tf_fusedemb.training import faults  # noqa: E402
@@ -65,7 +65,9 @@ def parse_args(argv=None):
         args.pipeline = PipelineOptions.parse(args.pipeline) if args.pipeline else None
     except ValueError as e:
         p.error(str(e))
-    if args.cluster_samples and (args.pipeline is None or args.pipeline.micro_batches == 1):
+    if args.cluster_samples and (args.pipeline is None or
+                                 not isinstance(args.pipeline.micro_batches, int) or
+                                 args.pipeline.micro_batches == 1):
         p.error("--cluster-samples needs --pipeline with micro-batches, e.g. --pipeline dbp,fwp=4")
     if args.epochs is not None:
         args.steps = max(1, int(args.epochs * args.rows / (args.batch_size * max(
@@ -137,7 +139,7 @@ def train(args):
     # all of tf_keras under it makes the first trace ~10x slower.
     # Traced once with unknown batch dimensions: the same graph on every rank.
     step_fn = RankInvariantFunction(lambda x, y: train_step(model, x, y, loss_fn, optimizer))
-    pipeline = NestedPipeline(model, loss_fn, optimizer, args.pipeline) \
+    pipeline = make_pipeline(model, loss_fn, optimizer, args.pipeline) \
         if args.pipeline else None
     layers = fused_embedding_layers(model)
     rank0 = comm.rank == 0

@@ -69,6 +69,12 @@ class SparseTrainingMixin:
         self.flush_pipeline()
         return super().predict(*args, **kwargs)
 
+    @property
+    def training_pipeline(self):
+        """The pipeline ``fit`` runs (NestedPipeline or AutoPipeline), None when synchronous
+        or before the first pipelined step."""
+        return getattr(self, "_pipeline", None)
+
     def flush_pipeline(self):
         """Applies the pipeline's delayed row updates (before reading or saving tables)."""
         if getattr(self, "_pipeline", None) is not None:
@@ -85,10 +91,10 @@ class SparseTrainingMixin:
         """One pipelined step per call, looking one batch ahead in Keras's iterator (DBP
         needs the next batch's features); at the end of the data the delayed updates are
         applied and the next call ends the epoch."""
-        from tf_fusedemb.pipeline import NestedPipeline  # pylint: disable=import-outside-toplevel
+        from tf_fusedemb.pipeline import make_pipeline  # pylint: disable=import-outside-toplevel
         if self._pipeline is None:
-            self._pipeline = NestedPipeline(self, self._keras_loss(), self.optimizer,
-                                            self._fused_compile["pipeline"], get_communicator())
+            self._pipeline = make_pipeline(self, self._keras_loss(), self.optimizer,
+                                           self._fused_compile["pipeline"], get_communicator())
         if self._lookahead is None or self._lookahead[0] is not iterator:
             current = next(iterator)  # StopIteration ends Keras's epoch
         else:

@@ -2,8 +2,9 @@
 frozen-window micro-batches (NestPipe), vertical sparse scheduling (EmbRace)."""
 from tf_fusedemb.pipeline.clustering import (cluster_dataset, cluster_permutation,
                                              micro_batch_bounds, unique_keys_per_micro_batch)
+from tf_fusedemb.pipeline.auto import AutoPipeline, make_pipeline
 from tf_fusedemb.pipeline.nested import NestedPipeline
 from tf_fusedemb.pipeline.options import PipelineOptions
 
-__all__ = ["NestedPipeline", "PipelineOptions", "cluster_dataset", "cluster_permutation",
+__all__ = ["AutoPipeline", "NestedPipeline", "make_pipeline", "PipelineOptions", "cluster_dataset", "cluster_permutation",
            "micro_batch_bounds", "unique_keys_per_micro_batch"]

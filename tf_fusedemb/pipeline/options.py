@@ -19,6 +19,8 @@ class PipelineOptions:
         is split into N micro-batches whose lookups, forward/backward and gradient
         AlltoAlls are independent, so TensorFlow overlaps one micro-batch's
         communication with another's compute; gradients are applied once per batch.
+        "auto": chosen among 1, 2, 4 by timing the first training steps
+        (``tf_fusedemb.pipeline.auto``).
       vertical: EmbRace's vertical sparse scheduling, needs ``prefetch``: the coalesced
         row gradients of K(B_t) ∩ K(B_t+1) are applied first (they feed the next
         forward); the others are applied during the next step, overlapped with its
@@ -28,14 +30,15 @@ class PipelineOptions:
         prevents, kept only so tests can show that it differs.
     """
     prefetch: bool = False
-    micro_batches: int = 1
+    micro_batches: object = 1  # int >= 1 or "auto"
     vertical: Optional[bool] = None
     sync_buffers: bool = True
 
     def __post_init__(self):
         n = self.micro_batches
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"PipelineOptions: micro_batches must be an int >= 1, got {n!r}")
+        if n != "auto" and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"PipelineOptions: micro_batches must be an int >= 1 or 'auto', "
+                             f"got {n!r}")
         if self.vertical and not self.prefetch:
             raise ValueError("PipelineOptions: vertical scheduling needs prefetch=True (the "
                              "prior rows are those the prefetched next batch uses)")
@@ -48,7 +51,7 @@ class PipelineOptions:
 
     @classmethod
     def parse(cls, text: str) -> "PipelineOptions":
-        """From a command-line string: "sync", or comma-separated "dbp", "fwp=N",
+        """From a command-line string: "sync", or comma-separated "dbp", "fwp=N" (or "fwp=auto"),
         "novertical", e.g. "dbp,fwp=4"."""
         kwargs = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
@@ -57,7 +60,7 @@ class PipelineOptions:
             if part == "dbp":
                 kwargs["prefetch"] = True
             elif part.startswith("fwp="):
-                kwargs["micro_batches"] = int(part[4:])
+                kwargs["micro_batches"] = "auto" if part[4:] == "auto" else int(part[4:])
             elif part == "novertical":
                 kwargs["vertical"] = False
             else:
