@@ -3,6 +3,7 @@ cross-rank consistency checks. Horovod is imported only when a communicator need
 from tf_fusedemb.comm.communicator import (Communicator, LocalCommunicator, HorovodCommunicator,
                                            get_communicator)
 from tf_fusedemb.comm.counters import CommCounters
+from tf_fusedemb.comm.watchdog import PeerLostError
 
 __all__ = ["CommCounters", "Communicator", "HorovodCommunicator", "LocalCommunicator",
-           "get_communicator"]
+           "PeerLostError", "get_communicator"]

@@ -3,10 +3,13 @@
 Every collective gets a deterministic name built by the caller from the group and its
 role ("<group>/keys", "<group>/rows"), so all ranks build identical graphs.
 """
+import contextlib
 import os
 import sys
 
 import tensorflow as tf
+
+from tf_fusedemb.comm import watchdog as _watchdog
 
 
 def _row_bytes(tensor):
@@ -42,6 +45,14 @@ class Communicator:
     def allgather_object(self, obj):
         raise NotImplementedError
 
+    def watch(self, activity):
+        """Context manager: runs its body as ``activity`` (e.g. "training step 31"). When
+        a peer rank dies meanwhile, an error of the body becomes a
+        :class:`~tf_fusedemb.comm.watchdog.PeerLostError` naming the lost rank and the
+        activity (see :mod:`tf_fusedemb.comm.watchdog`). A no-op in one process."""
+        del activity
+        return contextlib.nullcontext()
+
 
 class LocalCommunicator(Communicator):
     """World size 1: collectives are identities and nothing is counted as sent."""
@@ -76,6 +87,17 @@ class HorovodCommunicator(Communicator):
         self._hvd = hvd
         self.rank = hvd.rank()
         self.size = hvd.size()
+        # A killed peer is named and cannot leave this rank hanging (comm/watchdog.py).
+        # Set up eagerly even when the first communicator is made while tracing.
+        with tf.init_scope():
+            self._watchdog = _watchdog.start_watchdog(
+                self.rank, self.size,
+                lambda obj: hvd.allgather_object(obj, name="fusedemb/watchdog_addresses"))
+
+    def watch(self, activity):
+        if self._watchdog is None:
+            return contextlib.nullcontext()
+        return self._watchdog.watch(activity)
 
     def alltoall(self, tensor, splits, name, counters=None):
         hvd, rank = self._hvd, self.rank
@@ -117,7 +139,8 @@ class HorovodCommunicator(Communicator):
         return self._hvd.allgather(tf.stop_gradient(tensor), name=name)
 
     def allgather_object(self, obj):
-        return self._hvd.allgather_object(obj)
+        with self.watch("allgather_object"):
+            return self._hvd.allgather_object(obj)
 
 
 _COMMUNICATOR = None

@@ -90,7 +90,7 @@ class FusedEmbedding(tf_keras.layers.Layer):
                              f"{sorted(names - given, key=str)}, unexpected features "
                              f"{sorted(given - names, key=str)}")
 
-    def _flatten(self, lookup, inputs):
+    def _flat_features(self, lookup, inputs):
         """FlatFeatures of one group's features, validated (packed keys: IDs must fit)."""
         id_bits = None
         if lookup.key_mode == "packed" and not lookup.group.is_static:
@@ -102,7 +102,7 @@ class FusedEmbedding(tf_keras.layers.Layer):
         ``GroupLookup.route`` dict per group, in ``self.groups`` order; collective names
         take ``context.suffix``."""
         self._check_inputs(inputs)
-        return [lookup.route(self._flatten(lookup, inputs), context) for lookup in self.groups]
+        return [lookup.route(self._flat_features(lookup, inputs), context) for lookup in self.groups]
 
     def call(self, inputs: Mapping[str, tf.Tensor], training=None):
         # Access statistics count training lookups (and direct calls), never those of
@@ -112,7 +112,7 @@ class FusedEmbedding(tf_keras.layers.Layer):
         outputs = {}
         for lookup in self.groups:
             feats = lookup.group.features
-            flats = self._flatten(lookup, inputs)
+            flats = self._flat_features(lookup, inputs)
             embs = lookup(flats, [f.combiner for f in feats], self.lookup_context, record)
             for spec, flat, emb in zip(feats, flats, embs):
                 outputs[spec.name] = _shape_output(spec, flat, emb)

@@ -1,0 +1,392 @@
+"""Peer watchdog: a rank that dies is noticed at once, named, and cannot leave the others
+hanging.
+
+When a Horovod worker is killed (SIGKILL, the OOM killer, a crash), the survivors learn
+it from Gloo only as "Horovod has been shut down ..." or "Connection reset by peer
+[ip]:port", without the rank, and then spend up to ``HOROVOD_GLOO_TIMEOUT_SECONDS``
+(30 s) in Horovod's shutdown before the process ends; a survivor that is not inside a
+collective (writing its checkpoint shard, evaluating) notices nothing until its next one.
+
+The watchdog keeps one TCP connection to every other rank, beside Horovod's. The
+kernel closes the sockets of a process that dies, so a peer that disappears without
+saying goodbye is seen within milliseconds, whatever this rank is doing. Then it:
+
+1. prints ``tf_fusedemb: rank 1 of 2 (host) was lost during <activity> ...`` to stderr
+   (the activity is what the main thread declared with :meth:`PeerWatchdog.watch`:
+   "training step 31", "checkpoint save 40 > barrier fusedemb/ckpt_written");
+2. lets the main thread turn its failing collective into a :class:`PeerLostError`
+   naming the lost rank(s) (in :meth:`PeerWatchdog.watch`);
+3. ends the process with exit status 75 (``EXIT_PEER_LOST``, EX_TEMPFAIL: rerun to
+   resume) at interpreter exit, skipping Horovod's shutdown that would wait for the
+   dead peer, or ``TF_FUSEDEMB_PEER_LOSS_TIMEOUT_S`` seconds (default 20) after the
+   loss if the process is still alive then (stuck in a collective, or busy elsewhere).
+
+A rank that exits normally says goodbye first (at interpreter exit, before Horovod's own
+shutdown), and one that exits with an uncaught exception says so with the exception, so
+finishing or failing is told apart from being lost. Connections use TCP keep-alive, so
+a peer whose host vanishes is noticed too (within about 25 s).
+
+Environment: ``TF_FUSEDEMB_WATCHDOG=0`` disables the watchdog; it is off under Horovod
+elastic (``HOROVOD_ELASTIC=1``), where losing a worker is survivable.
+``TF_FUSEDEMB_PEER_LOSS_TIMEOUT_S`` sets the delay before the forced exit ("none":
+never force it). The Gloo timeout of Horovod itself stays at its default.
+"""
+import atexit
+import contextlib
+import os
+import re
+import selectors
+import socket
+import struct
+import sys
+import threading
+import time
+
+EXIT_PEER_LOST = 75  # EX_TEMPFAIL: the job can be rerun and resumes from its checkpoint
+TIMEOUT_ENV = "TF_FUSEDEMB_PEER_LOSS_TIMEOUT_S"
+ENABLE_ENV = "TF_FUSEDEMB_WATCHDOG"
+DEFAULT_TIMEOUT_S = 20.0
+_CONNECT_TIMEOUT_S = 120.0  # every rank reaches the mesh set-up within this (slow starts)
+_EXPLAIN_WAIT_S = 5.0  # a collective's error may arrive before the watchdog's notice
+_BYE = b"B"  # first byte of the goodbye message; the rest is a failure reason (or empty)
+_STOPPED = "stopped after losing a peer"  # the reason of a rank that lost one too: not news
+_NODE = re.compile(r"\{\{node ([^}]+)\}\}")
+
+
+class PeerLostError(RuntimeError):
+    """A peer rank died (or failed, or finished early) while this rank needed it.
+
+    Attributes:
+      lost: ranks that died without shutting down (killed, crashed).
+      failed: {rank: reason} of ranks that exited with an uncaught exception.
+      finished: ranks that exited normally while this rank still needed them.
+      world_size, activity: the job's size and what this rank was doing.
+      collective: the collective (graph node) that failed, when known.
+    """
+
+    def __init__(self, world_size, activity, lost=(), failed=None, finished=(),
+                 collective=None):
+        self.world_size, self.activity = world_size, activity
+        self.lost, self.failed = sorted(lost), dict(failed or {})
+        self.finished, self.collective = sorted(finished), collective
+        parts = []
+        if self.lost:
+            parts.append(f"{_ranks(self.lost, world_size)} {_was(self.lost)} lost "
+                         "(the process ended without shutting down: killed or crashed)")
+        for r, reason in sorted(self.failed.items()):
+            parts.append(f"rank {r} of {world_size} failed ({reason})")
+        if self.finished:
+            parts.append(f"{_ranks(self.finished, world_size)} finished early")
+        where = f"during {activity}" + (f" (collective {collective})" if collective else "")
+        super().__init__(f"{'; '.join(parts)} {where}. This rank cannot continue; rerun the "
+                         "job to resume from its last complete checkpoint.")
+
+
+def _ranks(ranks, size):
+    return f"rank {ranks[0]} of {size}" if len(ranks) == 1 else \
+        f"ranks {', '.join(map(str, ranks))} of {size}"
+
+
+def _was(ranks):
+    return "was" if len(ranks) == 1 else "were"
+
+
+def _local_address():
+    """The address the other ranks reach this one at: that of Gloo's interface
+    (HOROVOD_GLOO_IFACE) when known, else this host's name resolved, else loopback."""
+    iface = os.environ.get("HOROVOD_GLOO_IFACE")
+    if iface:
+        try:
+            import psutil  # pylint: disable=import-outside-toplevel  (a Horovod dependency)
+            for a in psutil.net_if_addrs().get(iface, []):
+                if a.family == socket.AF_INET:
+                    return a.address
+        except ImportError:
+            pass
+    for name in (os.environ.get("HOROVOD_HOSTNAME"), socket.gethostname()):
+        if name:
+            try:
+                return socket.gethostbyname(name)
+            except OSError:
+                pass
+    return "127.0.0.1"
+
+
+def _keepalive(sock):
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, opt):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+
+
+def timeout_from_env():
+    """Seconds from TF_FUSEDEMB_PEER_LOSS_TIMEOUT_S (default 20); None for "none"."""
+    value = os.environ.get(TIMEOUT_ENV, "").strip().lower()
+    if not value:
+        return DEFAULT_TIMEOUT_S
+    if value in ("none", "never", "off"):
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds or 'none', "
+                         f"got {value!r}") from None
+    if seconds < 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be >= 0, got {seconds}")
+    return seconds
+
+
+class PeerWatchdog:
+    """Watches every other rank over its own TCP connections (see the module doc).
+
+    Args:
+      rank, size: this rank and the world size.
+      allgather_object: ``obj -> [obj of rank 0, ..., obj of rank size-1]``, called once
+        (every rank must construct the watchdog at the same point of its program).
+      timeout_s: seconds from a loss to the forced exit; None: never forced.
+      exit_process: whether to end the process (at exit, or after ``timeout_s``) once a
+        peer is lost; False in tests that run several watchdogs in one process.
+    """
+
+    def __init__(self, rank, size, allgather_object, timeout_s=DEFAULT_TIMEOUT_S,
+                 exit_process=True):
+        self.rank, self.size = rank, size
+        self.timeout_s, self._exit_process = timeout_s, exit_process
+        self._lock = threading.Lock()
+        self._lost, self._failed, self._finished, self._stopped = {}, {}, set(), set()
+        self._changed = threading.Event()
+        self._activity, self._last_activity = [], "start-up"
+        self._closing = False
+        self._timer = None
+        self._pid = os.getpid()  # a forked child inherits the sockets: it must not use them
+        listener, mine = None, None
+        try:
+            address = _local_address()
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.bind((address, 0))
+            listener.listen(max(1, size))
+            mine = (address, listener.getsockname()[1], socket.gethostname())
+        except OSError as e:
+            error = f"{type(e).__name__}: {e}"
+        peers = allgather_object(mine)  # every rank takes part, even one that failed
+        if any(p is None for p in peers):
+            if listener is not None:
+                listener.close()
+            bad = [r for r, p in enumerate(peers) if p is None]
+            raise RuntimeError(f"peer watchdog: rank(s) {bad} could not listen" + (
+                f" ({error})" if mine is None else ""))
+        self.hosts = [p[2] for p in peers]
+        self._conns = {}
+        try:
+            for peer in range(rank):  # connect to lower ranks, accept the higher ones
+                sock = socket.create_connection(peers[peer][:2], timeout=_CONNECT_TIMEOUT_S)
+                sock.sendall(struct.pack("!I", rank))
+                self._conns[peer] = sock
+            listener.settimeout(_CONNECT_TIMEOUT_S)
+            for _ in range(size - 1 - rank):
+                sock, _ = listener.accept()
+                sock.settimeout(_CONNECT_TIMEOUT_S)
+                header = b""
+                while len(header) < 4:
+                    chunk = sock.recv(4 - len(header))
+                    if not chunk:
+                        raise ConnectionError("a peer closed its watchdog connection at set-up")
+                    header += chunk
+                self._conns[struct.unpack("!I", header)[0]] = sock
+        except OSError as e:
+            # Not fatal for the job: tell the peers reached so far not to watch us.
+            self._say_goodbye(b"")
+            raise RuntimeError(f"peer watchdog of rank {rank} could not connect: {e}") from e
+        finally:
+            listener.close()
+        for sock in self._conns.values():
+            _keepalive(sock)
+            sock.setblocking(False)
+        self._thread = threading.Thread(target=self._run, name="tf_fusedemb-peer-watchdog",
+                                        daemon=True)
+        self._thread.start()
+
+    # ---- what the main thread does ---------------------------------------------------
+    @contextlib.contextmanager
+    def watch(self, activity):
+        """Declares what this rank does (named in loss messages); turns an exception
+        raised inside because a peer was lost into :class:`PeerLostError`."""
+        self._activity.append(activity)
+        try:
+            yield
+        except PeerLostError:
+            raise
+        except Exception as e:  # pylint: disable=broad-except
+            error = self.explain(e)
+            if error is None:
+                raise
+            raise error from e
+        finally:
+            self._last_activity = "after " + " > ".join(self._activity)
+            self._activity.pop()
+
+    def activity(self):
+        return " > ".join(self._activity) if self._activity else self._last_activity
+
+    def explain(self, error):
+        """A PeerLostError for ``error`` if a peer's loss (or failure or early exit)
+        explains it, else None. Waits a few seconds for the watchdog's notice when
+        ``error`` looks like a failed collective."""
+        looks_collective = any(s in str(error) for s in (
+            "Horovod", "gloo", "Gloo", "Connection reset", "Connection closed"))
+        if looks_collective and not self.peers_gone():
+            self._changed.wait(_EXPLAIN_WAIT_S)
+        with self._lock:
+            lost, failed, finished = dict(self._lost), dict(self._failed), set(self._finished)
+        if not (lost or ((failed or finished) and looks_collective)):
+            return None
+        node = _NODE.search(str(error))
+        return PeerLostError(self.size, self.activity(), lost=lost, failed=failed,
+                             finished=finished, collective=node.group(1) if node else None)
+
+    def lost(self):
+        """Ranks lost so far (died without shutting down)."""
+        with self._lock:
+            return sorted(self._lost)
+
+    def peers_gone(self):
+        with self._lock:
+            return bool(self._lost or self._failed or self._finished or self._stopped)
+
+    def wait_for_loss(self, timeout):
+        """Blocks until some peer is gone (or ``timeout`` s); returns the lost ranks."""
+        self._changed.wait(timeout)
+        return self.lost()
+
+    # ---- exit ------------------------------------------------------------------------
+    def close(self, reason=""):
+        """Says goodbye to every peer (``reason``: why this rank stops, empty for a
+        normal exit) and stops watching."""
+        if os.getpid() != self._pid or self._closing:
+            return
+        self._closing = True
+        self._say_goodbye(reason.encode("utf-8", "replace")[:1000])
+
+    def at_exit(self):
+        """Interpreter exit: goodbye (with the uncaught exception, if any), then, when a
+        peer was lost, end at once with EXIT_PEER_LOST instead of running Horovod's
+        shutdown, which would wait for the dead peer."""
+        if os.getpid() != self._pid:
+            return
+        error = getattr(sys, "last_value", None)
+        if self.lost() or isinstance(error, PeerLostError):
+            self.close(_STOPPED)
+        else:
+            self.close("" if error is None else f"{type(error).__name__}: {error}"[:500])
+        if self._exit_process and self.lost():
+            _flush_std()
+            os._exit(EXIT_PEER_LOST)  # pylint: disable=protected-access
+
+    def _say_goodbye(self, reason):
+        for sock in list(self._conns.values()):
+            try:
+                sock.setblocking(True)
+                sock.settimeout(1.0)
+                sock.sendall(_BYE + reason)
+                sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+    # ---- the watching thread ---------------------------------------------------------
+    def _run(self):
+        selector = selectors.DefaultSelector()
+        for peer, sock in self._conns.items():
+            selector.register(sock, selectors.EVENT_READ, peer)
+        received = {peer: b"" for peer in self._conns}
+        while selector.get_map():
+            for key, _ in selector.select():
+                peer, sock = key.data, key.fileobj
+                try:
+                    data = sock.recv(4096)
+                except (BlockingIOError, InterruptedError, socket.timeout):
+                    continue
+                except OSError:
+                    data = b""  # reset by the peer's kernel: as good as closed
+                if data:
+                    received[peer] += data[:2000]
+                    continue
+                selector.unregister(sock)
+                if not self._closing:
+                    self._on_gone(peer, received[peer])
+
+    def _on_gone(self, peer, message):
+        if message.startswith(_BYE):
+            reason = message[1:].decode("utf-8", "replace")
+            with self._lock:
+                if reason == _STOPPED:
+                    self._stopped.add(peer)
+                elif reason:
+                    self._failed[peer] = reason
+                else:
+                    self._finished.add(peer)
+            self._changed.set()
+            return
+        forced = "" if not self._exit_process or self.timeout_s is None else \
+            f"; it exits (status {EXIT_PEER_LOST}) within {self.timeout_s:g} s"
+        # Printed before the main thread is told: it may end the process at once.
+        _stderr(f"tf_fusedemb: rank {peer} of {self.size} (host {self.hosts[peer]}) was lost "
+                f"while rank {self.rank} was in {self.activity()}: its process ended without "
+                f"shutting down (killed or crashed). Rank {self.rank} cannot continue{forced}; "
+                "rerun the job to resume from its last complete checkpoint.")
+        with self._lock:
+            self._lost[peer] = time.monotonic()
+            first = len(self._lost) == 1
+        self._changed.set()
+        if first and self._exit_process and self.timeout_s is not None:
+            self._timer = threading.Timer(self.timeout_s, self._force_exit)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _force_exit(self):
+        _stderr(f"tf_fusedemb: rank {self.rank} still running {self.timeout_s:g} s after "
+                f"losing {_ranks(self.lost(), self.size)} (during {self.activity()}); "
+                f"exiting with status {EXIT_PEER_LOST}")
+        self.close(_STOPPED)
+        _flush_std()
+        os._exit(EXIT_PEER_LOST)  # pylint: disable=protected-access
+
+
+def _stderr(text):
+    try:
+        os.write(2, (text + "\n").encode("utf-8", "replace"))
+    except OSError:
+        pass
+
+
+def _flush_std():
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # pylint: disable=broad-except
+            pass
+
+
+_WATCHDOG = None
+
+
+def start_watchdog(rank, size, allgather_object):
+    """The process's watchdog, started on the first call (every rank must make it at the
+    same point); None in one process, under Horovod elastic, with TF_FUSEDEMB_WATCHDOG=0,
+    or when it could not connect (a warning says why; the job goes on without it)."""
+    global _WATCHDOG
+    if _WATCHDOG is not None or size < 2:
+        return _WATCHDOG
+    if os.environ.get(ENABLE_ENV, "1").strip().lower() in ("0", "false", "off", "no") or \
+            os.environ.get("HOROVOD_ELASTIC") == "1":
+        return None
+    try:
+        _WATCHDOG = PeerWatchdog(rank, size, allgather_object, timeout_from_env())
+    except RuntimeError as e:
+        _stderr(f"tf_fusedemb: WARNING: {e}; running without the peer watchdog")
+        return None
+    atexit.register(_WATCHDOG.at_exit)  # after hvd.init's atexit: runs before its shutdown
+    return _WATCHDOG
+
+
+def current_watchdog():
+    return _WATCHDOG
