@@ -102,7 +102,8 @@ class FusedEmbedding(tf_keras.layers.Layer):
         ``GroupLookup.route`` dict per group, in ``self.groups`` order; collective names
         take ``context.suffix``."""
         self._check_inputs(inputs)
-        return [lookup.route(self._flat_features(lookup, inputs), context) for lookup in self.groups]
+        return [lookup.route(self._flat_features(lookup, inputs), context)
+                for lookup in self.groups]
 
     def call(self, inputs: Mapping[str, tf.Tensor], training=None):
         # Access statistics count training lookups (and direct calls), never those of
