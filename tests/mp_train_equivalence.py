@@ -32,6 +32,15 @@ def all_rows_inputs():
     return x
 
 
+def read_state(layer, head):
+    """Dense weights and every table row (read through the layer: a collective, every rank
+    calls it) as JSON-ready lists: {"dense": [...], "tables": {feature: rows}}."""
+    rows = tf.function(layer)(all_rows_inputs())
+    return {"dense": [v.numpy().tolist() for h in head for v in h.trainable_variables],
+            "tables": {n: (r[:, 0] if n == "s" else r).numpy().tolist()
+                       for n, r in rows.items()}}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
@@ -41,6 +50,9 @@ def main(argv=None):
     parser.add_argument("--save-dir", help="save a checkpoint there after training")
     parser.add_argument("--restore-dir", help="restore the latest checkpoint there first; "
                                               "training continues at its next step")
+    parser.add_argument("--report-restored", action="store_true",
+                        help="with --restore-dir: rank 0 also prints 'RESTORED <json>' with the "
+                             "dense weights and table rows as restored, before training")
     parser.add_argument("--pipeline", default=None,
                         help="train through NestedPipeline with these options, e.g. "
                              "'dbp,fwp=4' (see PipelineOptions.parse)")
@@ -91,6 +103,10 @@ def main(argv=None):
         model(empty[0])  # builds every variable without recording any key
         manager = CheckpointManager(args.restore_dir, model, dense_opt, communicator=comm)
         start = manager.restore()["state"]["next_step"]
+        if args.report_restored:
+            restored = read_state(layer, head)  # collective: every rank reads
+            if comm.rank == 0:
+                print("RESTORED " + json.dumps(restored), flush=True)
     def batches():
         for t in range(start, start + args.steps):
             feats, labels = em.global_batch(t)
@@ -114,13 +130,13 @@ def main(argv=None):
             start + args.steps, {"next_step": start + args.steps})
     sizes = comm.allgather_object({g.group.name: int(g.table.size()) for g in layer.groups})
     counters = layer.comm_counters()
-    rows = tf.function(layer)(all_rows_inputs())
+    state = read_state(layer, head)
     if comm.rank == 0:
         result = {
             "losses": losses,
-            "dense": [v.numpy().tolist() for h in head for v in h.trainable_variables],
+            "dense": state["dense"],
             "num_trainable": len(model.trainable_variables),
-            "tables": {n: (r[:, 0] if n == "s" else r).numpy().tolist() for n, r in rows.items()},
+            "tables": state["tables"],
             "counters": counters,
             "start": start,
             "table_sizes": {k: sum(s[k] for s in sizes) for k in sizes[0]},
