@@ -78,8 +78,10 @@ class GroupLookup(tf.Module):
             return keys >> bits, keys & ((1 << bits) - 1)
         tables, ids = (t.numpy() for t in self.stats.key_metadata(keys))
         if (tables < 0).any():
-            raise ValueError(f"group '{self.group.name}': {int((tables < 0).sum())} stored keys "
-                             "have no recorded (table, ID); the statistics were not restored")
+            raise ValueError(f"group '{self.group.name}': {int((tables < 0).sum())} of "
+                             f"{len(keys)} stored keys have no recorded (table, ID), e.g. "
+                             f"{keys[tables < 0][:3].tolist()}; every path that stores a row "
+                             "records its identity, so the table holds a key none of them wrote")
         return tables, ids
 
     def load_rows(self, table: str, ids, rows):
