@@ -13,15 +13,10 @@ import pytest
 
 from conftest import REPO_ROOT
 from tf_fusedemb.testing.cluster import (ClusterTimeout, ClusterUnavailable, EmulatedCluster,
-                                         check_available, network)
+                                         check_available, network, unavailable_reason)
 from tf_fusedemb.testing.cluster import __main__ as cluster_main
 
-try:
-    check_available()
-    import horovod.runner.gloo_run  # noqa: F401  pylint: disable=unused-import
-    _UNAVAILABLE = None
-except (ClusterUnavailable, ImportError) as e:
-    _UNAVAILABLE = str(e)
+_UNAVAILABLE = unavailable_reason()
 needs_cluster = pytest.mark.skipif(_UNAVAILABLE is not None,
                                    reason=f"no emulated cluster on this machine: {_UNAVAILABLE}")
 PROBE = str(REPO_ROOT / "tests" / "cluster_probe.py")

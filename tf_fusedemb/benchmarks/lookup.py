@@ -5,10 +5,15 @@ fused lookup vs. no fusion vs. TFRA (the paper's baseline) vs. TFRA-fused.
     python -m tf_fusedemb.benchmarks.lookup --json \
         --data /work/shared/data/criteo-kaggle-sample/train.txt         # real Criteo sample
 
-Run plainly, the module re-launches itself under ``horovodrun -np N --gloo -H
-localhost:N`` (the horovodrun next to ``sys.executable``; ``--np``, default 2), streams
-the workers' output to stderr and prints rank 0's JSON as the LAST line of stdout. A
-process with ``HOROVOD_RANK`` set is a worker.
+    python -m tf_fusedemb.benchmarks.lookup --json --hosts 2 --ranks-per-host 1 \
+        --link-mbit 1000                                      # on an emulated cluster
+
+Run plainly, the module re-launches itself on Horovod workers
+(``tf_fusedemb.benchmarks.launcher``): with ``--hosts H`` on an emulated cluster of H hosts
+x ``--ranks-per-host`` ranks whose links run at ``--link-mbit`` Mbit/s (needs root),
+otherwise under ``horovodrun -np N --gloo -H localhost:N`` (``--np``, default 2, loopback);
+streams the workers' output to stderr and prints rank 0's JSON as the LAST line of stdout
+(``network`` says where it ran). A process with ``HOROVOD_RANK`` set is a worker.
 
 Model (every variant): 26 one-hot categorical features C1..C26, embedding dim 16, dynamic
 tables, Adagrad lr 0.05 (``--lr``) for the embeddings; 13 dense features log1p(max(x, 0));
@@ -69,44 +74,31 @@ included). ``bytes_per_step``: payload bytes sent to OTHER ranks by AlltoAlls pe
 non-empty messages to other ranks (all ranks pooled).
 """
 import argparse
-import pathlib
 import sys
 
-from tf_fusedemb.benchmarks.launcher import benchmark_main
+from tf_fusedemb.benchmarks.launcher import (add_launch_args, add_workload_args, benchmark_main,
+                                             check_launch_args)
+from tf_fusedemb.benchmarks.lookup_data import DEFAULT_CRITEO  # noqa: F401  (re-export)
 
 RESULT_MARKER = "LOOKUP_BENCHMARK_RESULT "
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-DEFAULT_CRITEO = REPO_ROOT.parent / "shared" / "data" / "criteo-kaggle-sample" / "train.txt"
 VARIANTS = ("fused", "unfused", "tfra", "tfra_fused")
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="FusedRec lookup benchmark (training steps)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object last")
-    parser.add_argument("--np", type=int, default=2, help="Horovod workers to launch")
-    parser.add_argument("--batch-size", type=int, default=4096, help="samples per rank")
-    parser.add_argument("--steps", type=int, default=5, help="steps per variant per round")
-    parser.add_argument("--rounds", type=int, default=8, help="timed rounds")
+    add_launch_args(parser)
+    add_workload_args(parser, batch_size=4096, steps=5, rounds=8, num_batches=8)
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
-    parser.add_argument("--lr", type=float, default=0.05, help="Adagrad learning rate")
-    parser.add_argument("--num-batches", type=int, default=8,
-                        help="distinct global batches, cycled")
-    parser.add_argument("--data", default=None,
-                        help="Criteo TSV (label, I1..I13, C1..C26 hex); default synthetic")
-    parser.add_argument("--max-rows", type=int, default=None, help="rows read from --data")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated subset of {','.join(VARIANTS)}")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=None,
-                        help="seconds before the launcher kills the workers")
     args = parser.parse_args(argv)
     args.variants = [v for v in args.variants.split(",") if v]
     unknown = set(args.variants) - set(VARIANTS)
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
-    if args.np < 1 or args.batch_size < 1 or args.steps < 1 or args.rounds < 1:
-        parser.error("--np, --batch-size, --steps and --rounds must be >= 1")
-    return args
+    if args.batch_size < 1 or args.steps < 1 or args.rounds < 1:
+        parser.error("--batch-size, --steps and --rounds must be >= 1")
+    return check_launch_args(parser, args)
 
 
 def main(argv=None):

@@ -3,12 +3,17 @@
 Every rank builds the same global batches and takes its own contiguous slice, so the
 variants (and the ranks) see exactly the same samples in the same order.
 """
+import pathlib
+
 import numpy as np
 
 from tf_fusedemb.data.synthetic import MISSING_ID, generate_criteo_like
 
 CATEGORICAL = tuple(f"C{i}" for i in range(1, 27))
 DENSE = tuple(f"I{i}" for i in range(1, 14))
+# The real Criteo Kaggle sample next to the repository (8000 lines), where present.
+DEFAULT_CRITEO = (pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" /
+                  "criteo-kaggle-sample" / "train.txt")
 
 
 def read_criteo_tsv(path, max_rows=None):

@@ -3,7 +3,6 @@ builds the four variants in one process, times them side by side and returns ran
 result dict (None on other ranks)."""
 import functools
 import os
-import random
 import statistics
 import time
 
@@ -15,6 +14,8 @@ import tensorflow as tf  # noqa: E402
 import tf_keras  # noqa: E402
 
 from tf_fusedemb.benchmarks import lookup_comm, lookup_data, lookup_models  # noqa: E402
+from tf_fusedemb.benchmarks.launcher import network_description  # noqa: E402
+from tf_fusedemb.benchmarks.timing import interleaved_rounds  # noqa: E402
 from tf_fusedemb.comm import CommCounters, get_communicator  # noqa: E402
 from tf_fusedemb.layers import FusedEmbedding  # noqa: E402
 from tf_fusedemb.training import train_step  # noqa: E402
@@ -169,20 +170,19 @@ def run(args):
     tracing = {v.name: int(v.step.experimental_get_tracing_count()) for v in variants.values()}
 
     before = {v.name: v.snapshot() for v in variants.values()}
-    rng = random.Random(args.seed)
-    order = list(variants)
     round_means = {n: [] for n in variants}
-    t_start = time.perf_counter()
-    for r in range(args.rounds):
-        rng.shuffle(order)  # same seed on every rank: same order everywhere
-        for name in order:
-            comm.allgather_object(None)  # barrier: start each block together
-            v = variants[name]
+
+    def block(v):
+        def run_block():
             k = len(v.times_ms)
             v.run(batches, args.steps, timed=True)
-            round_means[name].append(statistics.fmean(v.times_ms[k:]))
-        log(f"  round {r + 1}/{args.rounds}: " + ", ".join(
-            f"{n} {round_means[n][-1]:.1f}ms" for n in variants))
+            round_means[v.name].append(statistics.fmean(v.times_ms[k:]))
+        return run_block
+    t_start = time.perf_counter()
+    interleaved_rounds({n: block(v) for n, v in variants.items()}, args.rounds, args.seed,
+                       barrier=lambda: comm.allgather_object(None),
+                       after_round=lambda r: log(f"  round {r + 1}/{args.rounds}: " + ", ".join(
+                           f"{n} {round_means[n][-1]:.1f}ms" for n in variants)))
     timed_s = time.perf_counter() - t_start
     timed_steps = args.rounds * args.steps
     after = {v.name: v.snapshot() for v in variants.values()}
@@ -206,6 +206,7 @@ def run(args):
             "gpus": len(tf.config.list_physical_devices("GPU")),
             "horovod_controller": "gloo",
         },
+        "network": network_description(args),
         "data": source,
         "model": {"categorical_features": len(lookup_data.CATEGORICAL), "embedding_dim":
                   lookup_models.DIM, "dense_features": len(lookup_data.DENSE),

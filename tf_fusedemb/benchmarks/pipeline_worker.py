@@ -1,8 +1,6 @@
 """Worker of ``tf_fusedemb.benchmarks.pipeline`` (one per Horovod rank); see there for
 what is measured and how."""
 import os
-import random
-import statistics
 import time
 
 import numpy as np
@@ -10,8 +8,9 @@ import tensorflow as tf
 import tf_keras
 
 from tf_fusedemb.benchmarks import lookup_data
-from tf_fusedemb.benchmarks.emulated_network import EmulatedNetworkCommunicator
+from tf_fusedemb.benchmarks.launcher import network_description, request_link_rate
 from tf_fusedemb.benchmarks.lookup_models import CriteoNet, DIM, feature_specs
+from tf_fusedemb.benchmarks.timing import interleaved_rounds, median_ms
 from tf_fusedemb.comm import LocalCommunicator, get_communicator
 from tf_fusedemb.layers import FusedEmbedding
 from tf_fusedemb.ops import hashing
@@ -19,16 +18,35 @@ from tf_fusedemb.pipeline import (NestedPipeline, PipelineOptions, cluster_permu
                                   unique_keys_per_micro_batch)
 
 CAT = lookup_data.CATEGORICAL
+MICRO = (1, 2, 4, 8)
+NESTED = "dbp_fwp4"  # the mode of speedup_nested_vs_sync (DBP + FWP with 4 micro-batches)
 REAL = {"sync": PipelineOptions(), "dbp": PipelineOptions(prefetch=True),
         "fwp2": PipelineOptions(micro_batches=2), "fwp4": PipelineOptions(micro_batches=4),
         "fwp8": PipelineOptions(micro_batches=8),
         "dbp_fwp4": PipelineOptions(prefetch=True, micro_batches=4),
         "dbp_fwp4_cluster": PipelineOptions(prefetch=True, micro_batches=4)}
-# Compute-only twins (single-rank communicator): P_N of the exposed-communication ratio.
-LOCAL = {"local_fwp1": PipelineOptions(), "local_fwp2": PipelineOptions(micro_batches=2),
-         "local_fwp4": PipelineOptions(micro_batches=4),
-         "local_fwp8": PipelineOptions(micro_batches=8)}
-MICRO = (1, 2, 4, 8)
+CLUSTERED_OF = {"dbp_fwp4_cluster": "dbp_fwp4"}  # same pipeline, clustered batches
+# Twins of the modes, on a single-rank communicator (no collective; the rank owns every
+# key): the same lookups, pooling, dense compute and updates. P of the figures.
+TWINNED = ("sync", "fwp2", "fwp4", "fwp8", "dbp_fwp4")
+REAL_OF_N = {1: "sync", 2: "fwp2", 4: "fwp4", 8: "fwp8"}
+ALONE = (1, 4)  # micro-batch counts whose collectives are also timed alone
+AUTO_NOTE = ("micro_batches='auto' is not in tf_fusedemb.pipeline yet (PipelineOptions "
+             "and make_pipeline): auto_vs_sync is null; best_vs_sync is the best pipelined "
+             "mode per link speed")
+AUTO_MAX_STEPS = 60  # steps an auto pipeline may take to choose before timing starts
+
+
+def _auto_factory():
+    """``options -> pipeline`` for micro_batches="auto" (``tf_fusedemb.pipeline.make_pipeline``)
+    where the pipeline has it, else None."""
+    try:
+        from tf_fusedemb.pipeline import make_pipeline  # pylint: disable=import-outside-toplevel
+        options = PipelineOptions(micro_batches="auto")
+    except (ImportError, TypeError, ValueError):
+        return None
+    return lambda model, loss, optimizer, comm: make_pipeline(model, loss, optimizer, options,
+                                                              comm)
 
 
 def _model(comm, args):
@@ -65,56 +83,179 @@ def _send_plan(x, n, size):
     return plans
 
 
-def _comm_only(comm, plans, dense_vars):
-    """The collectives of one FWP step, one after another (C_N), through ``comm`` (so an
-    emulated network delays them as it delays the training step's)."""
+def _collectives_alone(comm, plans, dense_vars):
+    """A zero-argument callable running the collectives of one synchronous FWP step with
+    len(plans) micro-batches, one after another, with their real payloads: per micro-batch
+    the key AlltoAll, the row AlltoAll back and the row-gradient AlltoAll, then the
+    loss-statistics and the grouped dense-gradient AllReduce.
+
+    Every payload is an ARGUMENT of the tf.function and every later collective depends on a
+    runtime value of the previous one: grappler folds a collective whose input is a
+    constant (``tf.zeros``/``tf.ones``, ``zeros_like`` of a variable) while optimising the
+    graph, so it never runs in the timed call (checked on a 2-host 100 Mbit/s cluster: an
+    AllReduce of ``tf.zeros([400000])`` took 0.2 ms, the same with the zeros passed as an
+    argument takes the link's time). The former measurement built its AllReduces that way,
+    one reason it read 0.2-0.6 ms where the collectives add 70-190 ms to a step."""
+    sends = [s for s, _ in plans]
+    splits = [s for _, s in plans]
+    dense = [tf.zeros_like(v) for v in dense_vars]
+
     @tf.function(autograph=False)
-    def run():
-        dep = []
-        for i, (send, splits) in enumerate(plans):
-            with tf.control_dependencies(dep):
-                recv, rsplits = comm.alltoall(send, splits, f"bench/keys{i}")
-            rows = tf.zeros([tf.shape(recv)[0], DIM])
+    def run(sends, splits, dense):
+        dep = tf.zeros([])
+        for i, (send, split) in enumerate(zip(sends, splits)):
+            with tf.control_dependencies([dep]):
+                recv, rsplits = comm.alltoall(tf.identity(send), split, f"bench/keys{i}")
+            rows = tf.zeros([tf.shape(recv)[0], DIM]) + tf.cast(recv[:1, :1], tf.float32) * 0.0
             back, _ = comm.alltoall(rows, rsplits, f"bench/rows{i}")
-            grad, _ = comm.alltoall(back + 0.0, splits, f"bench/grads{i}")
-            dep = [grad]
-        with tf.control_dependencies(dep):
-            n = comm.allreduce_sum(tf.ones([]), "bench/n")
-        with tf.control_dependencies([n]):
-            dense = comm.allreduce_sum_list([tf.zeros_like(v) for v in dense_vars], "bench/dense")
-        with tf.control_dependencies(dense):
-            return comm.allreduce_sum(tf.ones([]), "bench/loss")
-    return run
+            grad, _ = comm.alltoall(back + 1.0, split, f"bench/grads{i}")
+            dep = tf.reduce_sum(grad[:1])
+        stats = comm.allreduce_sum(tf.stack([dep * 0.0 + 1.0, dep]), "bench/loss_stats")
+        with tf.control_dependencies([stats]):
+            reduced = comm.allreduce_sum_list([d + stats[0] * 0.0 for d in dense], "bench/dense")
+        return tf.add_n([tf.reduce_sum(r[:1]) for r in reduced]) + stats[0]
+    return lambda: run(sends, splits, dense).numpy()
+
+
+def _loss(result):
+    """The loss of a pipeline step's result (a StepResult, or a (loss, predictions) pair)."""
+    return result.loss if hasattr(result, "loss") else result[0]
 
 
 def _time_run(pipeline, batches, cursor, steps):
-    """Times the middle steps of ``steps`` consecutive pipelined steps."""
-    stream = (batches[(cursor + k) % len(batches)] for k in range(steps))
-    times, begin = [], time.perf_counter()
-    for k, (loss, _) in enumerate(pipeline.run(stream, steps)):
-        float(loss)
-        now = time.perf_counter()
+    """Runs ``steps`` consecutive steps from batch ``cursor`` (each prefetching the next,
+    the last none), flushes, and returns the times of the middle ones in ms: the first
+    includes the prologue prefetch, the last has no next batch to prefetch."""
+    times = []
+    for k in range(steps):
+        x, y = batches[(cursor + k) % len(batches)]
+        upcoming = batches[(cursor + k + 1) % len(batches)][0] if k + 1 < steps else None
+        begin = time.perf_counter()
+        float(_loss(pipeline.step(x, y, upcoming)))
         if 0 < k < steps - 1:
-            times.append((now - begin) * 1e3)
-        begin = now
+            times.append((time.perf_counter() - begin) * 1e3)
+    pipeline.flush()
     return times
 
 
-def _median(values):
-    return round(statistics.median(values), 3)
+def _settle_auto(pipeline, batches):
+    """Trains an auto pipeline until it has chosen its N (its measurement at the start of
+    training); returns (chosen N or None, steps taken)."""
+    k = 0
+    while getattr(pipeline, "chosen", None) is None and k < AUTO_MAX_STEPS:
+        x, y = batches[k % len(batches)]
+        float(_loss(pipeline.step(x, y, batches[(k + 1) % len(batches)][0])))
+        k += 1
+    pipeline.flush()
+    return getattr(pipeline, "chosen", None), k
+
+
+def _clustering_counts(batches_cats):
+    """Summed unique (feature, ID) keys over the N micro-batches of each batch, unclustered
+    vs clustered, for N in MICRO; and the CPU cost of clustering a batch for N = 4."""
+    unique = {n: {"plain": [], "clustered": []} for n in MICRO}
+    cost_ms = []
+    for cats in batches_cats:
+        for n in MICRO:
+            t0 = time.perf_counter()
+            perm = cluster_permutation(cats, n)
+            if n == 4:
+                cost_ms.append((time.perf_counter() - t0) * 1e3)
+            unique[n]["plain"].append(int(unique_keys_per_micro_batch(cats, n).sum()))
+            unique[n]["clustered"].append(int(unique_keys_per_micro_batch(
+                {c: v[perm] for c, v in cats.items()}, n).sum()))
+    return unique, cost_ms
+
+
+def _reduction(unique, n):
+    return round(1 - float(np.mean(unique[n]["clustered"])) / float(np.mean(unique[n]["plain"])),
+                 4)
+
+
+def _real_clustering(path, batch_size):
+    """Clustering on the real Criteo sample read with the project's reader
+    (``tf_fusedemb.data.criteo.criteo_dataset``, one shard, file order): every batch of
+    ``batch_size`` lines (the last one may be smaller)."""
+    if not path or not os.path.exists(path):
+        return {"clustering_unique_key_reduction_real": None,
+                "clustering_real_note": f"real Criteo sample not found at {path}"}
+    from tf_fusedemb.data.criteo import (  # pylint: disable=import-outside-toplevel
+        CRITEO_CATEGORICAL, criteo_dataset)
+    cats = [{c: x[c].numpy() for c in CRITEO_CATEGORICAL}
+            for x, _ in criteo_dataset(path, batch_size)]
+    cats = [c for c in cats if len(c[CRITEO_CATEGORICAL[0]]) >= 2 * max(MICRO)]
+    unique, _ = _clustering_counts(cats)
+    return {"clustering_unique_key_reduction_real": _reduction(unique, 4),
+            "clustering_unique_key_reduction_real_by_n": {str(n): _reduction(unique, n)
+                                                          for n in MICRO},
+            "clustering_real_data": {"path": str(path), "reader": "tf_fusedemb.data.criteo."
+                                     "criteo_dataset", "batch_size": batch_size,
+                                     "batches": len(cats),
+                                     "rows": int(sum(len(c[CRITEO_CATEGORICAL[0]])
+                                                     for c in cats))}}
+
+
+def _summarize(step, diffs, alone):
+    """The figures of one link speed.
+
+    Args:
+      step: {block: median ms} of every mode, twin and call.
+      diffs: {mode: median over paired blocks of (T_mode - P_mode)} ms.
+      alone: {N: median ms of the collectives alone}.
+    """
+    t_sync = step["sync"]
+    comm_ms = round(diffs["sync"], 3)  # C: what the collectives add to the synchronous step
+    share = round(min(max(comm_ms / t_sync, 0.0), 1.0), 4)
+    real = [n for n in step if not n.startswith("local_") and n != "lookup"]
+    added = {str(n): round(diffs[m], 3) for n, m in REAL_OF_N.items() if m in diffs}
+    if NESTED in diffs:
+        added[NESTED] = round(diffs[NESTED], 3)
+    measurable = comm_ms > 1.0 and share >= 0.02
+
+    def exposed(a):
+        return round(min(max(a / comm_ms, 0.0), 1.0), 3) if measurable else None
+
+    def vs_sync(mode):
+        return round(t_sync / step[mode], 3) if mode in step else None
+    pipelined = {n: step[n] for n in real if n != "sync"}
+    best = min(pipelined, key=pipelined.get) if pipelined else None
+    out = {
+        "step_ms": {n: step[n] for n in real},
+        "compute_only_step_ms": {n: step[n] for n in step if n.startswith("local_")},
+        "comm_ms": comm_ms,
+        "sync_comm_share": share,
+        "collectives_alone_ms": {str(n): alone[n] for n in alone},
+        "comm_added_ms": added,
+        "exposed_comm_ratio": {str(n): exposed(added[str(n)]) for n, m in REAL_OF_N.items()
+                               if m in step},
+        "exposed_comm_ratio_nested": exposed(added[NESTED]) if NESTED in added else None,
+        "speedup_vs_sync": {n: vs_sync(n) for n in real},
+        "speedup_nested_vs_sync": vs_sync(NESTED),
+        "best_mode": best,
+        "best_vs_sync": vs_sync(best) if best else None,
+        "auto_vs_sync": vs_sync("auto"),
+    }
+    if not measurable:
+        out["exposed_comm_ratio_note"] = ("the collectives add < 2% (or < 1 ms) to the "
+                                          "synchronous step: no communication to expose")
+    if "lookup" in step and "dbp" in step:
+        lookup = step["lookup"]
+        hidden = min(max(step["dbp"] - (t_sync - lookup), 0.0), lookup)
+        out.update({"lookup_ms": lookup,
+                    "exposed_lookup_ms": {"sync": lookup, "dbp": round(hidden, 3)},
+                    "lookup_hidden_fraction_dbp": round(1 - hidden / lookup, 3)})
+    return out
+
+
+def _pick(points):
+    """The link speed whose synchronous step spends closest to 40% in collectives."""
+    return min(points, key=lambda m: abs(points[m]["sync_comm_share"] - 0.4))
 
 
 def run(args):
-    emulated = None
-    if args.emulate_mbps:
-        # Sleeping link transfers hold inter-op threads: more threads than cores, so the
-        # compute is not starved while a transfer waits.
-        tf.config.threading.set_inter_op_parallelism_threads(16)
-        emulated = {"megabytes_per_s": args.emulate_mbps, "latency_ms": args.emulate_latency_ms}
     comm = get_communicator()
-    if emulated:
-        comm = EmulatedNetworkCommunicator(comm, args.emulate_mbps, args.emulate_latency_ms)
     rank, size = comm.rank, comm.size
+    load_start = os.getloadavg()
 
     def log(msg):
         if rank == 0:
@@ -129,101 +270,146 @@ def run(args):
         source = {"kind": "synthetic", "generator": "generate_criteo_like", "seed": args.seed}
     raw = lookup_data.make_batches(columns, args.batch_size, size, rank, args.num_batches)
 
-    # Clustering: unique keys per micro-batch, and its CPU cost per batch.
-    clustered_raw, cluster_ms = [], []
-    unique = {n: {"plain": [], "clustered": []} for n in MICRO}
-    for x, y in raw:
-        cats = {c: x[c] for c in CAT}
-        t0 = time.perf_counter()
-        perm = cluster_permutation(cats, 4)
-        cluster_ms.append((time.perf_counter() - t0) * 1e3)
-        clustered_raw.append(_reorder((x, y), perm))
-        for n in MICRO:
-            unique[n]["plain"].append(int(unique_keys_per_micro_batch(cats, n).sum()))
-            perm_n = perm if n == 4 else cluster_permutation(cats, n)
-            unique[n]["clustered"].append(int(unique_keys_per_micro_batch(
-                {c: v[perm_n] for c, v in cats.items()}, n).sum()))
+    # Clustering of this rank's batches: unique keys per micro-batch and the CPU cost.
+    cats = [{c: x[c] for c in CAT} for x, _ in raw]
+    unique, cluster_ms = _clustering_counts(cats)
+    clustered_raw = [_reorder(b, cluster_permutation(c, 4)) for b, c in zip(raw, cats)]
+    real_clustering = _real_clustering(args.real_data, args.batch_size) if rank == 0 else {}
 
     to_tf = lambda bs: [({k: tf.constant(v) for k, v in x.items()}, tf.constant(y))  # noqa: E731
                         for x, y in bs]
     batches, clustered = to_tf(raw), to_tf(clustered_raw)
     loss_fn = tf_keras.losses.BinaryCrossentropy(from_logits=True)
     model, optimizer = _model(comm, args)
-    local_model, local_optimizer = _model(LocalCommunicator(), args)
-    runs = {name: (NestedPipeline(model, loss_fn, optimizer, o, communicator=comm),
-                   clustered if name.endswith("_cluster") else batches)
-            for name, o in REAL.items()}
-    runs.update({name: (NestedPipeline(local_model, loss_fn, local_optimizer, o,
-                                       communicator=LocalCommunicator()), batches)
-                 for name, o in LOCAL.items()})
-    comm_fns = {f"comm_fwp{n}": _comm_only(comm, _send_plan(raw[0][0], n, size),
-                                           model.trainable_variables) for n in MICRO}
-    lookup_fn = runs["dbp"][0]._prefetch_fn  # routing + retrieval of one batch alone
+    local = LocalCommunicator()
+    local_model, local_optimizer = _model(local, args)
+    modes = {m: REAL[m] for m in args.modes if m != "auto"}
+    auto = _auto_factory() if "auto" in args.modes else None
+    runs = {}
+    for name, options in modes.items():
+        shared = runs.get(CLUSTERED_OF.get(name))
+        pipeline = shared[0] if shared else NestedPipeline(model, loss_fn, optimizer, options,
+                                                           communicator=comm)
+        runs[name] = (pipeline, clustered if name.endswith("_cluster") else batches)
+    for name in TWINNED:
+        if name in modes:
+            runs[f"local_{name}"] = (NestedPipeline(local_model, loss_fn, local_optimizer,
+                                                    REAL[name], communicator=local), batches)
+    state = {"cursor": 0}  # first batch of the current round
+    calls = {f"alone_fwp{n}": _collectives_alone(comm, _send_plan(raw[0][0], n, size),
+                                                 model.trainable_variables) for n in ALONE}
+    # routing + retrieval of one batch alone (a private part of NestedPipeline)
+    prefetch = getattr(runs["dbp"][0], "_prefetch_fn", None) if "dbp" in runs else None
+    if prefetch is not None:
+        calls["lookup"] = lambda: tf.nest.map_structure(
+            lambda t: t.numpy(), prefetch(batches[state["cursor"] % len(batches)][0]))
 
-    log(f"variants {list(runs) + list(comm_fns)}; tracing")
+    log(f"variants {list(runs) + list(calls)}; tracing")
+    t_trace = time.perf_counter()
     for name, (pipeline, data) in runs.items():
+        if name in CLUSTERED_OF and CLUSTERED_OF[name] in runs:
+            continue  # traced with its unclustered twin
         t0 = time.perf_counter()
         _time_run(pipeline, data, 0, 3)
         log(f"  {name}: warm-up {time.perf_counter() - t0:.1f}s")
-    for fn in comm_fns.values():
+    for fn in calls.values():
         fn()
-    lookup_fn(batches[0][0])
+    trace_s = time.perf_counter() - t_trace
 
-    times = {name: [] for name in list(runs) + list(comm_fns) + ["lookup"]}
-    order = list(times)
-    rng = random.Random(args.seed)
-    cursor = 0
-    for r in range(args.rounds):
-        rng.shuffle(order)  # same seed on every rank: same order everywhere
-        for name in order:
-            if name in runs:
-                pipeline, data = runs[name]
-                times[name] += _time_run(pipeline, data, cursor, args.steps)
-                continue
-            fn = comm_fns.get(name) or (lambda: lookup_fn(batches[cursor % len(batches)][0]))
-            for _ in range(args.steps - 2):
-                t0 = time.perf_counter()
-                tf.nest.map_structure(lambda t: t.numpy(), fn())
-                times[name].append((time.perf_counter() - t0) * 1e3)
-        cursor += args.steps
-        log(f"round {r + 1}/{args.rounds}: " + ", ".join(
-            f"{n} {_median(times[n]):.1f}" for n in times))
+    def timed_block(name):
+        if name in calls:
+            def call_block():
+                for _ in range(args.steps - 2):
+                    t0 = time.perf_counter()
+                    calls[name]()
+                    times[name].append((time.perf_counter() - t0) * 1e3)
+            return call_block
+        twin = f"local_{name}"
+        if twin not in runs:
+            return lambda: times[name].extend(_time_run(*runs[name], state["cursor"],
+                                                        args.steps))
+        flip = [False]
+
+        def paired_block():
+            # The mode and its twin back to back (alternating which goes first), so the
+            # load of this shared machine is alike for both: diffs[name] collects the
+            # per-block T - P.
+            order = (twin, name) if flip[0] else (name, twin)
+            flip[0] = not flip[0]
+            block = {n: _time_run(*runs[n], state["cursor"], args.steps) for n in order}
+            for n, t in block.items():
+                times[n].extend(t)
+            diffs[name].append(median_ms(block[name]) - median_ms(block[twin]))
+        return paired_block
+
+    rates = args.sweep_mbit if args.sweep else [args.link_mbit if args.hosts else None]
+    blocks = [n for n in runs if not n.startswith("local_")] + (["auto"] if auto else [])
+    blocks += list(calls)
+    points = {}
+    t_timed = time.perf_counter()
+    for mbit in rates:
+        label = "loopback" if mbit is None else f"{mbit:g}"
+        if args.sweep:
+            request_link_rate(comm, mbit)
+        settled = {}
+        if auto is not None:  # a fresh one per link speed: it chooses from what it measures
+            t0 = time.perf_counter()
+            runs["auto"] = (auto(model, loss_fn, optimizer, comm), batches)
+            n_auto, k = _settle_auto(runs["auto"][0], batches)
+            settled = {"auto_micro_batches": n_auto, "auto_settle_steps": k,
+                       "auto_settle_s": round(time.perf_counter() - t0, 1)}
+            log(f"{label} Mbit/s: auto chose N={n_auto} after {k} steps")
+        times = {name: [] for name in list(runs) + list(calls)}
+        diffs = {name: [] for name in runs if f"local_{name}" in runs}
+
+        def after_round(r, label=label):
+            state["cursor"] += args.steps
+            log(f"{label} Mbit/s round {r + 1}/{args.rounds}: " + ", ".join(
+                f"{n} {median_ms(t):.1f}" for n, t in times.items()))
+        interleaved_rounds({n: timed_block(n) for n in blocks}, args.rounds, args.seed,
+                           barrier=lambda: comm.allgather_object(None),
+                           after_round=after_round)
+        step = {n: median_ms(t) for n, t in times.items()}
+        alone = {n: step.pop(f"alone_fwp{n}") for n in ALONE}
+        points[label] = _summarize(step, {n: median_ms(d) for n, d in diffs.items()}, alone)
+        points[label]["timed_steps_per_variant"] = len(times["sync"])
+        points[label].update(settled)
+        log(f"{label}: sync {step['sync']:.1f} ms, sync_comm_share "
+            f"{points[label]['sync_comm_share']}, nested "
+            f"{points[label]['speedup_nested_vs_sync']}x")
+    timed_s = time.perf_counter() - t_timed
     if rank != 0:
         return None
-    step = {n: _median(t) for n, t in times.items()}
-    t_sync = step["sync"]
-    exposed, added = {}, {}
-    for n in MICRO:
-        added[str(n)] = round(step["sync" if n == 1 else f"fwp{n}"] - step[f"local_fwp{n}"], 3)
-        exposed[str(n)] = round(min(max(added[str(n)] / step[f"comm_fwp{n}"], 0.0), 1.0), 3)
-    lookup = step["lookup"]
-    exposed_lookup = {"sync": lookup,
-                      "dbp": round(min(max(step["dbp"] - (t_sync - lookup), 0.0), lookup), 3)}
-    plain4 = np.mean(unique[4]["plain"])
-    return {
-        "benchmark": "pipeline", "world_size": size, "emulated_network": emulated, "batch_size_per_rank": args.batch_size,
-        "hidden": list(args.hidden), "data": source, "rounds": args.rounds,
-        "timed_steps_per_variant": len(times["sync"]),
-        "step_ms": {n: step[n] for n in REAL},
-        "compute_only_step_ms": {n: step[f"local_fwp{n}"] for n in MICRO},
-        "comm_only_ms": {n: step[f"comm_fwp{n}"] for n in MICRO},
-        "speedup_vs_sync": {n: round(t_sync / step[n], 3) for n in REAL},
-        "speedup_nested_vs_sync": round(t_sync / step["dbp_fwp4"], 3),
-        "speedup_nested_best_vs_sync": round(t_sync / min(step[n] for n in REAL
-                                                          if n.startswith("dbp_")), 3),
-        "exposed_comm_ratio": exposed,
-        "comm_added_ms": added,  # T_N - P_N, unclipped
+
+    chosen = _pick(points)
+    result = {"benchmark": "pipeline", "world_size": size, "network": network_description(args),
+              "batch_size_per_rank": args.batch_size, "hidden": list(args.hidden),
+              "data": source, "rounds": args.rounds, "steps_per_block": args.steps,
+              "link_mbit": None if chosen == "loopback" else float(chosen)}
+    result.update({k: v for k, v in points[chosen].items() if k != "auto_vs_sync"})
+    result.update({
+        "auto_vs_sync": ({m: p["auto_vs_sync"] for m, p in points.items()}
+                         if auto is not None else None),
+        "best_vs_sync": {m: p["best_vs_sync"] for m, p in points.items()},
+        "sweep": points,
         "exposed_comm_ratio_target": {str(n): round(1 / n + 0.1, 3) for n in MICRO},
-        "lookup_ms": lookup, "exposed_lookup_ms": exposed_lookup,
-        "lookup_hidden_fraction_dbp": round(1 - exposed_lookup["dbp"] / lookup, 3),
+        "modes": list(modes) + (["auto"] if auto else []),
         "unique_keys_per_batch": {str(n): {k: round(float(np.mean(v)), 1)
                                            for k, v in unique[n].items()} for n in MICRO},
-        "clustering_unique_key_reduction": round(
-            1 - np.mean(unique[4]["clustered"]) / plain4, 4),
-        "clustering_unique_key_reduction_by_n": {
-            str(n): round(1 - np.mean(unique[n]["clustered"]) / np.mean(unique[n]["plain"]), 4)
-            for n in MICRO},
-        "cluster_ms_per_batch": _median(cluster_ms),
-        "cpu_count": os.cpu_count(),
-    }
-
+        "clustering_unique_key_reduction": _reduction(unique, 4),
+        "clustering_unique_key_reduction_by_n": {str(n): _reduction(unique, n) for n in MICRO},
+        "cluster_ms_per_batch": median_ms(cluster_ms),
+        "tracing_s": round(trace_s, 1), "timed_s": round(timed_s, 1),
+        "cpu_count": os.cpu_count(), "rank_cpus": os.environ.get("FUSEDEMB_CPUS"),
+        "intra_op_threads": (tf.config.threading.get_intra_op_parallelism_threads()
+                             or os.environ.get("TF_NUM_INTRAOP_THREADS")),
+        "inter_op_threads": (tf.config.threading.get_inter_op_parallelism_threads()
+                             or os.environ.get("TF_NUM_INTEROP_THREADS")),
+        "loadavg_start": [round(v, 2) for v in load_start],
+        "loadavg_end": [round(v, 2) for v in os.getloadavg()],
+    })
+    if auto is None:
+        result["auto_vs_sync_note"] = (AUTO_NOTE if "auto" in args.modes else
+                                       "auto was not among --modes")
+    result.update(real_clustering)
+    return result

@@ -1,4 +1,8 @@
-"""Side-by-side timing: interleaved repeats, median per variant."""
+"""Side-by-side timing: interleaved repeats, median per variant.
+
+``time_side_by_side`` times zero-argument callables in one process; ``interleaved_rounds``
+is the same idea for blocks of training steps on several Horovod ranks (the blocks time
+themselves, every rank runs them in the same shuffled order, a barrier before each)."""
 import json
 import random
 import statistics
@@ -29,6 +33,35 @@ def time_side_by_side(variants, repeats, warmup=3, seed=0):
     return {name: {"median_ms": round(statistics.median(s), 4), "min_ms": round(min(s), 4),
                    "p90_ms": round(sorted(s)[int(0.9 * (len(s) - 1))], 4)}
             for name, s in samples.items()}
+
+
+def interleaved_rounds(blocks, rounds, seed=0, barrier=None, after_round=None):
+    """Runs every block once per round, in an order shuffled per round.
+
+    Args:
+      blocks: dict name -> zero-argument callable; each records its own times.
+      rounds: number of rounds.
+      seed: the shuffle's seed; give every rank the same one, so every rank runs the same
+        block at the same time (blocks with collectives would deadlock otherwise).
+      barrier: callable run before each block (e.g. ``lambda: comm.allgather_object(None)``),
+        so the ranks start each block together; None for none.
+      after_round: callable(round_index) run after each round (progress logs).
+    """
+    order = list(blocks)
+    rng = random.Random(seed)
+    for r in range(rounds):
+        rng.shuffle(order)
+        for name in order:
+            if barrier is not None:
+                barrier()
+            blocks[name]()
+        if after_round is not None:
+            after_round(r)
+
+
+def median_ms(values):
+    """Median of a list of milliseconds, rounded to 3 decimals."""
+    return round(statistics.median(values), 3)
 
 
 def in_graph_loop(body, iterations):

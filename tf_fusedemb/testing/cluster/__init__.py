@@ -19,5 +19,18 @@ from tf_fusedemb.testing.cluster.errors import ClusterError, ClusterTimeout, Clu
 from tf_fusedemb.testing.cluster.launcher import JobResult
 from tf_fusedemb.testing.cluster.network import Host, check_available
 
-__all__ = ["EmulatedCluster", "ClusterError", "ClusterTimeout", "ClusterUnavailable",
+
+
+def unavailable_reason():
+    """Why no emulated cluster can run on this machine, or None when one can (for
+    ``pytest.mark.skipif`` in users' and our own tests)."""
+    try:
+        check_available()
+        import horovod.runner.gloo_run  # noqa: F401  pylint: disable=unused-import,import-outside-toplevel
+    except (ClusterUnavailable, ImportError) as e:
+        return str(e)
+    return None
+
+
+__all__ = ["unavailable_reason", "EmulatedCluster", "ClusterError", "ClusterTimeout", "ClusterUnavailable",
            "JobResult", "Host", "check_available"]
