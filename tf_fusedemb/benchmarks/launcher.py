@@ -152,14 +152,8 @@ def set_link_rate(cluster, mbit):
     """Sets every host of a running ``cluster`` to ``mbit`` Mbit/s each direction: the
     host's egress qdisc (its eth0) and its ingress one (the bridge end of its veth), with
     the same tbf parameters the cluster builds them with."""
-    # EmulatedCluster has no public rate setter (yet); its private tbf helper keeps the
-    # burst/latency rule in one place instead of a copy here.
-    from tf_fusedemb.testing.cluster.network import (  # pylint: disable=import-outside-toplevel
-        HOST_IFACE, _tbf)
-    for host in cluster.hosts:
-        for cmd in (["tc", "-n", host.namespace, "qdisc", "replace", "dev", HOST_IFACE, "root"],
-                    ["tc", "qdisc", "replace", "dev", host.veth, "root"]):
-            subprocess.run(cmd + _tbf(mbit), check=True, capture_output=True, text=True)
+    from tf_fusedemb.testing.cluster import network  # pylint: disable=import-outside-toplevel
+    network.set_link_rate(cluster.hosts, mbit)
 
 
 class _ClusterSink:

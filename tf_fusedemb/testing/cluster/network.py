@@ -195,6 +195,15 @@ def pick_subnet(pool: ipaddress.IPv4Network = _DEFAULT_POOL) -> ipaddress.IPv4Ne
     raise ClusterUnavailable(f"no free /24 left in {pool} for an emulated cluster")
 
 
+def set_link_rate(hosts, mbit: float):
+    """Sets every host's link to ``mbit`` Mbit/s each direction, on a running cluster:
+    its egress qdisc (its eth0) and its ingress one (the bridge end of its veth)."""
+    for host in hosts:
+        _cmd(["tc", "-n", host.namespace, "qdisc", "replace", "dev", HOST_IFACE, "root",
+              *_tbf(mbit)])
+        _cmd(["tc", "qdisc", "replace", "dev", host.veth, "root", *_tbf(mbit)])
+
+
 def _tbf(mbit: float) -> List[str]:
     """tbf arguments for ``mbit`` Mbit/s: a burst of 5 ms of traffic (at least 64 KiB, one
     GSO packet) keeps the rate exact on short transfers; 400 ms of queue absorbs TCP bursts."""
