@@ -26,17 +26,15 @@ class ServingGroup(tf.Module):
         self._feature_table = tf.constant(self.group.table_index, tf.int64)
         self._tags = tf.constant(np.array([hashing.category_tag(n) for n in lookup.table_names],
                                           np.uint64).view(np.int64))
-        exported = lookup.table.export()
-        keys = exported["keys"].numpy()
-        values = exported["values"].numpy()
         if self.group.is_static:  # every row is defined: keep the dense table as it is
             self._offsets = tf.constant(lookup._offsets.numpy())  # pylint: disable=protected-access
             self.rows = tf.Variable(lookup.table.values.numpy(), trainable=False, name="rows")
             self.index = None
             return
-        tables, ids = lookup.key_metadata(keys)
-        names = np.array(lookup.table_names)[tables] if len(keys) else np.array([], str)
-        hashed = hashing.hashed_unified_keys(ids, names)
+        stored = lookup.stored_rows()
+        values = stored["values"]
+        names = np.array(lookup.table_names)[stored["tables"]] if len(values) else np.array([], str)
+        hashed = hashing.hashed_unified_keys(stored["ids"], names)
         if not len(hashed):
             # A group that never trained stores no row: every key reads its initial row.
             # (A lookup table cannot be initialised from empty tensors, so one row whose

@@ -84,6 +84,26 @@ class GroupLookup(tf.Module):
                              "records its identity, so the table holds a key none of them wrote")
         return tables, ids
 
+    def stored_rows(self) -> dict:
+        """The rows this rank stores and their identities: the unit a checkpoint or an
+        export reads (eager). A dynamic table's rows are read by lookups of the keys
+        whose identity is recorded, never by iterating the hash table (see
+        ``DynamicGroupTable.export``), and must account for every stored row.
+
+        Returns:
+          dict of numpy arrays: ``keys`` int64[s] (sorted), ``values`` float32[s, dim], one
+          float32[s, dim] per optimizer slot, ``tables`` int64[s], ``ids`` int64[s].
+        """
+        known = None if self.group.is_static else self.stats.known_keys()
+        rows = {k: v.numpy() for k, v in self.table.export(known).items()}
+        stored = int(self.table.size().numpy())
+        if len(rows["keys"]) != stored:
+            raise ValueError(f"group '{self.group.name}': the table stores {stored} rows but "
+                             f"{len(rows['keys'])} of them have a recorded (table, ID); every "
+                             "path that stores a row records its identity")
+        rows["tables"], rows["ids"] = self.key_metadata(rows["keys"])
+        return rows
+
     def load_rows(self, table: str, ids, rows):
         """Writes ``rows`` as the values of ``ids`` of ``table`` (e.g. weights of a Keras
         Embedding being converted), keeping only the IDs this rank owns. The rows become

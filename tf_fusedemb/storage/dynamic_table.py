@@ -1,6 +1,7 @@
 """DynamicGroupTable: a group's rows and slots in TFRA dynamic embedding hash tables."""
 import tensorflow as tf
 
+from tf_fusedemb.storage import resize_safe_insert
 from tf_fusedemb.storage.initializers import init_rows
 from tf_fusedemb.storage.group_table import GroupTable, _object_name
 
@@ -52,11 +53,19 @@ class DynamicGroupTable(GroupTable):
         # it, and a second tf.function then fails with "out of scope".
         return tf.add_n([t.size() for t in self.values.tables])
 
-    def export(self):
-        keys, values = self.values.export()
-        order = tf.argsort(keys)  # hash-table order is arbitrary; sorted is reproducible
-        keys = tf.gather(keys, order)
-        out = {"keys": keys, "values": tf.gather(values, order)}
+    def export(self, keys=None):
+        if keys is None:
+            # TFRA 0.8.1's CPU export sizes its output by the table's element counter and
+            # fills it by iterating the buckets; libcuckoo's counter and iteration can
+            # disagree after concurrent inserts (efficient/libcuckoo#157), and then the
+            # output's tail is uninitialised memory. Every exported key is therefore
+            # looked up again, and callers that need completeness pass the keys they
+            # know (GroupLookup.stored_rows) instead of relying on the iteration.
+            keys, _ = self.values.export()
+        keys = tf.sort(tf.unique(self._as_keys(keys, "keys")).y)  # reproducible order
+        _, exists = self.values.lookup(keys, return_exists=True)
+        keys = tf.boolean_mask(keys, exists)
+        out = {"keys": keys, "values": self.values.lookup(keys)}
         for n in self.slot_names:
             out[n] = self.slots[n].lookup(keys)
         return out
@@ -75,6 +84,6 @@ class DynamicGroupTable(GroupTable):
                 {n: self.slots[n].lookup(keys) for n in self.slot_names})
 
     def _write(self, keys, rows, slots):
-        ops = [self.values.upsert(keys, rows)]
-        ops += [self.slots[n].upsert(keys, slots[n]) for n in self.slot_names]
-        return tf.group(ops)
+        tables = [self.values] + [self.slots[n] for n in self.slot_names]
+        values = [rows] + [slots[n] for n in self.slot_names]
+        return resize_safe_insert.upsert(tables, keys, values, self.dim, self.size)

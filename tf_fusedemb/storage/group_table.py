@@ -145,8 +145,12 @@ class GroupTable(tf.Module):
         """Adds 1 to ``step`` and returns the new value (int64 scalar)."""
         return tf.identity(self.step.assign_add(1))
 
-    def export(self) -> Dict[str, tf.Tensor]:
+    def export(self, keys: Optional[tf.Tensor] = None) -> Dict[str, tf.Tensor]:
         """The stored rows, sorted by key.
+
+        Args:
+            keys: optional int64[k] candidate keys (duplicates allowed): export the stored
+                ones among them, found by lookups instead of by iterating the table.
 
         Returns:
             dict with "keys" int64[s], "values" float32[s, dim] and, per slot name,

@@ -74,8 +74,13 @@ class StaticGroupTable(GroupTable):
     def size(self):
         return tf.reduce_sum(tf.cast(self.touched, tf.int64))
 
-    def export(self):
-        keys = tf.reshape(tf.where(self.touched), [-1])  # int64[s], ascending
+    def export(self, keys=None):
+        stored = tf.reshape(tf.where(self.touched), [-1])  # int64[s], ascending
+        if keys is None:
+            keys = stored
+        else:  # the stored ones of the given keys, found by index: no iteration involved
+            keys = tf.sort(tf.unique(self._check_keys(self._as_keys(keys, "keys"))).y)
+            keys = tf.boolean_mask(keys, tf.gather(self.touched, keys))
         out = {"keys": keys, "values": tf.gather(self.values, keys)}
         for n in self.slot_names:
             out[n] = tf.gather(self.slots[n], keys)

@@ -58,6 +58,11 @@ class AccessStatistics(tf.Module):
         keys = tf.convert_to_tensor(keys, tf.int64)
         return self._cats.lookup(keys), self._ids.lookup(keys)
 
+    def known_keys(self):
+        """int64[k], sorted: every unified key whose (category, ID) is recorded here, i.e.
+        every key a training lookup, a restore or a weight import gave this rank (eager)."""
+        return np.sort(self._cats.export()[0].numpy())
+
     def export(self):
         """Per-key statistics as numpy arrays: keys, counts, categories, ids (eager)."""
         keys, counts = (t.numpy() for t in self._counts.export())

@@ -111,10 +111,7 @@ class CheckpointManager:
         arrays = {}
         for li, g in self.groups:
             prefix = f"l{li}/{g.group.name}/"
-            exported = {k: v.numpy() for k, v in g.table.export().items()}
-            tables, ids = g.key_metadata(exported["keys"])
-            arrays.update({prefix + k: v for k, v in exported.items()})
-            arrays[prefix + "tables"], arrays[prefix + "ids"] = tables, ids
+            arrays.update({prefix + k: v for k, v in g.stored_rows().items()})
             arrays[prefix + "step"] = np.array(g.table.step.numpy())
             for k, v in g.stats.export().items():
                 arrays[prefix + "stats/" + k] = v
