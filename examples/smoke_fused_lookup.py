@@ -20,10 +20,11 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tf_fusedemb import ops  # noqa: E402
+from tf_fusedemb.data.criteo import CRITEO_CATEGORICAL  # noqa: E402
 from tf_fusedemb.data.synthetic import criteo_like_batch_keys  # noqa: E402
 from tf_fusedemb.ops import hashing  # noqa: E402
 
-CATEGORIES = [f"C{i}" for i in range(1, 27)]
+CATEGORIES = list(CRITEO_CATEGORICAL)
 DIM = 16
 
 

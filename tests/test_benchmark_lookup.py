@@ -87,7 +87,7 @@ def test_criteo_reader(tmp_path):
     other = ["0"] + ["1"] * 13 + ["ff"] * 26
     path = tmp_path / "train.txt"
     path.write_text("\t".join(row) + "\n" + "\t".join(other) + "\n")
-    cols = lookup_data.read_criteo_tsv(str(path))
+    cols = lookup_data.read_criteo(str(path))
     assert cols["label"].tolist() == [1.0, 0.0]
     assert cols["C1"].tolist() == [0x68FD1E64, 0xFF] and cols["C2"].tolist() == [0, 0xFF]
     assert cols["I2"].tolist() == [0.0, 1.0]

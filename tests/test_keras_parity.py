@@ -6,15 +6,13 @@ The reference is Keras itself (one process, the global batch), so a bug shared b
 step and our own reference helpers cannot hide here. Lazy Adam, which by design moves
 only touched rows (Keras's Adam moves every row of an Embedding), is checked against
 Keras's Adam formula applied to the touched rows only."""
-import json
-
 import numpy as np
 import pytest
 import tensorflow as tf
 import tf_keras
 
 import keras_parity as kp
-from horovod_launch import horovodrun
+from tf_fusedemb.testing import DistributedTestCase
 
 RTOL = 1e-5
 
@@ -139,31 +137,29 @@ def test_lazy_adam_equals_keras_adam_on_touched_rows():
                                rtol=1e-4, atol=1e-5)
 
 
-def _keras_global(optimizer, rows, global_batch):
-    """Plain Keras on the global batches, one process: the multi-rank reference."""
-    x, y, sw = kp.data(rows, 0)
-    xt, yt, _ = kp.data(rows // 2, 1)
-    return kp.train(kp.plain_model(), kp.keras_optimizer(optimizer), kp.LOSSES["bce_object"](),
-                    x, y, global_batch, sample_weight=sw, validation=(xt, yt), test=(xt, yt))
+class TwoRankParityTest(DistributedTestCase):
+    """FusedModel fit/evaluate/predict on 2 ranks (``run_ranks``) = plain Keras on the
+    global batch in one process."""
+    timeout = 800
 
+    def _check(self, shares, rows, pipeline, optimizers=("adagrad",)):
+        ranks = self.run_ranks(kp.fit_on_ranks, 2, (list(optimizers), shares, rows, pipeline))
+        self.assertEqual([r["optimizer"] for r in ranks[0]], list(optimizers))
+        for result in ranks[0]:
+            compare(result, kp.keras_global(result["optimizer"], rows, sum(shares)))
 
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("shares,rows,pipeline", [
-    ("16,16", 96, None),          # even slices
-    ("20,12", 100, None),         # different batch sizes per rank, uneven last batch, an
-                                  # empty batch on rank 1
-    ("16,16", 96, "dbp,fwp=4"),   # pipelined fit
-])
-def test_fit_on_two_ranks_equals_keras_on_the_global_batch(shares, rows, pipeline):
-    optimizers = "sgd,adagrad,ftrl" if shares == "16,16" and not pipeline else "adagrad"
-    args = ["tests/keras_parity_worker.py", "--shares", shares, "--rows", str(rows),
-            "--optimizers", optimizers] + (["--pipeline", pipeline] if pipeline else [])
-    out = horovodrun(args, 2, timeout=800)
-    results = [json.loads(l.split("RESULT ", 1)[1]) for l in out.splitlines() if "RESULT " in l]
-    assert [r["optimizer"] for r in results] == optimizers.split(",")
-    global_batch = sum(int(s) for s in shares.split(","))
-    for result in results:
-        compare(result, _keras_global(result["optimizer"], rows, global_batch))
+    @pytest.mark.timeout(900)
+    def test_even_slices(self):
+        self._check((16, 16), 96, None, ("sgd", "adagrad", "ftrl"))
+
+    @pytest.mark.timeout(900)
+    def test_uneven_slices_and_an_empty_rank_batch(self):
+        # different batch sizes per rank, uneven last batch, an empty batch on rank 1
+        self._check((20, 12), 100, None)
+
+    @pytest.mark.timeout(900)
+    def test_pipelined_fit(self):
+        self._check((16, 16), 96, "dbp,fwp=4")
 
 
 def test_auto_micro_batches_choose_by_measurement_and_equal_keras():

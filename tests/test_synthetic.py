@@ -8,7 +8,7 @@ import pytest
 
 from tf_fusedemb.data import (MISSING_ID, DatasetProfile, criteo_like_batch_keys, generate_criteo_like,
                               load_profile, synthetic_dataset)
-from tf_fusedemb.data.fit_profile import fit_counts, read_criteo_tsv
+from tf_fusedemb.data.fit_profile import fit_counts
 from tf_fusedemb.data.synthetic import scramble_ids
 
 CRITEO_TRAIN = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "criteo-kaggle-sample" / "train.txt"
@@ -136,8 +136,9 @@ def test_synthetic_dataset_batches(profile):
 def test_matches_real_criteo_batch(profile):
     # A 4096-row batch: the real file's first 4096 rows have ~21% unique keys over 26x4096 keys
     # (an empty cell counts as one key, as MISSING_ID does) and per-feature uniques from 3 to ~2492.
-    _, _, cat = read_criteo_tsv(CRITEO_TRAIN, max_rows=4096)
-    real = np.array([len(set(c)) for c in cat])
+    from tf_fusedemb.data.criteo import CRITEO_CATEGORICAL, read_criteo
+    cols = read_criteo(CRITEO_TRAIN, max_rows=4096)
+    real = np.array([len(np.unique(cols[c])) for c in CRITEO_CATEGORICAL])
     keys, splits = criteo_like_batch_keys(4096, seed=7, profile=profile)
     gen = np.array([len(np.unique(keys[splits[i]:splits[i + 1]])) for i in range(26)])
     real_frac, gen_frac = real.sum() / (26 * 4096), gen.sum() / len(keys)

@@ -1,10 +1,16 @@
 """tf_fusedemb: fused, Horovod-sharded embedding tables for TensorFlow recommenders.
 
-Importing the package is cheap: it loads neither the custom-op library nor Horovod.
+Importing the package is cheap: it loads neither the custom-op library nor Horovod (nor
+TensorFlow); it sets the environment defaults and output filters of ``tf_fusedemb.quiet``.
 The library is loaded on the first use of an op; call :func:`register_ops` before
 ``tf.saved_model.load`` of a model that contains tf_fusedemb ops.
 """
 import importlib
+
+from tf_fusedemb import quiet as _quiet
+
+# Before TensorFlow loads: Keras 2 for tf.keras, no known CPU-machine noise (see quiet.py).
+_quiet.install()
 
 __version__ = "0.1.0"
 

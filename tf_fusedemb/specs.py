@@ -445,8 +445,11 @@ class FusionPlan:
             raise KeyError(f"FeatureSpec {feature_name!r} is not in the fusion plan")
         return self._index[feature_name]
 
-    def describe(self) -> str:
-        """A readable table: one line per group."""
+    def describe(self, exchanges: Optional[Mapping[str, Any]] = None) -> str:
+        """A readable table: one line per group. With ``exchanges`` ({group name:
+        ``tf_fusedemb.comm.cost_model.ExchangeEstimate``}, e.g. ``FusedEmbedding.exchanges``)
+        each group's line is followed by one naming its exchange (flat or hierarchical) and
+        the predicted costs of both."""
         rows = [("group", "dim", "optimizer", "initializer", "vocab", "features")]
         for g in self.groups:
             init = g.initializer  # params in constructor order: uniform(minval,maxval)
@@ -456,7 +459,11 @@ class FusionPlan:
                          f"static/{g.key_dtype}" if g.is_static else f"dynamic/{g.key_dtype}",
                          ", ".join(g.feature_names)))
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
-        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[5] for r in rows)
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[5] for r in rows]
+        if exchanges is not None:  # the exchange on its own line: feature lists are long
+            lines = [lines[0]] + [part for g, line in zip(self.groups, lines[1:])
+                                  for part in (line, f"    exchange: {exchanges[g.name].summary()}")]
+        return "\n".join(lines)
 
     def to_dict(self) -> dict:
         return {"format": _PLAN_FORMAT, "groups": [

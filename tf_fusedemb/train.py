@@ -31,6 +31,7 @@ from tf_fusedemb.training import job  # noqa: E402
 from tf_fusedemb.training import KerasLoss, train_step  # noqa: E402
 from tf_fusedemb.training import faults  # noqa: E402
 from tf_fusedemb.training.checkpoint import CheckpointManager  # noqa: E402
+from tf_fusedemb.training.progress import progress_bar  # noqa: E402
 from tf_fusedemb.training.tracing import RankInvariantFunction  # noqa: E402
 
 
@@ -144,8 +145,7 @@ def train(args):
     layers = fused_embedding_layers(model)
     rank0 = comm.rank == 0
     writer = tf.summary.create_file_writer(args.log_dir) if rank0 and args.log_dir else None
-    bar = tf_keras.utils.Progbar(args.steps, stateful_metrics=["auc", "samples/s"]) \
-        if rank0 else None
+    bar = progress_bar(args.steps, stateful_metrics=["auc", "samples/s"]) if rank0 else None
     timed, timed_samples = 0.0, 0
     counters_before = [layer.comm_counters() for layer in layers]
     upcoming = next(batches) if start < args.steps else None

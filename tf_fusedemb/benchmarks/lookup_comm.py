@@ -26,6 +26,8 @@ import threading
 
 import tensorflow as tf
 
+from tf_fusedemb.comm.counters import FIELDS as COUNTER_FIELDS
+
 _state = threading.local()
 
 
@@ -103,8 +105,7 @@ def graph_alltoall_ops(concrete_function):
 def per_step(before, after, steps):
     """Counter snapshots (dicts of CommCounters fields, possibly summed over groups) ->
     per-step rounds, bytes sent/received, messages and the mean message size."""
-    d = {f: after[f] - before[f] for f in ("rounds", "bytes_sent", "bytes_received",
-                                           "messages")}
+    d = {f: after[f] - before[f] for f in COUNTER_FIELDS}
     return {
         "alltoall_rounds_per_step": d["rounds"] / steps,
         "bytes_per_step": d["bytes_sent"] / steps,
@@ -116,5 +117,4 @@ def per_step(before, after, steps):
 
 def sum_snapshots(snapshots):
     """Field-wise sum of several counter snapshots (e.g. the groups of a layer)."""
-    fields = ("rounds", "bytes_sent", "bytes_received", "messages")
-    return {f: sum(s[f] for s in snapshots) for f in fields}
+    return {f: sum(s[f] for s in snapshots) for f in COUNTER_FIELDS}

@@ -1,4 +1,5 @@
-"""Batches of the lookup benchmark: synthetic Criteo-like rows or the real Criteo TSV.
+"""Batches of the lookup benchmark: synthetic Criteo-like rows or the real Criteo TSV
+(``read_criteo``).
 
 Every rank builds the same global batches and takes its own contiguous slice, so the
 variants (and the ranks) see exactly the same samples in the same order.
@@ -7,37 +8,15 @@ import pathlib
 
 import numpy as np
 
-from tf_fusedemb.data.synthetic import MISSING_ID, generate_criteo_like
+from tf_fusedemb.data.criteo import CRITEO_CATEGORICAL as CATEGORICAL  # noqa: F401 (re-export)
+from tf_fusedemb.data.criteo import CRITEO_DENSE as DENSE
+from tf_fusedemb.data.criteo import dense_log1p
+from tf_fusedemb.data.criteo import read_criteo  # noqa: F401 (the one Criteo parser)
+from tf_fusedemb.data.synthetic import generate_criteo_like
 
-CATEGORICAL = tuple(f"C{i}" for i in range(1, 27))
-DENSE = tuple(f"I{i}" for i in range(1, 14))
 # The real Criteo Kaggle sample next to the repository (8000 lines), where present.
 DEFAULT_CRITEO = (pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" /
                   "criteo-kaggle-sample" / "train.txt")
-
-
-def read_criteo_tsv(path, max_rows=None):
-    """Criteo TSV (label, I1..I13, C1..C26 hex; empty -> 0 / MISSING_ID) -> column dict
-    like ``generate_criteo_like``."""
-    labels, dense, cats = [], [], []
-    with open(path) as fh:
-        for i, line in enumerate(fh):
-            if max_rows is not None and i >= max_rows:
-                break
-            cells = line.rstrip("\n").split("\t")
-            if len(cells) < 40:
-                continue
-            labels.append(float(cells[0] or 0))
-            dense.append([float(c) if c else 0.0 for c in cells[1:14]])
-            cats.append([int(c, 16) if c else MISSING_ID for c in cells[14:40]])
-    if not labels:
-        raise ValueError(f"no Criteo rows (40 tab-separated fields) in {path}")
-    dense = np.asarray(dense, np.float32)
-    cats = np.asarray(cats, np.int64)
-    out = {n: cats[:, j].copy() for j, n in enumerate(CATEGORICAL)}
-    out.update({n: dense[:, j].copy() for j, n in enumerate(DENSE)})
-    out["label"] = np.asarray(labels, np.float32)
-    return out
 
 
 def make_batches(columns, batch_size, num_ranks, rank, num_batches):
@@ -50,7 +29,7 @@ def make_batches(columns, batch_size, num_ranks, rank, num_batches):
     """
     n = len(columns["label"])
     g = batch_size * num_ranks
-    dense_all = np.log1p(np.maximum(np.stack([columns[d] for d in DENSE], 1), 0.0))
+    dense_all = dense_log1p(np.stack([columns[d] for d in DENSE], 1))
     batches = []
     for t in range(num_batches):
         rows = (np.arange(t * g + rank * batch_size, t * g + (rank + 1) * batch_size)) % n

@@ -7,7 +7,6 @@
   hashing and an extra category AlltoAll (:class:`TfraFusedEmbedding`).
 TFRA variants train with :func:`tfra_train_step` (TFRA's own synchronous optimizer path).
 """
-import numpy as np
 import tensorflow as tf
 import tf_keras
 
@@ -118,8 +117,7 @@ class TfraFusedEmbedding(tf_keras.layers.Layer):
         self.plan = plan
         self.tables, self._tags, self.category_accesses = [], [], []
         for g in plan.groups:
-            tags = np.array([hashing.category_tag(f.table.name) for f in g.features], np.uint64)
-            self._tags.append(tf.constant(tags.view(np.int64)))
+            self._tags.append(tf.constant(hashing.category_tags(f.table.name for f in g.features)))
             self.tables.append(de.keras.layers.HvdAllToAllEmbedding(
                 with_unique=False, embedding_size=dim, key_dtype=tf.int64,
                 value_dtype=tf.float32, initializer=_tfra_initializer(),

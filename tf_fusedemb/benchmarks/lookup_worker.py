@@ -140,7 +140,7 @@ def run(args):
 
     # ---- data: every rank builds the same global batches, takes its slice
     if args.data:
-        columns = lookup_data.read_criteo_tsv(args.data, args.max_rows)
+        columns = lookup_data.read_criteo(args.data, args.max_rows)
         source = {"kind": "criteo_tsv", "path": str(args.data),
                   "rows": int(len(columns["label"]))}
     else:

@@ -17,7 +17,6 @@ Grappler's loop optimizer is turned off so nothing is hoisted out of the loops.
 """
 import argparse
 import os
-import pathlib
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -26,28 +25,20 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tf_fusedemb import ops  # noqa: E402
+from tf_fusedemb.benchmarks.lookup_data import DEFAULT_CRITEO  # noqa: E402
 from tf_fusedemb.benchmarks.timing import (emit, in_graph_loop, per_iteration,  # noqa: E402
                                            ratio, time_side_by_side)
-from tf_fusedemb.data.synthetic import MISSING_ID, criteo_like_batch_keys  # noqa: E402
+from tf_fusedemb.data.criteo import CRITEO_CATEGORICAL, read_criteo  # noqa: E402
+from tf_fusedemb.data.synthetic import criteo_like_batch_keys  # noqa: E402
 from tf_fusedemb.ops import reference  # noqa: E402
-
-DEFAULT_CRITEO = (pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "data" /
-                  "criteo-kaggle-sample" / "train.txt")
 
 
 def criteo_file_keys(path, batch_size):
-    """First ``batch_size`` rows of a Criteo TSV as fused keys (hex -> int64, empty ->
-    MISSING_ID): (int64[26 * B], int64[27])."""
-    cols = [[] for _ in range(26)]
-    with open(path) as fh:
-        for i, line in enumerate(fh):
-            if i >= batch_size:
-                break
-            cells = line.rstrip("\n").split("\t")
-            for j in range(26):
-                cols[j].append(int(cells[14 + j], 16) if cells[14 + j] else MISSING_ID)
-    keys = np.concatenate([np.array(c, np.int64) for c in cols])
-    return keys, np.arange(27, dtype=np.int64) * len(cols[0])
+    """First ``batch_size`` rows of a Criteo TSV (``read_criteo``: hex -> int64, empty ->
+    MISSING_ID) as one fused group: (keys int64[26 * B], segment_splits int64[27])."""
+    cols = read_criteo(path, batch_size)
+    keys = np.concatenate([cols[c] for c in CRITEO_CATEGORICAL])
+    return keys, np.arange(len(CRITEO_CATEGORICAL) + 1, dtype=np.int64) * len(cols["label"])
 
 
 def bench_group(keys, splits, num_ranks, dim, repeats, iterations):

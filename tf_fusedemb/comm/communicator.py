@@ -10,6 +10,7 @@ import sys
 import tensorflow as tf
 
 from tf_fusedemb.comm import watchdog as _watchdog
+from tf_fusedemb.comm.topology import Topology, init_horovod
 
 
 def _row_bytes(tensor):
@@ -19,15 +20,19 @@ def _row_bytes(tensor):
 
 
 class Communicator:
-    """Interface: ``rank``, ``size``, ``alltoall``, ``allreduce_sum``, ``allgather_object``."""
+    """Interface: ``rank``, ``size``, ``topology``, ``alltoall``, ``allreduce_sum``,
+    ``allgather_object``."""
     rank = 0
     size = 1
+    topology = Topology.single()
 
-    def alltoall(self, tensor, splits, name, counters=None):
-        """Differentiable AlltoAll of ``tensor`` (rows split by int32[N] ``splits``).
-        Returns ``(received, received_splits)``; the gradient of ``received`` travels
-        back in one AlltoAll named ``name + "_grad"``. Both rounds are recorded in
-        ``counters`` (a :class:`CommCounters`) when given."""
+    def alltoall(self, tensor, splits, name, counters=None, members=None):
+        """Differentiable AlltoAll of ``tensor`` among ``members`` (sorted global ranks,
+        default all; e.g. a node or a rail of ``topology``), rows split by int32[k]
+        ``splits`` in member order. Returns ``(received, received_splits int32[k])``; the
+        gradient of ``received`` travels back in one AlltoAll named ``name + "_grad"``.
+        Both rounds are recorded in ``counters`` (a :class:`CommCounters`, by link class)
+        when given."""
         raise NotImplementedError
 
     def allreduce_sum(self, tensor, name):
@@ -57,8 +62,10 @@ class Communicator:
 class LocalCommunicator(Communicator):
     """World size 1: collectives are identities and nothing is counted as sent."""
 
-    def alltoall(self, tensor, splits, name, counters=None):
+    def alltoall(self, tensor, splits, name, counters=None, members=None):
         del name, counters
+        if members is not None and list(members) != [0]:
+            raise ValueError(f"a single process has no ranks {list(members)}")
         return tf.identity(tensor), tf.identity(tf.cast(splits, tf.int32))
 
     def allreduce_sum(self, tensor, name):
@@ -82,9 +89,10 @@ class HorovodCommunicator(Communicator):
 
     def __init__(self):
         import horovod.tensorflow as hvd  # pylint: disable=import-outside-toplevel
-        if not hvd.is_initialized():
-            hvd.init()
         self._hvd = hvd
+        # Static process sets (one per node and rail) exist only if made at hvd.init.
+        with tf.init_scope():
+            self.topology, self._process_sets = init_horovod(hvd)
         self.rank = hvd.rank()
         self.size = hvd.size()
         # A killed peer is named and cannot leave this rank hanging (comm/watchdog.py).
@@ -94,14 +102,48 @@ class HorovodCommunicator(Communicator):
                 self.rank, self.size,
                 lambda obj: hvd.allgather_object(obj, name="fusedemb/watchdog_addresses"))
 
+    @property
+    def process_sets(self):
+        """Members of the static process sets made at ``hvd.init`` (sorted lists)."""
+        return sorted(list(m) for m in self._process_sets)
+
     def watch(self, activity):
         if self._watchdog is None:
             return contextlib.nullcontext()
         return self._watchdog.watch(activity)
 
-    def alltoall(self, tensor, splits, name, counters=None):
-        hvd, rank = self._hvd, self.rank
+    def _collective(self, members):
+        """``f(x, send int32[k], name) -> (received, recv int32[k])`` among ``members``:
+        the process set's AlltoAll, or, without one, a world AlltoAll whose splits are
+        zero outside the set (the same messages; see comm.topology)."""
+        hvd = self._hvd
+        if len(members) == self.size:
+            return lambda x, send, name: hvd.alltoall(x, splits=send, name=name)
+        pset = self._process_sets.get(members)
+        if pset is not None:
+            return lambda x, send, name: hvd.alltoall(x, splits=send, name=name,
+                                                      process_set=pset)
+        where = tf.constant(members, tf.int32)[:, None]
+
+        def world(x, send, name):
+            received, recv = hvd.alltoall(x, splits=tf.scatter_nd(where, send, [self.size]),
+                                          name=name)
+            return received, tf.gather(recv, where[:, 0])
+        return world
+
+    def alltoall(self, tensor, splits, name, counters=None, members=None):
+        members = tuple(range(self.size)) if members is None else tuple(members)
+        if self.rank not in members:
+            raise ValueError(f"rank {self.rank} is not among the AlltoAll's ranks {members}")
+        collective = self._collective(members)
+        node = self.topology.cross_rank
+        same_node = [self.topology.node_of(m) == node for m in members]
+        index = members.index(self.rank)
         splits = tf.cast(splits, tf.int32)
+
+        def count(send, recv, like):
+            if counters is not None:
+                counters.record(send, recv, _row_bytes(like), index, same_node)
 
         # Counter updates are not made control inputs of the received tensors: they run
         # anyway (stateful ops in a tf.function, or eagerly), and gating on them would
@@ -109,21 +151,18 @@ class HorovodCommunicator(Communicator):
         # program order, which serialises pipelined micro-batches (tf_fusedemb.pipeline).
         @tf.custom_gradient
         def exchange(x):
-            received, recv_splits = hvd.alltoall(x, splits=splits, name=name)
-            if counters is not None:
-                counters.record(splits, recv_splits, _row_bytes(x), rank)
+            received, recv_splits = collective(x, splits, name)
+            count(splits, recv_splits, x)
 
             def grad(dy):
-                back, _ = hvd.alltoall(dy, splits=recv_splits, name=name + "_grad")
-                if counters is not None:
-                    counters.record(recv_splits, splits, _row_bytes(dy), rank)
+                back, _ = collective(dy, recv_splits, name + "_grad")
+                count(recv_splits, splits, dy)
                 return back
             return (tf.identity(received), tf.identity(recv_splits)), \
                 lambda dy, _dsplits: grad(dy)
         if not tensor.dtype.is_floating:  # keys: no gradient, plain collective
-            received, recv_splits = hvd.alltoall(tensor, splits=splits, name=name)
-            if counters is not None:
-                counters.record(splits, recv_splits, _row_bytes(tensor), rank)
+            received, recv_splits = collective(tensor, splits, name)
+            count(splits, recv_splits, tensor)
             return received, recv_splits
         return exchange(tensor)
 

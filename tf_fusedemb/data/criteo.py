@@ -20,24 +20,40 @@ digits, raises tf.errors.InvalidArgumentError naming the file and line number (o
 line checks this); a non-numeric label or dense field raises tf.strings.to_number's
 InvalidArgumentError (which names the bad string, not the file).
 
+`read_criteo` runs the same parser eagerly and returns numpy columns (benchmarks, profile fitting):
+this module is the one definition of the format and of what a missing value becomes.
+
 Hold-out: the Kaggle train.txt is in time order, so `criteo_eval_split` keeps the LAST
 `eval_fraction` of the lines for evaluation; or pass the separate test.txt as its own dataset;
 or use `skip_lines` / `take_lines` directly.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 from .pipeline import (PathOrPaths, count_lines, parse_and_prefetch, resolve_paths,
                        shard_shuffle_batch, split_fields, text_lines)
 from .synthetic import MISSING_ID
 
 __all__ = ["CRITEO_DENSE", "CRITEO_CATEGORICAL", "CRITEO_NUM_FIELDS", "parse_hex32",
-           "criteo_dataset", "criteo_eval_split"]
+           "criteo_dataset", "criteo_eval_split", "read_criteo", "dense_log1p"]
 
 CRITEO_DENSE = tuple(f"I{i}" for i in range(1, 14))
 CRITEO_CATEGORICAL = tuple(f"C{i}" for i in range(1, 27))
 CRITEO_NUM_FIELDS = 1 + len(CRITEO_DENSE) + len(CRITEO_CATEGORICAL)  # 40
+
+
+def dense_log1p(values):
+    """The usual Criteo dense preprocessing, log1p(max(x, 0)), for numpy columns (raw values
+    from `read_criteo` or `synthetic.generate_criteo_like`); the TF parser applies the same.
+
+    Args:
+      values: float[...] raw integer values (I2 has negative ones, which clamp to 0).
+    Returns:
+      float32[...].
+    """
+    import numpy as np
+    return np.log1p(np.maximum(np.asarray(values, np.float64), 0.0)).astype(np.float32)
 
 
 def parse_hex32(strings):
@@ -73,20 +89,23 @@ def parse_hex32(strings):
 _LINE_REGEX = r"[^\t]*(?:\t[^\t]*){13}(?:\t[0-9a-fA-F]{0,8}){26}"
 
 
-def _parse_batch(lines, origins, paths, log1p: bool):
-    """string[B] lines, int64[B] origins -> (features dict, label float32[B, 1])."""
+def _parse_batch(lines, origins, paths, log1p: bool, with_missing: bool = False):
+    """string[B] lines, int64[B] origins -> (features dict, label float32[B, 1]); with
+    `with_missing`, also {feature: bool[B]} saying which cells were empty."""
     import tensorflow as tf
     t = split_fields(lines, origins, paths, "\t", CRITEO_NUM_FIELDS, "Criteo", _LINE_REGEX,
                      " (C1..C26 must be 0..8 hex digits)")                             # [B, 40]
     label = tf.strings.to_number(t[:, :1], tf.float32)
+    empty = tf.equal(t[:, 1:], "")                                                     # [B, 39]
     d = t[:, 1:14]
-    dense = tf.strings.to_number(tf.where(tf.equal(d, ""), "0", d), tf.float64)
+    dense = tf.strings.to_number(tf.where(empty[:, :13], "0", d), tf.float64)
     dense = tf.cast(tf.math.log1p(tf.maximum(dense, 0.0)) if log1p else dense, tf.float32)
-    c = t[:, 14:]
-    ids = tf.where(tf.equal(c, ""), tf.constant(MISSING_ID, tf.int64), parse_hex32(c))
+    ids = tf.where(empty[:, 13:], tf.constant(MISSING_ID, tf.int64), parse_hex32(t[:, 14:]))
     feats = {n: dense[:, k] for k, n in enumerate(CRITEO_DENSE)}
     feats.update({n: ids[:, k] for k, n in enumerate(CRITEO_CATEGORICAL)})
-    return feats, label
+    if not with_missing:
+        return feats, label
+    return feats, label, {n: empty[:, k] for k, n in enumerate(CRITEO_DENSE + CRITEO_CATEGORICAL)}
 
 
 def criteo_dataset(path_or_paths: PathOrPaths, batch_size: int, num_shards: int = 1,
@@ -134,3 +153,39 @@ def criteo_eval_split(path_or_paths: PathOrPaths, batch_size: int, eval_fraction
     ekw = {k: v for k, v in kwargs.items() if k not in ("repeat", "shuffle_buffer", "seed")}
     ev = criteo_dataset(path_or_paths, eval_batch_size or batch_size, skip_lines=n - n_eval, **ekw)
     return train, ev
+
+
+def read_criteo(path_or_paths: PathOrPaths, max_rows: Optional[int] = None, log1p: bool = False,
+                with_missing: bool = False) -> Dict[str, object]:
+    """The first `max_rows` lines (all when None) as numpy columns, parsed by `criteo_dataset`'s
+    parser (same validation, same missing values), eagerly.
+
+    Args:
+      path_or_paths: as for `criteo_dataset`.
+      max_rows: at most this many lines (>= 1), None for all.
+      log1p: dense as log1p(max(x, 0)); default False, the raw integers (empty -> 0).
+      with_missing: also return which cells were empty.
+    Returns:
+      {"C1".."C26": int64[n] (empty -> MISSING_ID), "I1".."I13": float32[n], "label":
+      float32[n]}, the form of `synthetic.generate_criteo_like`; with `with_missing`, also
+      "missing": {feature: bool[n]}.
+    Raises:
+      ValueError: no lines or max_rows < 1; tf.errors.InvalidArgumentError: a malformed line
+      (naming file and line).
+    """
+    import numpy as np
+    if max_rows is not None and int(max_rows) < 1:
+        raise ValueError(f"max_rows must be >= 1 or None, got {max_rows}")
+    paths = resolve_paths(path_or_paths)
+    ds = text_lines(paths)
+    ds = (ds if max_rows is None else ds.take(int(max_rows))).batch(1 << 16)
+    parts = [_parse_batch(lines, origins, paths, log1p, True) for lines, origins in ds]
+    if not parts:
+        raise ValueError(f"no Criteo lines in {paths}")
+    columns = {n: np.concatenate([p[0][n].numpy() for p in parts])
+               for n in CRITEO_CATEGORICAL + CRITEO_DENSE}
+    columns["label"] = np.concatenate([p[1].numpy()[:, 0] for p in parts])
+    if with_missing:
+        columns["missing"] = {n: np.concatenate([p[2][n].numpy() for p in parts])
+                              for n in parts[0][2]}
+    return columns

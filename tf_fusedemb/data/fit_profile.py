@@ -15,23 +15,22 @@ Categorical fit (per feature, on the non-empty values of the sample):
     Unlike least squares on the sorted rank-frequency plot, N_k has no order-statistics bias, and
     the same model extrapolates V beyond the sample (capped at MAX_VOCAB).
 Dense fit: empty / negative / zero fractions, mean and std of log1p(x) over positive x, min, max.
-Needs only numpy.
+Fitting needs only numpy; reading the TSV uses `criteo.read_criteo` (TensorFlow).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
-from collections import Counter
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, Sequence, Tuple
 
 import numpy as np
 
 from .profile import DatasetProfile
 from .synthetic import zipf_parts
 
-__all__ = ["expected_spectrum", "fit_zipf", "fit_counts", "fit_dense", "read_criteo_tsv", "fit_criteo"]
+__all__ = ["expected_spectrum", "fit_zipf", "fit_counts", "fit_dense", "fit_criteo"]
 
 MAX_VOCAB = 10**9           # extrapolation cap (Criteo Kaggle's largest column has ~10M values)
 # Fine where Criteo's exponents lie, coarse up to 10 for columns with a handful of steep values.
@@ -144,12 +143,17 @@ def fit_counts(name: str, counts: np.ndarray, num_rows: int) -> Dict:
                 zipf_exponent=s, vocab_size=v + 1, num_nonempty=m)
 
 
-def fit_dense(name: str, cells: Sequence[str]) -> Dict:
-    """Profile fields of one integer dense feature from its raw cells (strings, '' = empty)."""
-    x = np.array([float(c) for c in cells if c != ""], dtype=np.float64)
+def fit_dense(name: str, values: np.ndarray, missing: np.ndarray) -> Dict:
+    """Profile fields of one integer dense feature.
+
+    Args:
+      values: float[n], the raw values (as `criteo.read_criteo` gives them).
+      missing: bool[n], True where the cell was empty (its value is ignored).
+    """
+    x = np.asarray(values, np.float64)[~np.asarray(missing, bool)]
     pos = np.log1p(x[x > 0])
     r = lambda v: round(float(v), 6)  # noqa: E731
-    return dict(name=name, empty_fraction=r(1.0 - len(x) / max(1, len(cells))),
+    return dict(name=name, empty_fraction=r(1.0 - len(x) / max(1, len(missing))),
                 negative_fraction=r((x < 0).mean()) if len(x) else 0.0,
                 zero_fraction=r((x == 0).mean()) if len(x) else 0.0,
                 log1p_mean=r(pos.mean()) if len(pos) else 0.0, log1p_std=r(pos.std()) if len(pos) else 0.0,
@@ -157,34 +161,17 @@ def fit_dense(name: str, cells: Sequence[str]) -> Dict:
                 max_value=float(max(1.0, x.max())) if len(x) else 1.0)
 
 
-def read_criteo_tsv(path, max_rows: int = 0) -> Tuple[List[str], List[List[str]], List[List[str]]]:
-    """(labels, dense columns I1..I13, categorical columns C1..C26) as raw strings."""
-    rows = []
-    with open(path) as fh:
-        for i, line in enumerate(fh):
-            if max_rows and i >= max_rows:
-                break
-            cells = line.rstrip("\n").split("\t")
-            if len(cells) != 40:
-                raise ValueError(f"{path}:{i + 1}: expected 40 tab-separated Criteo columns, got {len(cells)}")
-            rows.append(cells)
-    if not rows:
-        raise ValueError(f"{path}: no rows")
-    cols = list(zip(*rows))
-    return list(cols[0]), [list(c) for c in cols[1:14]], [list(c) for c in cols[14:40]]
-
-
 def fit_criteo(path, name: str = "criteo", max_rows: int = 0) -> DatasetProfile:
-    labels, dense, cat = read_criteo_tsv(path, max_rows)
-    n = len(labels)
-    cat_profiles = []
-    for j, col in enumerate(cat):
-        counts = np.array(list(Counter(c for c in col if c != "").values()), dtype=np.int64)
-        cat_profiles.append(fit_counts(f"C{j + 1}", counts, n))
+    """Fits a profile to a Criteo TSV, read by `criteo.read_criteo` (the one Criteo parser)."""
+    from .criteo import CRITEO_CATEGORICAL, CRITEO_DENSE, read_criteo  # imports TF
+    cols = read_criteo(path, max_rows or None, with_missing=True)
+    missing, n = cols["missing"], len(cols["label"])
+    cat_profiles = [fit_counts(c, np.unique(cols[c][~missing[c]], return_counts=True)[1], n)
+                    for c in CRITEO_CATEGORICAL]
     return DatasetProfile.from_dict(dict(
         name=name, num_rows=n, source=Path(path).name, method=METHOD,
-        label_positive_rate=round(sum(l == "1" for l in labels) / n, 6),
-        categorical=cat_profiles, dense=[fit_dense(f"I{j + 1}", c) for j, c in enumerate(dense)]))
+        label_positive_rate=round(float((cols["label"] == 1).mean()), 6),
+        categorical=cat_profiles, dense=[fit_dense(d, cols[d], missing[d]) for d in CRITEO_DENSE]))
 
 
 def main(argv=None) -> None:

@@ -28,6 +28,25 @@ def _initializer_spec(feature, initializer):
     return _INITIALIZERS[name](initializer.get("config", {}))
 
 
+def embedding_table_spec(name: str, config: Mapping, optimizer: OptimizerSpec,
+                         dynamic: bool) -> TableSpec:
+    """The TableSpec of one Keras Embedding (from its ``get_config()``), named ``name``:
+    ``output_dim``, initializer, and ``input_dim`` as a static vocabulary unless ``dynamic``."""
+    if config.get("mask_zero"):
+        raise ValueError(f"feature '{name}': mask_zero=True is not supported; pass a "
+                         "RaggedTensor (or SparseTensor) of the real IDs instead")
+    # Not silently dropped: the converted model would train differently.
+    unsupported = [k for k in ("embeddings_regularizer", "activity_regularizer",
+                               "embeddings_constraint") if config.get(k)]
+    if unsupported or config.get("trainable") is False:
+        raise ValueError(f"feature '{name}': Embedding with {unsupported or 'trainable=False'} "
+                         "has no tf_fusedemb equivalent; remove it before converting")
+    return TableSpec(name=name, dim=int(config["output_dim"]), optimizer=optimizer,
+                     initializer=_initializer_spec(name, config.get("embeddings_initializer",
+                                                                    "uniform")),
+                     vocabulary_size=None if dynamic else int(config["input_dim"]))
+
+
 def from_keras_embeddings(embeddings: Mapping[str, object], optimizer: OptimizerSpec,
                           combiners: Optional[Mapping[str, Optional[str]]] = None,
                           max_lens: Optional[Mapping[str, int]] = None, dynamic: bool = False,
@@ -58,14 +77,8 @@ def from_keras_embeddings(embeddings: Mapping[str, object], optimizer: Optimizer
     features = []
     for name, emb in embeddings.items():
         config = emb.get_config() if isinstance(emb, tf_keras.layers.Layer) else dict(emb)
-        if config.get("mask_zero"):
-            raise ValueError(f"feature '{name}': mask_zero=True is not supported; pass a "
-                             "RaggedTensor (or SparseTensor) of the real IDs instead")
-        table = TableSpec(name=name, dim=int(config["output_dim"]), optimizer=optimizer,
-                          initializer=_initializer_spec(name, config.get(
-                              "embeddings_initializer", "uniform")),
-                          vocabulary_size=None if dynamic else int(config["input_dim"]))
         combiner = combiners.get(name, "sum")
+        table = embedding_table_spec(name, config, optimizer, dynamic)
         features.append(FeatureSpec(name=name, table=table, combiner=combiner,
                                     max_len=max_lens.get(name) if combiner is None else None))
     return FusedEmbedding(features, **layer_kwargs)

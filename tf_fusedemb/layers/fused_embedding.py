@@ -1,11 +1,13 @@
 """``FusedEmbedding``: a dict of features in, a dict of embeddings out, fused and sharded."""
-from typing import Mapping, Optional, Sequence
+import os
+from typing import Mapping, Optional, Sequence, Union
 
 import numpy as np
 import tensorflow as tf
 import tf_keras
 
 from tf_fusedemb.comm import get_communicator
+from tf_fusedemb.comm.cost_model import TrafficHints, estimate
 from tf_fusedemb.layers.group_lookup import GroupLookup
 from tf_fusedemb.layers.lookup_context import NO_CONTEXT, LookupContext
 from tf_fusedemb.layers.inputs import flatten_feature, to_tensor
@@ -13,6 +15,9 @@ from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FeatureSpec, FusionPlan, plan_fusion
 
 
+# Registered as "tf_fusedemb>FusedEmbedding": a model config holding it survives
+# tf_keras.models.model_from_json / load_model without custom_objects.
+@tf_keras.saving.register_keras_serializable(package="tf_fusedemb")
 class FusedEmbedding(tf_keras.layers.Layer):
     """Embeddings of many features, fused into groups and sharded over Horovod ranks.
 
@@ -27,6 +32,13 @@ class FusedEmbedding(tf_keras.layers.Layer):
       key_mode: "hashed" (default, any int64 ID) or "packed" (exact keys, IDs must fit in
         ``63 - ceil(log2(tables in group))`` bits) for dynamic tables.
       communicator: default ``tf_fusedemb.comm.get_communicator()``.
+      exchange: per group (a dict by group name) or for all: "flat", "hierarchical"
+        (TawPipe: node, then rail; several nodes of several ranks) or "auto" (the cheaper
+        by ``tf_fusedemb.comm.cost_model`` under ``traffic``). Default: the environment's
+        ``TF_FUSEDEMB_EXCHANGE`` (where "hierarchical" falls back to flat on one node),
+        else "auto". ``describe()`` shows the choices and predicted costs.
+      traffic: the cost model's TrafficHints (keys per rank, node dedup ratio, links);
+        the default (no node dedup) keeps the flat exchange.
 
     Call:
       inputs: {feature name: int32/int64 [B] | [B, L] | RaggedTensor [B, None] |
@@ -40,7 +52,9 @@ class FusedEmbedding(tf_keras.layers.Layer):
     """
 
     def __init__(self, features: Sequence[FeatureSpec], plan: Optional[FusionPlan] = None,
-                 key_mode: str = "hashed", communicator=None, **kwargs):
+                 key_mode: str = "hashed", communicator=None,
+                 exchange: Union[None, str, Mapping[str, str]] = None,
+                 traffic: Optional[TrafficHints] = None, **kwargs):
         super().__init__(**kwargs)
         self.features = tuple(features)
         self.plan = plan if plan is not None else plan_fusion(self.features)
@@ -50,7 +64,11 @@ class FusedEmbedding(tf_keras.layers.Layer):
         self.key_mode = key_mode
         self._comm = communicator or get_communicator()
         self._check_same_plan_on_all_ranks()
-        self.groups = [GroupLookup(g, self._comm, key_mode) for g in self.plan.groups]
+        self.exchange = exchange
+        self.exchanges = _choose_exchanges(self.plan, self._comm.topology, exchange,
+                                           traffic or TrafficHints())
+        self.groups = [GroupLookup(g, self._comm, key_mode, self.exchanges[g.name].kind)
+                       for g in self.plan.groups]
         # Installed by a training step for one forward pass (see lookup_context).
         self.lookup_context = NO_CONTEXT
 
@@ -132,6 +150,10 @@ class FusedEmbedding(tf_keras.layers.Layer):
             matrix = np.asarray(matrix, np.float32)
             lookup.load_rows(tables[name], np.arange(len(matrix)), matrix)
 
+    def describe(self) -> str:
+        """The fusion plan with each group's exchange and its predicted costs."""
+        return self.plan.describe(self.exchanges)
+
     def comm_counters(self):
         """{group name: cumulative counter snapshot} (eager)."""
         return {g.group.name: g.counters.snapshot() for g in self.groups}
@@ -147,6 +169,8 @@ class FusedEmbedding(tf_keras.layers.Layer):
         config = super().get_config()
         config.update(features=[f.to_dict() for f in self.features],
                       plan=self.plan.to_dict(), key_mode=self.key_mode)
+        if isinstance(self.exchange, (str, Mapping)):
+            config.update(exchange=self.exchange)
         return config
 
     @classmethod
@@ -162,6 +186,27 @@ def fused_embedding_layers(model):
     found = [m for m in [model, *getattr(model, "submodules", ())]
              if isinstance(m, FusedEmbedding)]
     return list({id(m): m for m in found}.values())
+
+
+EXCHANGE_ENV = "TF_FUSEDEMB_EXCHANGE"
+
+
+def _choose_exchanges(plan, topology, exchange, traffic):
+    """{group name: ExchangeEstimate} (its ``kind`` is the group's exchange)."""
+    lenient = exchange is None and os.environ.get(EXCHANGE_ENV)
+    if exchange is None:
+        exchange = os.environ.get(EXCHANGE_ENV, "auto")
+    choices = {}
+    for g in plan.groups:
+        kind = exchange.get(g.name, "auto") if isinstance(exchange, Mapping) else exchange
+        if kind not in ("auto", "flat", "hierarchical"):
+            raise ValueError(f"group '{g.name}': exchange must be 'auto', 'flat' or "
+                             f"'hierarchical', got {kind!r}")
+        if kind == "hierarchical" and lenient and not topology.is_hierarchical:
+            kind = "flat"  # the environment asks for it where possible
+        choices[g.name] = estimate(g.name, g.dim, topology, traffic,
+                                   None if kind == "auto" else kind)
+    return choices
 
 
 def _shape_output(spec, flat, emb):

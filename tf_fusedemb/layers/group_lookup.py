@@ -1,25 +1,25 @@
 """The distributed lookup of ONE fused group: FusedRec Algorithm 1 over a communicator.
 
-Forward, per step: segment_unique -> rankwise_sort -> AlltoAll of (ID, category|count) ->
-category_hash on the owner -> table lookup -> AlltoAll of rows -> recovery. Backward is
-the tape's: recovery gradient (local accumulation by I_r) -> the gradient AlltoAll ->
-gather gradient (accumulation by I_l on the owner). Three AlltoAll rounds per step.
+Forward, per step: segment_unique -> the key exchange to the owners (flat: rankwise_sort
+and one AlltoAll of (ID, count|category); hierarchical: through the node, see
+``hierarchical_exchange``) -> category_hash on the owner -> table lookup -> the rows back
+along the same path -> recovery. Backward is the tape's: recovery gradient (local
+accumulation by I_r) -> the gradient AlltoAll(s) -> gather gradient (accumulation by I_l on
+the owner). Three AlltoAll rounds per step (flat), six (hierarchical).
 """
 import numpy as np
 import tensorflow as tf
 
 from tf_fusedemb import ops
 from tf_fusedemb.comm import CommCounters
+from tf_fusedemb.layers.exchange import CATEGORY_BITS, EXCHANGES, FlatExchange, decode_keys
+from tf_fusedemb.layers.hierarchical_exchange import HierarchicalExchange
 from tf_fusedemb.layers.lookup_context import NO_CONTEXT, LookupContext
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FusedGroup
 from tf_fusedemb.storage.statistics import AccessStatistics
 
 KEY_MODES = ("hashed", "packed")
-# The key AlltoAll carries (ID, count << CATEGORY_BITS | category) as int64 pairs: the
-# owner learns each key's category (lossless lookup) and how often the sender saw it
-# (exact access statistics) without a second exchange.
-CATEGORY_BITS = 16
 
 
 class GroupLookup(tf.Module):
@@ -31,12 +31,17 @@ class GroupLookup(tf.Module):
       key_mode: unified keys of dynamic tables, "hashed" (any ID) or "packed" (exact,
         IDs must fit; see ``tf_fusedemb.ops.category_hash``). Static tables index rows
         by ``offset[table] + id`` and need neither.
+      exchange: "flat" (one AlltoAll over all ranks) or "hierarchical" (node, then rail;
+        needs several nodes of several ranks in ``communicator.topology``).
     """
 
-    def __init__(self, group: FusedGroup, communicator, key_mode="hashed"):
+    def __init__(self, group: FusedGroup, communicator, key_mode="hashed", exchange="flat"):
         super().__init__(name=f"group_{group.name}")
         if key_mode not in KEY_MODES:
             raise ValueError(f"key_mode must be one of {KEY_MODES}, got {key_mode!r}")
+        if exchange not in EXCHANGES:
+            raise ValueError(f"group '{group.name}': exchange must be one of {EXCHANGES}, "
+                             f"got {exchange!r}")
         self.group = group
         self.comm = communicator
         self.key_mode = "packed" if group.is_static else key_mode
@@ -48,7 +53,12 @@ class GroupLookup(tf.Module):
         self._feature_table = tf.constant(group.table_index, tf.int64)
         tags = np.array([hashing.category_tag(n) for n in self.table_names], np.uint64)
         self._tags = tf.constant(tags.view(np.int64))
-        self.counters = CommCounters(group.name)
+        self.counters = CommCounters(group.name,
+                                     link_classes=communicator.topology.cross_size > 1)
+        self.exchange = (HierarchicalExchange(communicator, group.name, self.counters,
+                                              len(self.table_names))
+                         if exchange == "hierarchical"
+                         else FlatExchange(communicator, group.name, self.counters))
         self.stats = AccessStatistics(group.name, self.table_names)
         self.table = self._make_table()
 
@@ -146,25 +156,16 @@ class GroupLookup(tf.Module):
         key AlltoAll and category hashing on the owner (access statistics recorded).
 
         Returns a dict of tensors: requester side ``ids`` int64[n] (the fused IDs),
-        ``sort_indices`` int32[u] (I_s), ``unique_inverse`` int32[n] (I_u),
-        ``recv_splits`` int32[N]; owner side ``keys`` int64[u_l] storage keys,
-        ``init_keys`` int64[u_l] and ``inverse`` int32[m] (I_l, received order)."""
-        suffix = context.suffix
+        ``sort_indices`` int32[u] (I_s), ``unique_inverse`` int32[n] (I_u), the
+        exchange's state (e.g. ``recv_splits`` int32[N]); owner side ``keys`` int64[u_l]
+        storage keys, ``init_keys`` int64[u_l] and ``inverse`` int32[m] (I_l, received order)."""
         lengths = tf.stack([tf.size(f.ids, out_type=tf.int64) for f in flats])
         splits = tf.concat([tf.zeros([1], tf.int64), tf.cumsum(lengths)], 0)
         ids = tf.concat([f.ids for f in flats], 0)
         uniq = ops.segment_unique(ids, splits)
-        srt = ops.rankwise_sort(uniq.unique_keys, uniq.unique_segment_splits, self.comm.size)
-        sorted_counts = tf.gather(uniq.counts, tf.math.invert_permutation(srt.indices))
-        tag = tf.bitwise.bitwise_or(
-            tf.bitwise.left_shift(tf.cast(sorted_counts, tf.int64), CATEGORY_BITS),
-            tf.gather(self._feature_table, srt.sorted_segment_ids))
-        send = tf.stack([srt.sorted_keys, tag], axis=1)
-        recv, recv_splits = self.comm.alltoall(
-            send, srt.rank_splits, f"fusedemb/{self.group.name}/keys{suffix}", self.counters)
-        category = tf.cast(tf.bitwise.bitwise_and(recv[:, 1], (1 << CATEGORY_BITS) - 1), tf.int32)
-        accesses = tf.bitwise.right_shift(recv[:, 1], CATEGORY_BITS)
-        hashed = ops.category_hash(recv[:, 0], category, self.table_names, mode=self.key_mode)
+        recv, state = self.exchange.send_keys(uniq, self._feature_table, context.suffix)
+        recv_ids, accesses, category = decode_keys(recv)
+        hashed = ops.category_hash(recv_ids, category, self.table_names, mode=self.key_mode)
         if self.group.is_static:
             keys = tf.gather(self._offsets, hashed.lookup_segment_ids) + hashed.lookup_ids
         else:
@@ -173,9 +174,8 @@ class GroupLookup(tf.Module):
                      else self.hashed_keys(hashed.lookup_ids, hashed.lookup_segment_ids))
         if record_statistics:  # training accesses only: not evaluation or prediction
             self.stats.record(hashed, accesses)  # runs as a stateful op; gates nothing
-        return {"ids": ids, "sort_indices": srt.indices, "unique_inverse": uniq.inverse,
-                "recv_splits": recv_splits, "keys": keys, "init_keys": init_keys,
-                "inverse": hashed.inverse}
+        return dict(state, ids=ids, unique_inverse=uniq.inverse, keys=keys,
+                    init_keys=init_keys, inverse=hashed.inverse)
 
     def retrieve(self, routed):
         """Step 6: the owner's rows of ``routed["keys"]``: float32[u_l, dim]."""
@@ -188,9 +188,7 @@ class GroupLookup(tf.Module):
         With a tape in ``context`` the owner's ``rows`` are watched and recorded."""
         context.record(rows, routed["keys"], routed["init_keys"], self.table, self.group.name)
         served = tf.gather(rows, routed["inverse"])
-        back, _ = self.comm.alltoall(served, routed["recv_splits"],
-                                     f"fusedemb/{self.group.name}/rows{context.suffix}",
-                                     self.counters)
+        back = self.exchange.send_rows(served, routed, context.suffix)
         back.set_shape([None, self.group.dim])
         return ops.recover_features(back, routed["sort_indices"], routed["unique_inverse"],
                                     [f.row_splits for f in flats], combiners)

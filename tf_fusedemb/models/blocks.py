@@ -10,16 +10,13 @@ from typing import Mapping, Optional, Sequence
 import tensorflow as tf
 import tf_keras
 
+from tf_fusedemb.data.criteo import CRITEO_CATEGORICAL, CRITEO_DENSE
 from tf_fusedemb.models.fused_model import FusedModel
 from tf_fusedemb.specs import FeatureSpec, FusionPlan, InitializerSpec, OptimizerSpec, TableSpec
 
 __all__ = ["CRITEO_CATEGORICAL", "CRITEO_DENSE", "MLP", "RecModel", "criteo_feature_specs",
            "dense_matrix", "select_features"]
 
-CRITEO_CATEGORICAL = tuple(f"C{i}" for i in range(1, 27))
-"""The 26 categorical columns of the Criteo display-ads logs, "C1".."C26"."""
-CRITEO_DENSE = tuple(f"I{i}" for i in range(1, 14))
-"""The 13 integer (dense) columns of the Criteo logs, "I1".."I13"."""
 
 
 def criteo_feature_specs(dim: int = 16, optimizer: OptimizerSpec = OptimizerSpec.adagrad(0.05),

@@ -4,6 +4,7 @@ import logging
 import tf_keras
 
 from tf_fusedemb.comm import CommCounters
+from tf_fusedemb.comm.counters import FIELDS as COUNTER_FIELDS
 from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
 
 logger = logging.getLogger("tf_fusedemb")
@@ -42,8 +43,7 @@ class CommCountersLogger(tf_keras.callbacks.Callback):
         self._last = now
         self._step += 1
         if logs is not None and per_group:
-            totals = {f: sum(d[f] for d in per_group.values())
-                      for f in ("rounds", "bytes_sent", "bytes_received", "messages")}
+            totals = {f: sum(d[f] for d in per_group.values()) for f in COUNTER_FIELDS}
             logs.update(_summary(totals))
             for f, v in totals.items():
                 self._epoch[f] = self._epoch.get(f, 0) + v

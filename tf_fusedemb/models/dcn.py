@@ -12,6 +12,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_fusedemb.models import blocks
+from tf_fusedemb.models.fused_model import register_model_class
 from tf_fusedemb.specs import FeatureSpec, FusionPlan
 
 __all__ = ["CrossLayer", "DCNv2", "STRUCTURES"]
@@ -83,7 +84,7 @@ class CrossLayer(tf_keras.layers.Layer):
         return config
 
 
-@tf_keras.saving.register_keras_serializable(package="tf_fusedemb")
+@register_model_class
 class DCNv2(blocks.RecModel):
     """DCN-v2 with its embedding tables in one FusedEmbedding (fused, Horovod-sharded).
 

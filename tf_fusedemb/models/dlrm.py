@@ -13,6 +13,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_fusedemb.models import blocks
+from tf_fusedemb.models.fused_model import register_model_class
 from tf_fusedemb.specs import FeatureSpec, FusionPlan
 
 __all__ = ["DLRM", "DotInteraction"]
@@ -58,7 +59,7 @@ class DotInteraction(tf_keras.layers.Layer):
         return tf.TensorShape([tf.TensorShape(input_shape[0])[0], d + f * (f - 1) // 2])
 
 
-@tf_keras.saving.register_keras_serializable(package="tf_fusedemb")
+@register_model_class
 class DLRM(blocks.RecModel):
     """DLRM with its embedding tables in one FusedEmbedding (fused, Horovod-sharded).
 

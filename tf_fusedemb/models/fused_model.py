@@ -18,6 +18,7 @@ import tf_keras
 from tf_fusedemb.comm import get_communicator
 from tf_fusedemb.training import step as steps
 from tf_fusedemb.training.loss import KerasLoss
+from tf_fusedemb.training.progress import fit_verbosity
 from tf_fusedemb.training.tracing import RankInvariantFunction
 
 METRICS_GATHER = "fusedemb/metrics_inputs"
@@ -56,9 +57,10 @@ class SparseTrainingMixin:
         return ([tracker] if tracker is not None else []) + others
 
     def fit(self, *args, **kwargs):
-        """Keras ``fit``; ranks other than 0 print no progress bar unless asked to."""
-        if get_communicator().rank != 0 and "verbose" not in kwargs and len(args) < 5:
-            kwargs["verbose"] = 0
+        """Keras ``fit``; without ``verbose``: no output off rank 0, the bar on a terminal,
+        one line per epoch on a pipe (horovodrun), see ``training.progress``."""
+        if "verbose" not in kwargs and len(args) < 5:
+            kwargs["verbose"] = fit_verbosity(get_communicator().rank)
         return super().fit(*args, **kwargs)
 
     def evaluate(self, *args, **kwargs):
@@ -145,8 +147,10 @@ class SparseTrainingMixin:
         return result.loss, result.weight, self._gather(y, result.predictions, sample_weight)
 
     def _traced(self, kind, fn):
+        if not hasattr(self, "_fused_steps") and kind == "predict":
+            self._fused_steps = {}  # predict needs no compile, as in Keras
         if not hasattr(self, "_fused_steps"):
-            raise ValueError(f"{type(self).__name__}: call compile() before fit/evaluate/predict")
+            raise ValueError(f"{type(self).__name__}: call compile() before fit/evaluate")
         if kind not in self._fused_steps:
             self._fused_steps[kind] = RankInvariantFunction(fn)
         return self._fused_steps[kind]
@@ -177,6 +181,16 @@ class SparseTrainingMixin:
         return self.get_metrics_result()
 
 
+def register_model_class(cls):
+    """Class decorator: registers a model class as "tf_fusedemb>Name" and by its bare name,
+    the only name ``Model.to_json`` writes, so ``tf_keras.models.model_from_json`` finds it
+    without custom_objects."""
+    cls = tf_keras.saving.register_keras_serializable(package="tf_fusedemb")(cls)
+    tf_keras.saving.get_custom_objects()[cls.__name__] = cls
+    return cls
+
+
+@register_model_class
 class FusedModel(SparseTrainingMixin, tf_keras.Model):
     """A Keras Model whose ``fit`` trains FusedEmbedding tables with sparse owner updates.
 
@@ -198,6 +212,7 @@ class FusedModel(SparseTrainingMixin, tf_keras.Model):
         return super().__new__(cls, *args, **kwargs)
 
 
+@register_model_class
 class FunctionalFusedModel(SparseTrainingMixin, tf_keras.Model):
     """A functional model with FusedModel's training step (see FusedModel)."""
 

@@ -19,6 +19,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_fusedemb.models import blocks
+from tf_fusedemb.models.fused_model import register_model_class
 from tf_fusedemb.specs import FeatureSpec, FusionPlan, InitializerSpec, OptimizerSpec, TableSpec
 
 __all__ = ["ATTENTION_WEIGHTS", "LocalActivationUnit", "SequenceModel",
@@ -134,7 +135,7 @@ class LocalActivationUnit(tf_keras.layers.Layer):
         return config
 
 
-@tf_keras.saving.register_keras_serializable(package="tf_fusedemb")
+@register_model_class
 class SequenceModel(blocks.RecModel):
     """DIN-style ranking model: attention of the target item over a behaviour sequence.
 

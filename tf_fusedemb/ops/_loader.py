@@ -31,6 +31,9 @@ def library_path():
     return os.environ.get(LIBRARY_ENV) or LIBRARY_PATH
 
 
+# Not converted by AutoGraph: the first op call may come from inside a traced function, and
+# AutoGraph cannot read the source of os.path.exists (frozen in Python 3.11) and warns.
+@tf.autograph.experimental.do_not_convert
 def load_library():
     """Loads the op library once (thread-safe) and returns its module of raw ops."""
     global _library

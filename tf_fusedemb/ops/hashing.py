@@ -46,10 +46,16 @@ def category_tag(name):
     return mix64(np.array([h], dtype=np.uint64))[0]
 
 
+def category_tags(names):
+    """Tags of the category ``names`` as int64[M] (the uint64 bits reinterpreted), the form
+    graphs take them in (``tf.constant``; TF has no uint64 XOR on CPU)."""
+    return np.array([category_tag(n) for n in names], dtype=np.uint64).view(np.int64)
+
+
 def hashed_unified_keys(ids, category_names):
     """Hashed unified keys ``mix64(uint64(id) ^ tag(c))`` as int64; ``category_names[i]``
     is the category of ``ids[i]``."""
-    tags = np.array([category_tag(c) for c in category_names], dtype=np.uint64)
+    tags = category_tags(category_names).view(np.uint64)
     ids = np.asarray(ids).astype(np.int64).view(np.uint64)
     return mix64(ids ^ tags).view(np.int64)
 

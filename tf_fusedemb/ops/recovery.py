@@ -7,8 +7,7 @@ one kernel; ``recover_features`` is what a layer calls for one fused group.
 import tensorflow as tf
 
 from tf_fusedemb.ops import _loader, _validate
-
-COMBINERS = ("sum", "mean", "sqrtn")
+from tf_fusedemb.specs import COMBINERS
 
 
 def recovery_gather(rows, sort_indices, unique_inverse, name=None):

@@ -7,13 +7,11 @@ or lists (for the serving signature).
 """
 import os
 
-import numpy as np
 import tensorflow as tf
 
+from tf_fusedemb.data.criteo import CRITEO_CATEGORICAL, CRITEO_DENSE, dense_log1p
 from tf_fusedemb.specs import OptimizerSpec
 
-CRITEO_DENSE = tuple(f"I{i}" for i in range(1, 14))
-CRITEO_CATEGORICAL = tuple(f"C{i}" for i in range(1, 27))
 DATASETS = ("synthetic", "criteo", "movielens", "avazu")
 MODELS = ("dlrm", "dcn", "sequence")
 
@@ -24,7 +22,7 @@ def _synthetic_frame(num_rows, data_seed, teacher_seed):
     data = generate_criteo_like(num_rows, seed=data_seed)
     label, _ = teacher_labels(data, seed=teacher_seed)
     feats = {k: data[k] for k in CRITEO_CATEGORICAL}
-    feats.update({k: np.log1p(np.maximum(data[k], 0.0)).astype(np.float32) for k in CRITEO_DENSE})
+    feats.update({k: dense_log1p(data[k]) for k in CRITEO_DENSE})
     return feats, label[:, None]
 
 

@@ -1,0 +1,114 @@
+"""tf_fusedemb.layers.fuse_model on a Criteo-shaped tf_keras model (26 Embeddings + 13 dense
+inputs): the same predictions before training, and after training on 2 ranks the same
+history, evaluation and predictions as plain tf_keras fit of the original on one process."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+import keras_parity as kp
+from conftest import REPO_ROOT
+from tf_fusedemb.layers import FusedEmbedding, fuse_model
+from tf_fusedemb.specs import OptimizerSpec
+from tf_fusedemb.testing import DistributedTestCase
+
+OPT = OptimizerSpec.adagrad(0.3)
+
+
+def test_predictions_equal_before_training():
+    plain = kp.plain_model(**kp.CRITEO)
+    fused = fuse_model(plain, OPT)
+    x, _, _ = kp.data(64, 3, **kp.CRITEO)
+    np.testing.assert_allclose(fused.predict(x, verbose=0), plain.predict(x, verbose=0),
+                               rtol=1e-6, atol=1e-6)
+    (layer,) = [l for l in fused.layers if isinstance(l, FusedEmbedding)]
+    names = sorted(f"emb_{c}" for c in kp.CRITEO["features"])
+    assert sorted(f.name for f in layer.features) == names
+    assert len(layer.plan.groups) == 1           # 26 same-spec tables: one fused group
+    assert not any(isinstance(l, tf_keras.layers.Embedding) for l in fused.layers)
+    # No weight is shared: the original is untouched by training the converted model.
+    before = [w.copy() for w in plain.get_weights()]
+    fused.compile(optimizer=tf_keras.optimizers.SGD(0.5),
+                  loss=tf_keras.losses.BinaryCrossentropy(from_logits=True))
+    fused.fit(x, (x["C1"] % 2).astype(np.float32), verbose=0)
+    for a, b in zip(before, plain.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_sequence_and_shared_embeddings_convert():
+    """[B, L] inputs become sequence features; a second call of one Embedding shares its table."""
+    ids = tf_keras.Input([], dtype=tf.int64, name="ids")
+    hist = tf_keras.Input([5], dtype=tf.int32, name="hist")
+    item = tf_keras.layers.Embedding(40, 4, name="item")
+    pooled = tf_keras.layers.GlobalAveragePooling1D()(item(hist))
+    h = tf_keras.layers.Concatenate()([item(ids), pooled])
+    plain = tf_keras.Model({"ids": ids, "hist": hist}, tf_keras.layers.Dense(2)(h))
+    fused = fuse_model(plain, OPT, dynamic=True)
+    rng = np.random.default_rng(0)
+    x = {"ids": rng.integers(0, 40, 9), "hist": rng.integers(0, 40, (9, 5)).astype(np.int32)}
+    np.testing.assert_allclose(fused.predict(x, verbose=0), plain.predict(x, verbose=0),
+                               rtol=1e-6, atol=1e-6)
+    specs = {f.name: f for f in fused.get_layer("fused_embedding").features}
+    assert specs["item"].table == specs["item_1"].table and specs["item"].table.name == "item"
+    assert {specs["item"].max_len, specs["item_1"].max_len} == {5, None}
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda: tf_keras.Sequential([tf_keras.layers.Embedding(5, 2)]), "functional"),
+    (lambda: _one_embedding(tf.float32), "int32/int64 IDs"),
+    (lambda: _one_embedding(tf.int64, mask_zero=True), "mask_zero"),
+    (lambda: _one_embedding(tf.int64, embeddings_regularizer="l2"), "embeddings_regularizer"),
+    (lambda: tf_keras.Model(*_io(tf_keras.layers.Reshape([1]))), "no top-level Embedding"),
+])
+def test_unsupported_models_fail_clearly(build, match):
+    with pytest.raises(ValueError, match=match):
+        fuse_model(build(), OPT)
+
+
+def _io(layer, dtype=tf.float32):
+    x = tf_keras.Input([], dtype=dtype, name="x")
+    return x, layer(x)
+
+
+def _one_embedding(dtype, **kwargs):
+    return tf_keras.Model(*_io(tf_keras.layers.Embedding(5, 2, **kwargs), dtype))
+
+
+class FuseModelOnTwoRanksTest(DistributedTestCase):
+    timeout = 500
+
+    @pytest.mark.timeout(600)
+    def test_fuse_model_on_two_ranks_equals_keras_on_one_process(self):
+        """History (loss, accuracy, AUC), per-batch losses and predictions of the converted
+        model fitted on 2 ranks = plain tf_keras fit of the original on one process."""
+        self.assertEquivalentToSingleProcess(
+            kp.criteo_fused_compiled, kp.criteo_data, num_ranks=2, batch_size=32, epochs=2,
+            reference_fn=kp.criteo_plain_compiled, rtol=1e-5, atol=1e-6)
+
+
+# Noise a CPU machine must not show (tf_fusedemb.quiet): CUDA factories, TFRA's import
+# notices, AutoGraph failing on frozen stdlib functions, deprecation warnings.
+NOISE = ("Unable to register cu", "GraphKeys has already been deprecated", "_SingleDeviceSaver",
+         "AutoGraph could not transform", "DeprecationWarning", "oneDNN custom operations")
+
+
+@pytest.mark.timeout(400)
+def test_movielens_example_ported_from_tfra_runs_quietly(shared_data):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HOROVOD", "TF_CPP", "TF_USE_LEGACY"))}  # the package's defaults
+    out = subprocess.run(
+        [sys.executable, "examples/movielens_from_tfra.py", "--data",
+         str(shared_data / "movielens-latest-small"), "--steps-per-epoch", "3", "--test-steps",
+         "2", "--batch-size", "64", "--embedding-size", "8"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=350)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (line,) = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+    result = json.loads(line[len("RESULT "):])
+    assert result["world_size"] == 1 and np.isfinite(result["train_loss"])
+    assert 0.0 <= result["test_auc"] <= 1.0
+    assert not [n for n in NOISE if n in out.stdout + out.stderr], out.stdout + out.stderr

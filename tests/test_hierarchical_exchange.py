@@ -1,0 +1,109 @@
+"""The hierarchical (TawPipe) exchange trains exactly like the single-process reference
+(issue 11, part 3), on an emulated cluster of 2 hosts x 2 ranks with Horovod's own
+local/cross topology and static process sets per node and rail:
+
+  * synchronous training: per-step losses, dense weights and every table row equal the
+    reference (1e-5), six AlltoAll rounds per step and group (keys, rows, gradients, each
+    inside the node and along the rail), and the owners' access statistics are the exact
+    counts of the keys (numpy), although the node merged its ranks' requests;
+  * DBP prefetch + FWP (2 micro-batches): the same.
+
+Where the machine cannot build the cluster (not root, no namespaces), the same runs go to
+4 local ranks seen as 2 nodes x 2 (``TF_FUSEDEMB_TOPOLOGY=2x2``): the same process sets
+and collectives over loopback.
+"""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import equivalence_model as em
+from conftest import REPO_ROOT
+from horovod_launch import horovodrun
+from test_fused_embedding_equivalence import SCRIPT, assert_equivalent, parse_result
+from test_multihost import reference
+from tf_fusedemb.ops import hashing
+from tf_fusedemb.testing.cluster import ClusterTimeout, ClusterUnavailable, EmulatedCluster
+
+HOSTS, RANKS_PER_HOST, WORLD = 2, 2, 4
+RUN_TIMEOUT_S = 420
+ENV = {"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
+       "TF_FUSEDEMB_EXCHANGE": "hierarchical"}
+
+
+@pytest.fixture(scope="module")
+def run_job():
+    """``run(args) -> rank 0's stdout`` on the 2 x 2 cluster (or 4 local ranks as 2 x 2)."""
+    try:
+        cluster = EmulatedCluster(hosts=HOSTS, ranks_per_host=RANKS_PER_HOST,
+                                  link_mbit=1000).start()
+    except ClusterUnavailable:
+        cluster = None
+
+    def on_cluster(args):
+        try:
+            rc = cluster.run([sys.executable, *args], timeout=RUN_TIMEOUT_S, env=ENV,
+                             cwd=str(REPO_ROOT), echo=False)
+        except ClusterTimeout as e:
+            pytest.fail(str(e))
+        result = cluster.last_result
+        assert rc == 0, (f"rank {result.failed_rank} failed ({rc}):\n"
+                         f"{result.text(result.failed_rank or 0, 'stderr')[-4000:]}")
+        return result.text(0)
+
+    def on_local_ranks(args):
+        old = {k: os.environ.get(k) for k in ("TF_FUSEDEMB_EXCHANGE", "TF_FUSEDEMB_TOPOLOGY")}
+        os.environ.update(TF_FUSEDEMB_EXCHANGE="hierarchical", TF_FUSEDEMB_TOPOLOGY="2x2")
+        try:
+            return horovodrun(args, WORLD, timeout=RUN_TIMEOUT_S)
+        finally:
+            for k, v in old.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    try:
+        yield on_cluster if cluster is not None else on_local_ranks
+    finally:
+        if cluster is not None:
+            cluster.close()
+
+
+def expected_accesses(steps, rank=0):
+    """Accesses of the keys ``rank`` owns, per table, counted in numpy: every ID of the
+    ``steps`` global batches, plus each rank reading every row once at the end (the
+    worker's read_state)."""
+    out = {}
+    for name, vocab in em.VOCAB.items():
+        ids = [np.arange(vocab)] * WORLD
+        for t in range(steps):
+            f = em.global_batch(t)[0][name]
+            ids.append(np.asarray([i for row in f for i in row] if isinstance(f, list) else f,
+                                  np.int64))
+        out[name] = int((hashing.owner_rank(np.concatenate(ids), WORLD) == rank).sum())
+    return out
+
+
+def check(result, steps):
+    (losses, dense, tables), _ = reference(steps)
+    assert len(result["losses"]) == steps
+    assert_equivalent(result, WORLD, (losses, dense, tables))
+    got = {n: c for access in result["access"].values() for n, c in access.items()}
+    assert got == expected_accesses(steps)
+    for group, c in result["counters"].items():
+        assert c["inter_bytes_sent"] > 0 and c["intra_bytes_sent"] > 0, (group, c)
+
+
+@pytest.mark.timeout(900)
+def test_hierarchical_sync_equals_reference(run_job):
+    steps = 6  # step 3 gives the last rank (second node) an empty batch
+    result = parse_result(run_job([SCRIPT, "--steps", str(steps), "--empty-step", "3"]))
+    check(result, steps)
+    for group, c in result["counters"].items():  # 2 stages x (keys, rows, gradients)
+        assert c["rounds"] == 6 * steps and c["inter_rounds"] == 3 * steps, (group, c)
+
+
+@pytest.mark.timeout(900)
+def test_hierarchical_dbp_fwp_equals_reference(run_job):
+    steps = 8
+    result = parse_result(run_job([SCRIPT, "--steps", str(steps), "--pipeline", "dbp,fwp=2",
+                                   "--empty-step", "3"]))
+    check(result, steps)

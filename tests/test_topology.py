@@ -1,0 +1,139 @@
+"""Topology (nodes, rails, process sets), link-class counters and the flat/hierarchical
+cost model (issue 11, parts 1, 4 and 5), against values computed by hand or in numpy."""
+import json
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from horovod_launch import horovodrun
+from tf_fusedemb.comm import CommCounters, LocalCommunicator
+from tf_fusedemb.comm.cost_model import LinkCosts, TrafficHints, estimate, node_dedup_ratio
+from tf_fusedemb.comm.topology import Topology
+from tf_fusedemb.layers import FusedEmbedding
+from tf_fusedemb.ops import hashing
+from tf_fusedemb.specs import FeatureSpec, OptimizerSpec, TableSpec
+
+PROBE = "tests/topology_probe.py"
+
+
+def test_topology_layout_members_and_sets():
+    t = Topology(rank=5, local_size=2, cross_size=3)
+    assert (t.size, t.local_rank, t.cross_rank) == (6, 1, 2)
+    assert t.node_members() == [4, 5] and t.rail_members() == [1, 3, 5]
+    assert t.all_sets() == [[0, 1], [2, 3], [4, 5], [0, 2, 4], [1, 3, 5]]
+    assert t.is_hierarchical
+    assert not Topology(0, 4, 1).is_hierarchical and Topology(0, 4, 1).all_sets() == []
+    assert not Topology(0, 1, 4).is_hierarchical
+
+
+def test_topology_from_environment_and_override():
+    env = {"HOROVOD_RANK": "3", "HOROVOD_SIZE": "8", "HOROVOD_LOCAL_SIZE": "4",
+           "HOROVOD_CROSS_SIZE": "2"}
+    assert Topology.from_env(env) == Topology(3, 4, 2)
+    assert Topology.from_env(dict(env, TF_FUSEDEMB_TOPOLOGY="4x2")) == Topology(3, 2, 4)
+    uneven = dict(env, HOROVOD_SIZE="7")  # hosts of 4 and 3 ranks: flat only
+    assert not Topology.from_env(uneven).is_hierarchical
+    assert Topology.from_env({}) == Topology.single()
+    with pytest.raises(ValueError, match="nodes x ranks per node"):
+        Topology.parse("2by2", 0)
+    with pytest.raises(ValueError, match="outside"):
+        Topology(4, 2, 2)
+
+
+def test_counters_by_link_class():
+    c = CommCounters("g", link_classes=True)
+    # A 4-rank world of 2 nodes, this rank is 1 (node 0 = ranks 0, 1).
+    c.record(tf.constant([2, 0, 3, 1]), tf.constant([1, 5, 0, 4]), tf.constant(8, tf.int64),
+             rank=1, same_node=[True, True, False, False])
+    c.record(tf.constant([0, 7]), tf.constant([6, 7]), tf.constant(4, tf.int64), rank=1,
+             same_node=[True, True])  # a node-stage round: intra only
+    s = c.snapshot()
+    assert s["rounds"] == 2 and s["intra_rounds"] == 2 and s["inter_rounds"] == 1
+    assert s["intra_bytes_sent"] == 2 * 8 and s["inter_bytes_sent"] == 4 * 8
+    assert s["intra_bytes_received"] == 1 * 8 + 6 * 4 and s["inter_bytes_received"] == 4 * 8
+    assert s["bytes_sent"] == s["intra_bytes_sent"] + s["inter_bytes_sent"]
+    assert s["intra_messages"] == 1 and s["inter_messages"] == 2
+    assert set(CommCounters("h").snapshot()) == {"rounds", "bytes_sent", "bytes_received",
+                                                 "messages"}
+
+
+def test_cost_model_prefers_hierarchical_on_slow_inter_node_links():
+    two_by_four = Topology(0, 4, 2)
+    hints = TrafficHints(unique_keys_per_rank=50000, dedup_ratio=0.64,
+                         links=LinkCosts(intra_mbit=40000, inter_mbit=300))
+    slow = estimate("g", 16, two_by_four, hints)
+    assert slow.kind == "hierarchical" and slow.hierarchical_s < slow.flat_s
+    assert slow.hierarchical_inter_bytes == pytest.approx(0.64 * slow.flat_inter_bytes)
+    # The flat inter-node bytes per node: L * u * (C-1)/C * (16 + 8 * dim).
+    assert slow.flat_inter_bytes == pytest.approx(4 * 50000 * 0.5 * (16 + 128))
+    fast = estimate("g", 16, two_by_four, TrafficHints(50000, 0.64, LinkCosts(inter_mbit=1e6)))
+    assert fast.kind == "flat"
+    no_dedup = estimate("g", 16, two_by_four, TrafficHints(50000, 1.0, hints.links))
+    assert no_dedup.kind == "flat"  # the same inter-node bytes plus a node stage
+    one_host = estimate("g", 16, Topology(0, 4, 1), hints)
+    assert one_host.kind == "flat" and one_host.hierarchical_s is None
+    with pytest.raises(ValueError, match="several nodes"):
+        estimate("g", 16, Topology(0, 4, 1), hints, forced="hierarchical")
+
+
+def test_node_dedup_ratio_matches_a_set_count():
+    rng = np.random.default_rng(0)
+    topo = Topology(0, 2, 2)
+    ids = [rng.integers(0, 30, 50) for _ in range(4)]
+    tables = [rng.integers(0, 2, 50) for _ in range(4)]
+    flat, nodes = 0, [set(), set()]
+    for r in range(4):
+        keys = {(int(t), int(i)) for t, i in zip(tables[r], ids[r])
+                if hashing.owner_rank([i], 4)[0] // 2 != r // 2}
+        flat += len(keys)
+        nodes[r // 2] |= keys
+    assert node_dedup_ratio(ids, tables, topo) == pytest.approx(
+        (len(nodes[0]) + len(nodes[1])) / flat)
+
+
+class _FakeWorld(LocalCommunicator):
+    """A communicator that only describes a 2 x 2 world (nothing is exchanged)."""
+    rank, size = 0, 4
+    topology = Topology(0, 2, 2)
+
+    def allgather_object(self, obj):
+        return [obj] * self.size
+
+
+def test_layer_describes_the_chosen_exchange_per_group():
+    t8 = TableSpec("t8", 8, OptimizerSpec.sgd(0.1))
+    t4 = TableSpec("t4", 4, OptimizerSpec.sgd(0.1))
+    feats = [FeatureSpec("a", t8), FeatureSpec("b", t4)]
+    slow = TrafficHints(50000, {"g0_d8_sgd": 0.5, "g1_d4_sgd": 1.0}, LinkCosts(inter_mbit=300))
+    layer = FusedEmbedding(feats, communicator=_FakeWorld(), traffic=slow)
+    kinds = {g.group.name: g.exchange.kind for g in layer.groups}
+    assert kinds == {"g0_d8_sgd": "hierarchical", "g1_d4_sgd": "flat"}
+    text = layer.describe()
+    assert "exchange: hierarchical (predicted flat" in text and "exchange: flat (predicted" in text
+    single = FusedEmbedding(feats, communicator=LocalCommunicator(), traffic=slow)
+    assert "exchange: flat (one node)" in single.describe()
+    with pytest.raises(ValueError, match="exchange must be"):
+        FusedEmbedding(feats, communicator=_FakeWorld(), exchange="ring")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("process_sets", ["1", "0"])
+def test_node_and_rail_alltoalls_on_four_ranks(process_sets, monkeypatch):
+    """4 local ranks seen as 2 nodes x 2: static process sets made at hvd.init (or, with
+    them off, the world AlltoAll with zero splits outside the set) deliver and send back
+    the gradients exactly, and the counters split the traffic by link class."""
+    monkeypatch.setenv("TF_FUSEDEMB_TOPOLOGY", "2x2")
+    monkeypatch.setenv("TF_FUSEDEMB_PROCESS_SETS", process_sets)
+    out = horovodrun([PROBE], 4, timeout=240)
+    results = [json.loads(l.split("RESULT ", 1)[1]) for l in out.splitlines() if "RESULT " in l]
+    assert sorted(r["rank"] for r in results) == [0, 1, 2, 3]
+    for r in results:
+        assert r["failures"] == [], r
+        assert r["node"] == [2 * (r["rank"] // 2), 2 * (r["rank"] // 2) + 1]
+        assert r["rail"] == [r["rank"] % 2, r["rank"] % 2 + 2]
+        want_sets = [[0, 1], [0, 2], [1, 3], [2, 3]] if process_sets == "1" else []
+        assert r["process_sets"] == want_sets
+        c = r["counters"]  # node, rail and world rounds, each with its gradient round
+        assert (c["rounds"], c["intra_rounds"], c["inter_rounds"]) == (6, 4, 4)
+        assert c["bytes_sent"] == c["intra_bytes_sent"] + c["inter_bytes_sent"]

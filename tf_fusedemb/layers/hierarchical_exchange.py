@@ -1,0 +1,108 @@
+"""TawPipe's topology-aware exchange of one fused group: inside the node, then along the rail.
+
+With C nodes of L ranks (``comm.topology``), the owner of a key stays ``o = mix64(id) mod N``
+(N = C * L); it sits on node ``o // L`` at local rank ``o mod L = mix64(id) mod L``.
+
+Keys (forward):
+  1. node stage: each requester sends each of its unique keys to the rank of ITS node on
+     the owner's rail (local rank ``mix64(id) mod L``): one AlltoAll inside the node;
+  2. node-level dedup: that rank removes the keys its node mates asked for more than once,
+     per table (``segment_unique`` over table segments), summing their counts so the
+     owner's access statistics stay exact;
+  3. rail stage: one AlltoAll among the rail's ranks (one per node) delivers the node's
+     unique keys to their owners. Only this stage crosses nodes.
+Rows come back the same way: rail AlltoAll, fan-out of each node-unique row to the node
+mates that asked for it (``recovery_gather``), node AlltoAll.
+Backward mirrors it through the tape: the fan-out's gradient sums the node mates'
+gradients of a key (TawPipe's group-local reduction) before the rail AlltoAll carries one
+gradient row per node and key to the owner.
+"""
+from typing import Dict, Tuple
+
+import tensorflow as tf
+
+from tf_fusedemb import ops
+from tf_fusedemb.layers.exchange import decode_keys, encode_keys
+
+
+class HierarchicalExchange:
+    """Two-stage exchange (6 rounds per training step: keys, rows, gradients x 2 stages).
+
+    Args:
+      comm: a Communicator whose ``topology`` has several nodes of several ranks.
+      group_name: names the collectives.  counters: the group's CommCounters.
+      num_tables: T, the group's tables (categories of the node-level dedup).
+    """
+    kind = "hierarchical"
+    rounds_per_step = 6
+
+    def __init__(self, comm, group_name: str, counters, num_tables: int):
+        topo = comm.topology
+        if not topo.is_hierarchical:
+            raise ValueError(f"group '{group_name}': a hierarchical exchange needs several nodes "
+                             f"of several ranks, the topology is {topo.describe()}")
+        self.comm, self.counters, self.num_tables = comm, counters, num_tables
+        self._node, self._rail = topo.node_members(), topo.rail_members()
+        self._prefix = f"fusedemb/{group_name}"
+
+    def send_keys(self, uniq, feature_table, suffix: str) -> Tuple[tf.Tensor, Dict]:
+        """Same contract as ``FlatExchange.send_keys``; the state also holds the node
+        stage's fan-out (``node_sort_indices`` int32[u1], ``node_inverse`` int32[m1]) and
+        the rail stage's received splits."""
+        comm = self.comm
+        # (1) by the owner's local rank: mix64(id) mod L (N = C * L, so (h mod N) mod L).
+        srt = ops.rankwise_sort(uniq.unique_keys, uniq.unique_segment_splits,
+                                comm.topology.local_size)
+        counts = tf.gather(uniq.counts, tf.math.invert_permutation(srt.indices))
+        tables = tf.gather(feature_table, srt.sorted_segment_ids)
+        send = encode_keys(srt.sorted_keys, counts, tables)
+        got, node_splits = comm.alltoall(send, srt.rank_splits,
+                                         f"{self._prefix}/keys_node{suffix}", self.counters,
+                                         self._node)
+        # (2) node-level dedup per table.
+        node_uniq, node_counts, order = self._node_dedup(got)
+        # (3) to the owners, all on this rank's rail.
+        owner = ops.rankwise_sort(node_uniq.unique_keys, node_uniq.unique_segment_splits, comm.size)
+        rail_send = tf.gather(owner.rank_splits, self._rail)
+        check = tf.debugging.assert_equal(
+            tf.reduce_sum(rail_send), tf.reduce_sum(owner.rank_splits),
+            message="hierarchical exchange: a key's owner is not on this rank's rail "
+                    "(the ranks are not laid out node-major)")
+        counts = tf.gather(node_counts, tf.math.invert_permutation(owner.indices))
+        with tf.control_dependencies([check]):
+            send = encode_keys(owner.sorted_keys, counts, owner.sorted_segment_ids)
+        recv, rail_splits = comm.alltoall(send, rail_send, f"{self._prefix}/keys_rail{suffix}",
+                                          self.counters, self._rail)
+        return recv, {"sort_indices": srt.indices, "recv_splits": node_splits,
+                      "node_sort_indices": owner.indices,
+                      "node_inverse": tf.gather(node_uniq.inverse,
+                                                tf.math.invert_permutation(order)),
+                      "rail_splits": rail_splits}
+
+    def _node_dedup(self, got):
+        """Node-level dedup of the key messages int64[m1, 2] of the node mates: (the
+        ``segment_unique`` of their IDs grouped by table, its keys' summed counts
+        int64[u1], the grouping permutation int32[m1])."""
+        ids, counts, tables = decode_keys(got)
+        order = tf.argsort(tables, stable=True)
+        per_table = tf.math.bincount(tables, minlength=self.num_tables,
+                                     maxlength=self.num_tables, dtype=tf.int64)
+        table_splits = tf.concat([tf.zeros([1], tf.int64), tf.cumsum(per_table)], 0)
+        node_uniq = ops.segment_unique(tf.gather(ids, order), table_splits)
+        node_counts = tf.math.unsorted_segment_sum(tf.gather(counts, order), node_uniq.inverse,
+                                                   tf.size(node_uniq.unique_keys))
+        return node_uniq, node_counts, order
+
+    def send_rows(self, rows, state: Dict, suffix: str):
+        """Same contract as ``FlatExchange.send_rows``."""
+        comm = self.comm
+        node_rows, _ = comm.alltoall(rows, state["rail_splits"],
+                                     f"{self._prefix}/rows_rail{suffix}", self.counters,
+                                     self._rail)
+        node_rows.set_shape([None, rows.shape[1]])  # collectives lose the static dim
+        # Fan-out to every node mate's request; its gradient is the node-level reduction.
+        fanned, _ = ops.recovery_gather(node_rows, state["node_sort_indices"],
+                                        state["node_inverse"])
+        back, _ = comm.alltoall(fanned, state["recv_splits"],
+                                f"{self._prefix}/rows_node{suffix}", self.counters, self._node)
+        return back

@@ -1,0 +1,135 @@
+"""Quiet, conventional output: drops the known noise TensorFlow and TFRA print on a CPU
+machine, and nothing else.
+
+``import tf_fusedemb`` calls :func:`install` before TensorFlow is loaded:
+
+* environment defaults (a user's own setting wins): ``TF_USE_LEGACY_KERAS=1`` (tf.keras is
+  Keras 2, as TFRA and Horovod need) and ``TF_CPP_MIN_LOG_LEVEL=2`` (C++ INFO and WARNING
+  lines such as "Could not find cuda drivers", "oneDNN custom operations are on");
+* the three "Unable to register cuFFT/cuDNN/cuBLAS factory" ERROR lines TensorFlow 2.16's
+  wheel prints at import (its two libraries register the same CUDA plugins; harmless, and
+  an environment variable could only hide them by hiding every C++ error): the first
+  ``import tensorflow`` runs with file descriptor 2 captured and every other line is
+  written back;
+* TFRA's import-time deprecation notices ("dynamic_embedding.GraphKeys has already been
+  deprecated", " _SingleDeviceSaver removed after tf version 2.15", the pkg_resources
+  DeprecationWarning): dropped by message, scoped to that import or to the exact text.
+
+Nothing here imports TensorFlow. Importing TensorFlow BEFORE tf_fusedemb bypasses the
+import filter (the environment defaults then also come too late).
+"""
+import contextlib
+import importlib.abc
+import importlib.util
+import io
+import logging
+import os
+import re
+import sys
+import tempfile
+import warnings
+
+__all__ = ["ENV_DEFAULTS", "install", "filter_stderr_fd"]
+
+ENV_DEFAULTS = {"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+# C++ lines of `import tensorflow` that say nothing on any machine (see module docstring).
+TF_IMPORT_NOISE = re.compile(rb"Unable to register cu(FFT|DNN|BLAS) factory: Attempting to "
+                             rb"register factory for plugin cu(FFT|DNN|BLAS) when one has already")
+TFRA_PRINT_NOISE = " _SingleDeviceSaver removed after tf version 2.15"
+TFRA_LOG_NOISE = "dynamic_embedding.GraphKeys has already been deprecated"
+
+
+def install() -> None:
+    """Environment defaults, log/warning filters and the one-shot import filters (idempotent)."""
+    for key, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    logger = logging.getLogger("tensorflow")  # the logger TF's tf_logging writes to
+    if not any(isinstance(f, _DropMessages) for f in logger.filters):
+        logger.addFilter(_DropMessages(TFRA_LOG_NOISE))
+    warnings.filterwarnings("ignore", message="pkg_resources is deprecated as an API",
+                            category=DeprecationWarning)
+    if not any(isinstance(f, _QuietImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _QuietImport())
+
+
+@contextlib.contextmanager
+def filter_stderr_fd(pattern: "re.Pattern[bytes]"):
+    """Captures file descriptor 2 (C++ logs) for the block; then writes back every line
+    that does not match ``pattern`` (all of them if the block raises)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        failed = True
+        try:
+            yield
+            failed = False
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            for line in capture:
+                if failed or not pattern.search(line):
+                    os.write(2, line)
+
+
+@contextlib.contextmanager
+def _filter_stdout(line: str):
+    """Python-level stdout of the block, minus lines equal to ``line``."""
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer):
+            yield
+    finally:
+        sys.stdout.write("".join(l for l in buffer.getvalue().splitlines(True)
+                                 if l.rstrip("\n") != line))
+
+
+class _DropMessages(logging.Filter):
+    """Drops log records whose message starts with one known text."""
+
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record):
+        return not str(record.msg).startswith(self.prefix)
+
+
+_FILTERS = {"tensorflow": lambda: filter_stderr_fd(TF_IMPORT_NOISE),
+            "tensorflow_recommenders_addons": lambda: _filter_stdout(TFRA_PRINT_NOISE)}
+
+
+class _QuietImport(importlib.abc.MetaPathFinder):
+    """Runs the first import of each module in ``_FILTERS`` under its filter."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in _FILTERS or fullname in sys.modules:
+            return None
+        sys.meta_path.remove(self)  # find the real spec without coming back here
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _FilteredLoader(spec.loader, _FILTERS[fullname])
+        return spec
+
+
+class _FilteredLoader(importlib.abc.Loader):
+    """The module's own loader, with ``exec_module`` run under a filter."""
+
+    def __init__(self, loader, make_filter):
+        self._loader, self._make_filter = loader, make_filter
+
+    def __getattr__(self, name):  # get_resource_reader, is_package, ...: the real loader's
+        return getattr(self._loader, name)
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        with self._make_filter():
+            self._loader.exec_module(module)
