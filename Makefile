@@ -14,7 +14,14 @@ export TF_CPP_MIN_LOG_LEVEL := 2
 .PHONY: setup ops test train smoke bench clean
 NP ?= 2
 
-setup: netns-tools $(HVD_STAMP) ops
+setup: netns-tools mpi-tools $(HVD_STAMP) ops
+
+# Distributed inference (tf_fusedemb.serve, comm/bls_alltoallv.py) runs under Open MPI's
+# mpirun with mpi4py (requirements.txt); installed only where missing (apt-get; needs root).
+.PHONY: mpi-tools
+mpi-tools:
+	@command -v mpirun >/dev/null 2>&1 && command -v mpicc >/dev/null 2>&1 || \
+		{ apt-get update && apt-get install -y openmpi-bin libopenmpi-dev; }
 
 # Emulated hosts (tf_fusedemb.testing.cluster) need iproute2's ip/tc and util-linux's taskset;
 # installed only where missing (apt-get; needs root).
@@ -61,7 +68,10 @@ TRAIN_ARGS ?= --model dlrm --data synthetic --steps 300 --batch-size 1024
 HOSTS ?= 1
 LINK_MBIT ?= 1000
 ifeq ($(HOSTS),1)
-TRAIN_LAUNCH = $(VENV)/bin/horovodrun -np $(NP) --gloo -H localhost:$(NP)
+# horovodrun's own Gloo check imports TensorFlow in a child whose C++ log lines Horovod cannot
+# mute: the launcher runs with C++ logs off, the workers with the usual level 2.
+TRAIN_LAUNCH = TF_CPP_MIN_LOG_LEVEL=3 $(VENV)/bin/horovodrun -np $(NP) --gloo -H localhost:$(NP) \
+	env TF_CPP_MIN_LOG_LEVEL=2
 else
 RANKS_PER_HOST = $(shell echo $$(( $(NP) / $(HOSTS) )))
 TRAIN_LAUNCH = $(if $(filter 0,$(shell echo $$(( $(NP) % $(HOSTS) )))),,$(error NP=$(NP) is \

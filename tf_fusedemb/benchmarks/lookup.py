@@ -76,6 +76,7 @@ non-empty messages to other ranks (all ranks pooled).
 import argparse
 import sys
 
+from tf_fusedemb.benchmarks import plots
 from tf_fusedemb.benchmarks.launcher import (add_launch_args, add_workload_args, benchmark_main,
                                              check_launch_args)
 from tf_fusedemb.benchmarks.lookup_data import DEFAULT_CRITEO  # noqa: F401  (re-export)
@@ -91,6 +92,7 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated subset of {','.join(VARIANTS)}")
+    parser.add_argument("--plot", metavar="PATH", help="also write a PNG of the step times")
     args = parser.parse_args(argv)
     args.variants = [v for v in args.variants.split(",") if v]
     unknown = set(args.variants) - set(VARIANTS)
@@ -101,9 +103,19 @@ def parse_args(argv=None):
     return check_launch_args(parser, args)
 
 
+def plot_variants(result, args):
+    """With ``--plot PATH``: a PNG of the median step time per variant (``finish`` hook)."""
+    if args.plot:
+        result["plot"] = plots.bar_chart(
+            args.plot, {k: v["step_ms"] for k, v in result["variants"].items()},
+            f"training step per lookup variant, {result['environment']['np']} ranks, batch "
+            f"{result['environment']['batch_size_per_rank']}/rank",
+            "step time, ms (median)")
+
+
 def main(argv=None):
     return benchmark_main("tf_fusedemb.benchmarks.lookup", "tf_fusedemb.benchmarks.lookup_worker",
-                          parse_args, RESULT_MARKER, argv)
+                          parse_args, RESULT_MARKER, argv, finish=plot_variants)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import tensorflow as tf  # noqa: E402
 
 from tf_fusedemb import ops  # noqa: E402
 from tf_fusedemb.benchmarks.lookup_data import DEFAULT_CRITEO  # noqa: E402
+from tf_fusedemb.benchmarks import plots  # noqa: E402
 from tf_fusedemb.benchmarks.timing import (emit, in_graph_loop, per_iteration,  # noqa: E402
                                            ratio, time_side_by_side)
 from tf_fusedemb.data.criteo import CRITEO_CATEGORICAL, read_criteo  # noqa: E402
@@ -95,6 +96,7 @@ def main(argv=None):
                              "(0 to skip)")
     parser.add_argument("--data", default=str(DEFAULT_CRITEO),
                         help="Criteo TSV also benchmarked when it exists ('' to skip)")
+    parser.add_argument("--plot", metavar="PATH", help="also write a PNG of the op times")
     args = parser.parse_args(argv)
 
     tf.config.optimizer.set_experimental_options({"loop_optimization": False})
@@ -117,6 +119,12 @@ def main(argv=None):
     for key, value in result["synthetic"].items():
         if "." in key:
             result[key] = value
+    if args.plot:
+        times = result["synthetic"]["times"]
+        result["plot"] = plots.bar_chart(
+            args.plot, {k: t["median_ms"] for k, t in times.items()},
+            f"FusedRec ops and their baselines, {result['synthetic']['num_keys']} keys, "
+            f"{args.num_ranks} ranks (median per call)", "ms per call")
     emit(result, args.json)
 
 

@@ -8,6 +8,12 @@ emulated multi-host network.
         --sweep --plot sweep.png                         # M in 100,300,1000,3000,10000
     python -m tf_fusedemb.benchmarks.pipeline --json     # loopback, 2 local workers
 
+On a machine shared with other jobs, give the workers their cores' time (root; see
+``tf_fusedemb.benchmarks.launcher``): ``FUSEDEMB_BENCH_NICE=-15
+FUSEDEMB_COMM_THREAD_NICE=-20 python -m tf_fusedemb.benchmarks.pipeline ...``. Where the
+step's time goes, collective by collective: ``tf_fusedemb.benchmarks.pipeline_trace``
+(Horovod timeline + TensorFlow profiler; findings in docs/timelines/).
+
 Run plainly, it re-launches itself on Horovod workers (``tf_fusedemb.benchmarks.launcher``):
 with ``--hosts H`` on an emulated cluster (``tf_fusedemb.testing.cluster``: H network
 namespaces, each host's link limited to ``--link-mbit`` Mbit/s per direction with ``tc
@@ -81,6 +87,7 @@ import argparse
 import os
 import sys
 
+from tf_fusedemb.benchmarks import plots
 from tf_fusedemb.benchmarks.launcher import (add_launch_args, add_workload_args, benchmark_main,
                                              check_launch_args)
 from tf_fusedemb.benchmarks.lookup_data import DEFAULT_CRITEO
@@ -130,15 +137,11 @@ def plot_sweep(result, path):
     """Writes a PNG: median step time of every mode (and of the synchronous step's twin
     without collectives) against the link speed, log-scaled, with each speed's
     sync_comm_share; returns ``path``."""
-    import matplotlib  # pylint: disable=import-outside-toplevel
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
     points = result["sweep"]
     speeds = sorted(points, key=float)
     x = [float(m) for m in speeds]
-    fig, ax = plt.subplots(figsize=(8, 5))
-    modes = list(points[speeds[0]]["step_ms"])
-    for mode in modes:
+    fig, ax = plots.new_figure()
+    for mode in points[speeds[0]]["step_ms"]:
         ax.plot(x, [points[m]["step_ms"][mode] for m in speeds], marker="o",
                 linewidth=2.5 if mode in ("sync", "dbp_fwp4") else 1.2, label=mode)
     ax.plot(x, [points[m]["compute_only_step_ms"]["local_sync"] for m in speeds], "k--",
@@ -147,18 +150,10 @@ def plot_sweep(result, path):
         ax.annotate(f"{points[m]['sync_comm_share']:.0%}", (xm, points[m]["step_ms"]["sync"]),
                     textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8)
     net = result["network"]
-    ax.set_xscale("log")
-    ax.set_xlabel("link speed per host, Mbit/s each direction")
-    ax.set_ylabel("step time, ms (median)")
-    ax.set_title(f"tf_fusedemb pipelining: {net['hosts']} hosts x {net['ranks_per_host']} "
-                 f"rank(s), batch {result['batch_size_per_rank']}/rank\n"
-                 "(labels: share of the sync step spent in collectives)", fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    title = (f"tf_fusedemb pipelining: {net['hosts']} hosts x {net['ranks_per_host']} "
+             f"rank(s), batch {result['batch_size_per_rank']}/rank\n"
+             "(labels: share of the sync step spent in collectives)")
+    return plots.save_figure(fig, ax, path, title, *plots.sweep_axes_labels(), log_x=True)
 
 
 def _finish(result, args):

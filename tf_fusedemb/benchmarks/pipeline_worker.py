@@ -49,12 +49,32 @@ def _auto_factory():
                                                               comm)
 
 
-def _model(comm, args):
+def build_model(comm, args):
+    """The benchmark's CriteoNet on ``comm`` with its Adagrad optimizer, variables built."""
     model = CriteoNet(FusedEmbedding(feature_specs(args.lr), communicator=comm),
                       seed=args.seed, hidden=args.hidden)
     optimizer = tf_keras.optimizers.Adagrad(args.lr)
     model.build_variables(optimizer)
     return model, optimizer
+
+
+def load_batches(args, size, rank):
+    """This rank's numpy batches ``[(x, y)]`` of ``--data`` (or synthetic rows) and a
+    description of the source."""
+    if args.data:
+        columns = lookup_data.read_criteo(args.data, args.max_rows)
+        source = {"kind": "criteo_tsv", "path": str(args.data)}
+    else:
+        columns = lookup_data.synthetic_columns(args.batch_size, size, args.num_batches,
+                                                args.seed)
+        source = {"kind": "synthetic", "generator": "generate_criteo_like", "seed": args.seed}
+    return lookup_data.make_batches(columns, args.batch_size, size, rank,
+                                    args.num_batches), source
+
+
+def as_tensors(batches):
+    """numpy ``[(x, y)]`` batches as tensors."""
+    return [({k: tf.constant(v) for k, v in x.items()}, tf.constant(y)) for x, y in batches]
 
 
 def _reorder(batch, perm):
@@ -117,12 +137,13 @@ def _collectives_alone(comm, plans, dense_vars):
     return lambda: run(sends, splits, dense).numpy()
 
 
-def _loss(result):
-    """The loss of a pipeline step's result (a StepResult, or a (loss, predictions) pair)."""
-    return result.loss if hasattr(result, "loss") else result[0]
+def step_loss(result):
+    """The loss of a pipeline step's result (a StepResult, or a (loss, predictions) pair)
+    as a float: reading it waits for the step."""
+    return float(result.loss if hasattr(result, "loss") else result[0])
 
 
-def _time_run(pipeline, batches, cursor, steps):
+def time_run(pipeline, batches, cursor, steps):
     """Runs ``steps`` consecutive steps from batch ``cursor`` (each prefetching the next,
     the last none), flushes, and returns the times of the middle ones in ms: the first
     includes the prologue prefetch, the last has no next batch to prefetch."""
@@ -131,7 +152,7 @@ def _time_run(pipeline, batches, cursor, steps):
         x, y = batches[(cursor + k) % len(batches)]
         upcoming = batches[(cursor + k + 1) % len(batches)][0] if k + 1 < steps else None
         begin = time.perf_counter()
-        float(_loss(pipeline.step(x, y, upcoming)))
+        step_loss(pipeline.step(x, y, upcoming))
         if 0 < k < steps - 1:
             times.append((time.perf_counter() - begin) * 1e3)
     pipeline.flush()
@@ -144,7 +165,7 @@ def _settle_auto(pipeline, batches):
     k = 0
     while getattr(pipeline, "chosen", None) is None and k < AUTO_MAX_STEPS:
         x, y = batches[k % len(batches)]
-        float(_loss(pipeline.step(x, y, batches[(k + 1) % len(batches)][0])))
+        step_loss(pipeline.step(x, y, batches[(k + 1) % len(batches)][0]))
         k += 1
     pipeline.flush()
     return getattr(pipeline, "chosen", None), k
@@ -261,14 +282,7 @@ def run(args):
         if rank == 0:
             print(f"[pipeline] {msg}", flush=True)
 
-    if args.data:
-        columns = lookup_data.read_criteo_tsv(args.data, args.max_rows)
-        source = {"kind": "criteo_tsv", "path": str(args.data)}
-    else:
-        columns = lookup_data.synthetic_columns(args.batch_size, size, args.num_batches,
-                                                args.seed)
-        source = {"kind": "synthetic", "generator": "generate_criteo_like", "seed": args.seed}
-    raw = lookup_data.make_batches(columns, args.batch_size, size, rank, args.num_batches)
+    raw, source = load_batches(args, size, rank)
 
     # Clustering of this rank's batches: unique keys per micro-batch and the CPU cost.
     cats = [{c: x[c] for c in CAT} for x, _ in raw]
@@ -276,13 +290,11 @@ def run(args):
     clustered_raw = [_reorder(b, cluster_permutation(c, 4)) for b, c in zip(raw, cats)]
     real_clustering = _real_clustering(args.real_data, args.batch_size) if rank == 0 else {}
 
-    to_tf = lambda bs: [({k: tf.constant(v) for k, v in x.items()}, tf.constant(y))  # noqa: E731
-                        for x, y in bs]
-    batches, clustered = to_tf(raw), to_tf(clustered_raw)
+    batches, clustered = as_tensors(raw), as_tensors(clustered_raw)
     loss_fn = tf_keras.losses.BinaryCrossentropy(from_logits=True)
-    model, optimizer = _model(comm, args)
+    model, optimizer = build_model(comm, args)
     local = LocalCommunicator()
-    local_model, local_optimizer = _model(local, args)
+    local_model, local_optimizer = build_model(local, args)
     modes = {m: REAL[m] for m in args.modes if m != "auto"}
     auto = _auto_factory() if "auto" in args.modes else None
     runs = {}
@@ -310,7 +322,7 @@ def run(args):
         if name in CLUSTERED_OF and CLUSTERED_OF[name] in runs:
             continue  # traced with its unclustered twin
         t0 = time.perf_counter()
-        _time_run(pipeline, data, 0, 3)
+        time_run(pipeline, data, 0, 3)
         log(f"  {name}: warm-up {time.perf_counter() - t0:.1f}s")
     for fn in calls.values():
         fn()
@@ -326,7 +338,7 @@ def run(args):
             return call_block
         twin = f"local_{name}"
         if twin not in runs:
-            return lambda: times[name].extend(_time_run(*runs[name], state["cursor"],
+            return lambda: times[name].extend(time_run(*runs[name], state["cursor"],
                                                         args.steps))
         flip = [False]
 
@@ -336,7 +348,7 @@ def run(args):
             # per-block T - P.
             order = (twin, name) if flip[0] else (name, twin)
             flip[0] = not flip[0]
-            block = {n: _time_run(*runs[n], state["cursor"], args.steps) for n in order}
+            block = {n: time_run(*runs[n], state["cursor"], args.steps) for n in order}
             for n, t in block.items():
                 times[n].extend(t)
             diffs[name].append(median_ms(block[name]) - median_ms(block[twin]))

@@ -38,6 +38,7 @@ import copy
 import os
 import sys
 
+from tf_fusedemb.benchmarks import plots
 from tf_fusedemb.benchmarks.launcher import (EXIT_UNAVAILABLE, add_launch_args,
                                              add_workload_args, benchmark_main,
                                              check_launch_args, launch_cluster, launch_local)
@@ -100,32 +101,21 @@ def _launch(argv, args):
 def plot_sweep(result, path):
     """PNG: median step time of the flat and hierarchical exchanges (and the flat step's
     twin without collectives) against the inter-node link speed; returns ``path``."""
-    import matplotlib  # pylint: disable=import-outside-toplevel
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
     points = result["sweep"]
     speeds = sorted(points, key=float)
     x = [float(m) for m in speeds]
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plots.new_figure()
     for name, style in (("flat", "o-"), ("hierarchical", "s-"), ("twin", "k--")):
         ax.plot(x, [points[m]["step_ms"][name] for m in speeds], style,
                 label=name if name != "twin" else "flat without collectives (twin)")
     for m, xm in zip(speeds, x):
         ax.annotate(f"{points[m]['hier_comm_share']:.0%}", (xm, points[m]["step_ms"]["flat"]),
                     textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8)
-    ax.set_xscale("log")
-    ax.set_xlabel("link speed per host, Mbit/s each direction")
-    ax.set_ylabel("step time, ms (median)")
     net = result["network"]
-    ax.set_title(f"fused exchange, {net['hosts']} hosts x {net['ranks_per_host']} ranks, batch "
-                 f"{result['batch_size_per_rank']}"
-                 "/rank\n(labels: share of the flat step spent in collectives)", fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    title = (f"fused exchange, {net['hosts']} hosts x {net['ranks_per_host']} ranks, batch "
+             f"{result['batch_size_per_rank']}/rank\n"
+             "(labels: share of the flat step spent in collectives)")
+    return plots.save_figure(fig, ax, path, title, *plots.sweep_axes_labels(), log_x=True)
 
 
 def main(argv=None):

@@ -6,11 +6,13 @@ that step, run with the :class:`PrefetchSchedule` below.
 One ``tf.function`` per step t holds, as independent dataflow that TensorFlow's executor
 runs concurrently (Horovod collectives are asynchronous kernels):
 
-* the key routing of batch t+1 (DBP stage 3); after t's local backward, the delayed row
-  updates of batch t-1 (vertical scheduling), then the retrieval of t+1's rows into the
+* the key routing of batch t+1 (DBP stage 3), once micro-batch 0's forward is done (its
+  key AlltoAlls then queue behind t's row AlltoAlls); after t's local backward, the
+  delayed row updates of batch t-1 (vertical scheduling), then the retrieval of t+1's rows into the
   prefetch buffer (stage 4), overlapping t's gradient and dense collectives;
 * per micro-batch i of batch t: the rows AlltoAll, dense forward/backward, the gradient
-  AlltoAll (FWP: one micro-batch's AlltoAlls overlap another's compute);
+  AlltoAll (FWP: one micro-batch's AlltoAlls overlap another's compute; the micro-batches'
+  dense compute runs in order, see ``tf_fusedemb.training.step``);
 * after the last micro-batch: dense AllReduce and update; per group, coalesced row
   gradients split into prior rows K(B_t) ∩ K(B_t+1), applied now, and delayed rows,
   applied in step t+1; the updated prior rows overwrite the prefetch buffer's copies
@@ -36,7 +38,7 @@ from tf_fusedemb.layers.lookup_context import LookupContext
 from tf_fusedemb.pipeline.options import PipelineOptions
 from tf_fusedemb.training import keysets
 from tf_fusedemb.training.micro_batches import micro_batch_slices, slice_rows
-from tf_fusedemb.training.step import Schedule, as_keras_loss, train_step
+from tf_fusedemb.training.step import Schedule, after, as_keras_loss, train_step
 from tf_fusedemb.training.tracing import RankInvariantFunction
 
 
@@ -162,8 +164,9 @@ class NestedPipeline:
 class PrefetchSchedule(Schedule):
     """NestPipe's DBP and FWP with EmbRace's vertical scheduling, for one traced step t.
 
-    The key routing of batch t+1 starts at once; after t's local backward, the delayed
-    row updates of t-1, then the retrieval of t+1's rows (which must see those writes);
+    The key routing of batch t+1 starts after micro-batch 0's forward; after t's local
+    backward, the delayed row updates of t-1, then the retrieval of t+1's rows (which
+    must see those writes);
     per group, the coalesced gradients of K(B_t) ∩ K(B_t+1) (prior) are applied now and
     their fresh rows overwrite the prefetch buffer's copies, the rest (delayed) in step
     t+1. Results after tracing: ``synced`` (t+1's prepared lookups per micro-batch) and
@@ -172,12 +175,20 @@ class PrefetchSchedule(Schedule):
     def __init__(self, pipeline: NestedPipeline, prepared, pending, next_x):
         super().__init__(pipeline.options.micro_batches)
         self.pipeline, self.options = pipeline, pipeline.options
-        self._prepared, self._pending = prepared, pending
-        # DBP stage 3: t+1's key routing starts at once (its AlltoAll is small).
-        self._routed_next = pipeline._route(next_x) if next_x is not None else None  # pylint: disable=protected-access
+        self._prepared, self._pending, self._next_x = prepared, pending, next_x
+        self._routed_next = None
         self._next = None
-        self.synced = [[] for _ in range(len(self._routed_next or []))]
+        self.synced = [[] for _ in range(self.micro_batches if next_x is not None else 0)]
         self.new_pending = []
+
+    def after_forward(self, i, outputs):
+        # DBP stage 3: t+1's key routing once micro-batch 0's forward is done. Horovod runs
+        # collectives one at a time in the order all ranks requested them: started at
+        # once, t+1's key AlltoAlls would run before t's row AlltoAlls, which the forward
+        # waits for (seen in the timeline, docs/timelines/).
+        if i == 0 and self._next_x is not None:
+            next_x = after(tf.nest.flatten(outputs), self._next_x)
+            self._routed_next = self.pipeline._route(next_x)  # pylint: disable=protected-access
 
     def prepared(self, i):
         if self._prepared is None:

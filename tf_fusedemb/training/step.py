@@ -17,6 +17,14 @@ A :class:`Schedule` decides only *when* parts of the step run (NestPipe Section 
 many micro-batches (FWP), which lookups were prepared ahead (DBP), what runs once the
 local backward is done, and how the row updates are split (EmbRace). The synchronous
 step is :class:`Schedule` itself; ``tf_fusedemb.pipeline`` provides the pipelined one.
+
+With N > 1 micro-batches the step runs their dense compute one after another
+(control dependencies, no value changes): micro-batch i+1's dense forward waits for i's
+output, its backward for i's dense gradients. TensorFlow's executor would otherwise
+interleave all N forwards and all N backwards, so every micro-batch's collectives
+would become ready together at the end of each phase, with nothing left to overlap
+them (seen in Horovod's timeline, docs/timelines/). Lookups are not held back: a
+micro-batch's key and row AlltoAlls run while earlier micro-batches compute.
 """
 from typing import List, NamedTuple, Optional
 
@@ -64,6 +72,11 @@ class Schedule:
         """{id(GroupLookup): prepared lookup} of micro-batch ``i`` (none: route now)."""
         del i
         return {}
+
+    def after_forward(self, i: int, outputs):
+        """Runs once micro-batch ``i``'s forward pass is built; ``outputs`` are its
+        predictions (a pipeline starts the next batch's key routing after micro-batch 0,
+        so its AlltoAlls queue behind the row AlltoAlls this batch's forward waits for)."""
 
     def after_backward(self, done: List[tf.Tensor]):
         """Runs once every micro-batch's local backward is computed (``done``): a
@@ -114,37 +127,49 @@ def train_step(model, x, y, loss, optimizer, sample_weight=None, communicator=No
     # FWP: every micro-batch's forward first, then the backwards, so each one's
     # collectives can be in flight while another computes.
     tapes, partials, preds, records, reg = [], [], [], [], None
+    lookup_inputs = {f.name for layer in fused_embedding_layers(model) for f in layer.features}
     for i, (lo, hi) in enumerate(micro_batch_slices(batch_size_of(y), schedule.micro_batches)):
         context = LookupContext(None, schedule.prepared(i), schedule.suffix(i))
+        x_i = slice_rows(x, lo, hi)
+        if preds and isinstance(x_i, dict):  # dense compute after the previous
+            # micro-batch's; its lookups at once (x not a dict: which part feeds them is unknown)
+            x_i = after(tf.nest.flatten(preds[-1]), x_i, skip=lookup_inputs)
         with tf.GradientTape() as tape, use_context(model, context):
             context.tape = tape
-            pred = model(slice_rows(x, lo, hi), training=True)
+            pred = model(x_i, training=True)
             partials.append(loss.partial(slice_rows(y, lo, hi), pred,
                                          slice_rows(sample_weight, lo, hi)))
             if i == 0:  # weight regularisers: once per batch, as in Keras
                 reg = regularization(model)
+        schedule.after_forward(i, pred)
         tapes.append(tape)
         preds.append(pred)
         records.append(context.records)
     totals = loss_totals(loss, partials, reg, comm)
     dense_vars = list(model.trainable_variables)  # built by the first forward
     dense_sum = [tf.zeros_like(v) for v in dense_vars]
-    parts = {}
+    parts, previous = {}, []
     for i, (tape, part, recs) in enumerate(zip(tapes, partials, records)):
         targets, scales = list(part.sums), list(totals.coefficients)
         if i == 0 and reg is not None:
             targets.append(reg)
             scales.append(totals.regularization / comm.size)
-        grads = tape.gradient(targets, dense_vars + [r.rows for r in recs],
-                              output_gradients=scales)
-        dense_sum = [a + dense_gradient(g, v) for a, g, v in zip(dense_sum, grads, dense_vars)]
+        # This micro-batch's backward after the previous one's dense gradients (FWP: its
+        # gradient AlltoAll is in flight meanwhile).
+        with tf.control_dependencies(previous):
+            grads = tape.gradient(targets, dense_vars + [r.rows for r in recs],
+                                  output_gradients=scales)
+        local = [dense_gradient(g, v) for g, v in zip(grads, dense_vars)]
+        previous = local if len(tapes) > 1 else []
+        dense_sum = [a + g for a, g in zip(dense_sum, local)]
         for r, g in zip(recs, grads[len(dense_vars):]):
             parts.setdefault(id(r.table), []).append((r.keys, row_gradient(g, r.rows),
                                                       r.init_keys))
     schedule.after_backward(dense_sum or [totals.value])
     if dense_vars:
-        optimizer.apply_gradients(zip(comm.allreduce_sum_list(dense_sum, DENSE_GRADS),
-                                      dense_vars))
+        row_grads = [g for group in parts.values() for _, g, _ in group]
+        reduced = allreduce_dense(comm, dense_sum, dense_vars, row_grads)
+        optimizer.apply_gradients(zip(reduced, dense_vars))
     for layer in fused_embedding_layers(model):
         for lookup in layer.groups:
             keys, grads, init = _coalesce(parts.get(id(lookup.table), []), lookup.group.dim)
@@ -163,6 +188,44 @@ def test_step(model, x, y, loss, sample_weight=None, communicator=None) -> StepR
     totals = loss_totals(loss, [loss.partial(y, y_pred, sample_weight)], regularization(model),
                          comm)
     return StepResult(totals.value, totals.weight, y_pred)
+
+
+def allreduce_dense(comm, grads: List[tf.Tensor], variables,
+                    row_grads: List[tf.Tensor]) -> List[tf.Tensor]:
+    """``grads`` (one per dense variable, its shape) summed over ranks, in two grouped
+    AllReduces (EmbRace's dense AllReduce, split in time; the sums are the same).
+
+    The variables created last (a model's top layers, whose gradients the backward
+    finishes first), up to half the elements: as soon as they are summed over the
+    micro-batches, while the backward still runs. The others after ``row_grads`` (the
+    row gradients, received by their AlltoAlls): Horovod runs one collective at a time,
+    so the row AlltoAlls go first and the row updates compute while this AllReduce, the
+    step's largest collective, is in flight.
+    """
+    sizes = [v.shape.num_elements() or 0 for v in variables]
+    split, late = len(grads), 0
+    while split > 1 and late + sizes[split - 1] <= sum(sizes) / 2:
+        split -= 1
+        late += sizes[split]
+    first = comm.allreduce_sum_list(grads[split:], DENSE_GRADS + "/top") if split < len(grads) \
+        else []
+    return list(comm.allreduce_sum_list(after(row_grads, grads[:split]), DENSE_GRADS)) + \
+        list(first)
+
+
+def after(deps: List[tf.Tensor], x, skip=()):
+    """``x`` (a tensor, or a dict / list / tuple of them) whose plain tensors, except the
+    dict entries named in ``skip``, are only available once ``deps`` are computed
+    (identities with control dependencies): a schedule's ordering, never a value change.
+    Ragged and sparse values pass unchanged."""
+    def gate(value):
+        if not isinstance(value, tf.Tensor) or not deps:
+            return value
+        with tf.control_dependencies(deps):
+            return tf.identity(value)
+    if isinstance(x, dict):
+        return {k: v if k in skip else tf.nest.map_structure(gate, v) for k, v in x.items()}
+    return tf.nest.map_structure(gate, x)
 
 
 def _coalesce(parts, dim):

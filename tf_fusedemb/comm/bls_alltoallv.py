@@ -1,0 +1,238 @@
+"""Bounded-lag synchronous (BLS) alltoallv on MPI one-sided communication (paper 001).
+
+Ranks may be up to ``lag`` = k iterations apart. Every rank exposes k receive slots per
+peer (one for k = 0) in an RMA window; the message of iteration j goes to slot
+s = j mod k (the paper's tag). An exchange is split in two, as the paper's
+initiation/completion:
+
+  ``start(j, sends)``   Put each peer's message into its slot s at that peer, then
+                        raise the peer's arrival counter of (s, me). Blocks only while
+                        the peer has not yet consumed iteration j - max(k, 1) from that slot.
+  ``finish(j)``         waits until every peer's message of iteration j has arrived and
+                        returns them.
+
+Consumption is eager: in every call (and while waiting) a rank copies each arrived
+message out of its slot into a local inbox and raises, at the sender, the consumption
+counter of (s, me), so a slot is free again as soon as its message was read, however
+late the receiver's ``finish`` of that iteration comes.
+
+A caller runs ``start(j)`` then ``finish(j - k)``: with k = 0 that is ``start(j);
+finish(j)``, exactly a synchronous alltoallv (nobody leaves iteration j before every
+rank entered it); with k > 0 a fast rank runs up to k iterations ahead of a slow one.
+
+Window layout per rank (passive target, ``Lock_all`` once; no rank ever waits for
+another's MPI call, only for counters in its own memory):
+  data  (disp_unit 1): slot s, source p at byte ((s * N) + p) * capacity
+  ctrl  (disp_unit 8, int64): arrivals[s, p] at s*N + p, sizes[s, p] at S*N + s*N + p,
+        consumed[s, q] (by receiver q, of my messages in slot s) at 2*S*N + s*N + q
+Counters and size headers are only changed by ``Accumulate`` and read by
+``Fetch_and_op(NO_OP)``: both atomic, so a reader never sees a torn value. Data travels
+by ``Put``; data and header are flushed before the arrival counter is raised (RMA
+operations to different locations are not ordered otherwise).
+
+Messages are bytes of any numpy array, of any size from 0 to ``capacity_bytes``
+per (slot, peer); a larger one raises :class:`BLSCapacityError` before anything is
+sent. Every wait has a deadline and raises :class:`BLSTimeoutError` naming the peer,
+so a dead or stuck peer never hangs the job.
+"""
+import time
+from typing import List, Sequence
+
+import numpy as np
+
+__all__ = ["BLSAlltoallv", "BLSCapacityError", "BLSTimeoutError"]
+
+
+class BLSTimeoutError(RuntimeError):
+    """A peer did not deliver or consume a message before the deadline."""
+
+
+class BLSCapacityError(ValueError):
+    """A message is larger than the slot capacity fixed at construction."""
+
+
+class BLSAlltoallv:
+    """Bounded-lag alltoallv over the ranks of an mpi4py communicator (collective ctor).
+
+    Args:
+      comm: an ``mpi4py.MPI.Intracomm`` (e.g. ``MPI.COMM_WORLD``).
+      lag: k >= 0; k = 0 is the synchronous collective.
+      capacity_bytes: largest message per (slot, peer); every rank must pass the same.
+      timeout_s: deadline of every wait for a peer.
+    """
+
+    def __init__(self, comm, lag: int, capacity_bytes: int, timeout_s: float = 60.0):
+        from mpi4py import MPI  # pylint: disable=import-outside-toplevel
+        if not isinstance(lag, int) or lag < 0:
+            raise ValueError(f"lag must be an int >= 0, got {lag!r}")
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        self._mpi, self.comm = MPI, comm
+        self.rank, self.size, self.lag = comm.Get_rank(), comm.Get_size(), lag
+        self.slots = max(lag, 1)
+        self.capacity = int(-(-capacity_bytes // 8) * 8)  # 8-byte aligned slots
+        self.timeout_s = float(timeout_s)
+        n, s = self.size, self.slots
+        self._data = MPI.Win.Allocate(s * n * self.capacity, disp_unit=1, comm=comm)
+        self._ctrl = MPI.Win.Allocate(3 * s * n * 8, disp_unit=8, comm=comm)
+        np.frombuffer(self._ctrl.tomemory(), np.int64)[:] = 0
+        comm.Barrier()  # every counter is zero before anyone may raise one
+        self._data.Lock_all(MPI.MODE_NOCHECK)
+        self._ctrl.Lock_all(MPI.MODE_NOCHECK)
+        self._one = np.ones(1, np.int64)
+        self._started = self._finished = 0
+        self._inbox = {}  # iteration -> {source rank: bytes}, copied out of the slots
+        self._next_from = [0] * self.size  # next iteration expected from each rank
+        self._closed = False
+
+    # ---- public API ---------------------------------------------------------------------
+    def start(self, j: int, sends: Sequence[np.ndarray]) -> None:
+        """Initiates iteration ``j`` (iterations start in order 0, 1, ...).
+
+        Args:
+          j: the iteration; ``finish(j - lag)`` must have run before ``start(j + 1)``.
+          sends: N arrays, ``sends[q]`` goes to rank q (any dtype, any size, may be empty).
+        """
+        self._check_open()
+        if j != self._started:
+            raise ValueError(f"BLS start: expected iteration {self._started}, got {j}")
+        if self._started - self._finished > self.lag:
+            raise ValueError(f"BLS start({j}): iteration {self._finished} must be finished "
+                             f"first (lag {self.lag})")
+        if len(sends) != self.size:
+            raise ValueError(f"BLS start({j}): need {self.size} messages, got {len(sends)}")
+        payloads = [np.ascontiguousarray(m).reshape(-1).view(np.uint8) for m in sends]
+        for q, p in enumerate(payloads):
+            if p.nbytes > self.capacity:
+                raise BLSCapacityError(
+                    f"BLS start({j}) on rank {self.rank}: message to rank {q} has {p.nbytes} "
+                    f"bytes, more than the slot capacity {self.capacity}; build BLSAlltoallv "
+                    "with a larger capacity_bytes")
+        slot, uses = j % self.slots, j // self.slots
+        self._inbox.setdefault(j, {})[self.rank] = payloads[self.rank].copy()
+        for step in range(1, self.size):  # staggered order: no peer is everyone's first
+            q = (self.rank + step) % self.size
+            index = self._counter_index("consumed", slot, q)
+            self._wait(lambda i=index, u=uses: self._read(i) >= u,
+                       f"rank {q} to consume iteration {j - self.slots} (slot {slot})", q)
+            self._put(q, slot, payloads[q])
+        self._started += 1
+        self._drain()
+
+    def finish(self, j: int) -> List[np.ndarray]:
+        """Completes iteration ``j``: returns N uint8 arrays, ``[p]`` the bytes rank p sent
+        (view them with ``.view(dtype)``)."""
+        self._check_open()
+        if j != self._finished or j >= self._started:
+            raise ValueError(f"BLS finish: expected iteration {self._finished} (started "
+                             f"{self._started}), got {j}")
+        for step in range(1, self.size):
+            p = (self.rank - step) % self.size
+            self._wait(lambda p=p: self._next_from[p] > j,
+                       f"rank {p}'s message of iteration {j} (slot {j % self.slots})", p)
+        self._finished += 1
+        got = self._inbox.pop(j)
+        return [got[p] for p in range(self.size)]
+
+    def close(self) -> None:
+        """Collective: waits (with the deadline) for every rank, then frees the windows."""
+        if self._closed:
+            return
+        request = self.comm.Ibarrier()
+        deadline = time.monotonic() + self.timeout_s
+        while not request.Test():
+            self._drain()  # a peer may still wait for a slot this rank has not read
+            if time.monotonic() > deadline:
+                raise BLSTimeoutError(f"BLS close on rank {self.rank}: not every rank "
+                                      f"reached close within {self.timeout_s:.0f}s")
+            time.sleep(1e-3)
+        self._closed = True
+        self._data.Unlock_all()
+        self._ctrl.Unlock_all()
+        self._data.Free()
+        self._ctrl.Free()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            self.close()
+
+    # ---- internals ----------------------------------------------------------------------
+    def _counter_index(self, kind, slot, peer):
+        base = {"arrivals": 0, "sizes": 1, "consumed": 2}[kind] * self.slots * self.size
+        return base + slot * self.size + peer
+
+    def _read(self, index):
+        """Atomic read of int64 ctrl[index] of this rank."""
+        mpi, out = self._mpi, np.zeros(1, np.int64)
+        self._ctrl.Fetch_and_op([self._one, mpi.INT64_T], [out, mpi.INT64_T], self.rank,
+                                index, op=mpi.NO_OP)
+        self._ctrl.Flush(self.rank)
+        return int(out[0])
+
+    def _wait(self, ready, what, peer):
+        """Drains arrived messages until ``ready()``; backs off so oversubscribed ranks
+        still get the CPU; raises after the deadline."""
+        deadline, pause = time.monotonic() + self.timeout_s, 1e-5
+        while not ready():
+            self._drain()
+            if ready():
+                return
+            if time.monotonic() > deadline:
+                raise BLSTimeoutError(
+                    f"BLS alltoallv on rank {self.rank}: waited {self.timeout_s:.0f}s for "
+                    f"{what}; rank {peer} died, hangs or runs more than the lag behind")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    def _drain(self):
+        """Copies every arrived message out of its slot and frees the slot at once (the
+        sender may reuse it): consumption never waits for ``finish``, so two ranks that
+        both wait in ``start`` for each other's consumption cannot deadlock."""
+        mpi = self._mpi
+        for step in range(1, self.size):
+            p = (self.rank - step) % self.size
+            while True:
+                it = self._next_from[p]
+                slot = it % self.slots
+                if self._read(self._counter_index("arrivals", slot, p)) < it // self.slots + 1:
+                    break
+                self._inbox.setdefault(it, {})[p] = self._take(p, slot)
+                self._next_from[p] = it + 1
+                self._ctrl.Accumulate([self._one, mpi.INT64_T], p, target=(
+                    self._counter_index("consumed", slot, self.rank), 1, mpi.INT64_T),
+                    op=mpi.SUM)
+                self._ctrl.Flush(p)
+
+    def _put(self, q, slot, payload):
+        mpi = self._mpi
+        if payload.nbytes:
+            self._data.Put([payload, mpi.BYTE], q,
+                           target=((slot * self.size + self.rank) * self.capacity,
+                                   payload.nbytes, mpi.BYTE))
+        size = np.array([payload.nbytes], np.int64)
+        self._ctrl.Accumulate([size, mpi.INT64_T], q, target=(
+            self._counter_index("sizes", slot, self.rank), 1, mpi.INT64_T), op=mpi.REPLACE)
+        self._data.Flush(q)  # data and size complete at q before the arrival is counted
+        self._ctrl.Flush(q)
+        self._ctrl.Accumulate([self._one, mpi.INT64_T], q,
+                              target=(self._counter_index("arrivals", slot, self.rank), 1,
+                                      mpi.INT64_T), op=mpi.SUM)
+        self._ctrl.Flush(q)
+
+    def _take(self, p, slot):
+        """Copy of rank p's message in ``slot`` of this rank's window (uint8[bytes])."""
+        mpi = self._mpi
+        nbytes = self._read(self._counter_index("sizes", slot, p))
+        out = np.empty(nbytes, np.uint8)
+        if nbytes:
+            self._data.Get([out, mpi.BYTE], self.rank,
+                           target=((slot * self.size + p) * self.capacity, nbytes, mpi.BYTE))
+            self._data.Flush(self.rank)
+        return out
+
+    def _check_open(self):
+        if self._closed:
+            raise ValueError("BLSAlltoallv is closed")
