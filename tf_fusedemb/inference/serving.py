@@ -24,11 +24,11 @@ class ServingGroup(tf.Module):
         self.group = lookup.group
         self.key_mode, self.table_names = lookup.key_mode, lookup.table_names  # input checks
         self._feature_table = tf.constant(self.group.table_index, tf.int64)
-        self._tags = tf.constant(np.array([hashing.category_tag(n) for n in lookup.table_names],
-                                          np.uint64).view(np.int64))
+        self._tags = tf.constant(hashing.category_tags(lookup.table_names))
         if self.group.is_static:  # every row is defined: keep the dense table as it is
-            self._offsets = tf.constant(lookup._offsets.numpy())  # pylint: disable=protected-access
-            self.rows = tf.Variable(lookup.table.values.numpy(), trainable=False, name="rows")
+            self._offsets = tf.constant(lookup.table_offsets.numpy())
+            self.rows = tf.Variable(lookup.table.dense_values().numpy(), trainable=False,
+                                    name="rows")
             self.index = None
             return
         stored = lookup.stored_rows()

@@ -51,8 +51,7 @@ class GroupLookup(tf.Module):
                              f"{(1 << CATEGORY_BITS) - 1} fit the key exchange")
         # Category of each feature = its table, so features sharing a table share rows.
         self._feature_table = tf.constant(group.table_index, tf.int64)
-        tags = np.array([hashing.category_tag(n) for n in self.table_names], np.uint64)
-        self._tags = tf.constant(tags.view(np.int64))
+        self._tags = tf.constant(hashing.category_tags(self.table_names))
         self.counters = CommCounters(group.name,
                                      link_classes=communicator.topology.cross_size > 1)
         self.exchange = (HierarchicalExchange(communicator, group.name, self.counters,
@@ -70,10 +69,24 @@ class GroupLookup(tf.Module):
                                             g.optimizer)
         sizes = [t.vocabulary_size for t in g.tables]
         self._offsets = tf.constant(np.concatenate([[0], np.cumsum(sizes)[:-1]]), tf.int64)
-        init_keys = np.concatenate([hashing.hashed_unified_keys(np.arange(v), [t.name] * v)
-                                    for t, v in zip(g.tables, sizes)])
+        tags = hashing.category_tags(self.table_names).view(np.uint64)
+
+        def init_keys(keys):  # plan-independent, as the dynamic tables' (hashed_keys)
+            tables, ids = self.key_metadata(keys)
+            return hashing.mix64(ids.view(np.uint64) ^ tags[tables]).view(np.int64)
+
+        # The exchange routes by instance ID, so a row lives on the owner of its ID.
         return tables.StaticGroupTable(f"fusedemb_{g.name}", g.dim, g.initializer,
-                                       g.optimizer, int(sum(sizes)), init_keys)
+                                       g.optimizer, int(sum(sizes)), init_keys,
+                                       rank=self.comm.rank, num_ranks=self.comm.size,
+                                       owner_ids=lambda keys: self.key_metadata(keys)[1])
+
+    @property
+    def table_offsets(self) -> tf.Tensor:
+        """Static groups: int64[T], the first key of each table (key = offset[table] + ID)."""
+        if not self.group.is_static:
+            raise ValueError(f"group '{self.group.name}' is dynamic: its keys have no offsets")
+        return self._offsets
 
     def key_metadata(self, keys):
         """(table index int64[u], instance ID int64[u]) of stored keys: decoded for static

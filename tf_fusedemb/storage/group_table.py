@@ -9,8 +9,8 @@ Two implementations share this interface:
 
 * :class:`~tf_fusedemb.storage.dynamic_table.DynamicGroupTable`: TFRA hash tables, any
   int64 key; rows are inserted on their first update.
-* :class:`~tf_fusedemb.storage.static_table.StaticGroupTable`: dense variables
-  [vocabulary_size, dim] indexed by key in [0, vocabulary_size).
+* :class:`~tf_fusedemb.storage.static_table.StaticGroupTable`: keys in
+  [0, vocabulary_size); each rank keeps dense rows for the keys it owns only (sharded).
 
 Both give a never-updated key its deterministic initial row
 (:func:`~tf_fusedemb.storage.initializers.init_rows` of its *init key*), so for the same

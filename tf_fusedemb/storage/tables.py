@@ -1,6 +1,7 @@
 """The group tables: one import point for the abstract :class:`GroupTable` and its two
 implementations, :class:`DynamicGroupTable` (TFRA hash tables, any int64 key) and
-:class:`StaticGroupTable` (dense variables, keys in [0, vocabulary_size)).
+:class:`StaticGroupTable` (dense variables of the rows a rank owns, keys in
+[0, vocabulary_size), sharded by ``rank``/``num_ranks`` like the dynamic tables' keys).
 
 Example::
 
