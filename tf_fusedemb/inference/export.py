@@ -22,7 +22,7 @@ def to_serving(model):
     Needs a single-process model holding all rows (e.g. restored on one rank)."""
     layers = fused_embedding_layers(model)
     for layer in layers:
-        if layer._comm.size != 1:  # pylint: disable=protected-access
+        if layer.communicator.size != 1:
             raise ValueError("export runs in one process holding every row: restore the "
                              "checkpoint on one rank first")
         layer.groups = [ServingGroup(g) for g in layer.groups]

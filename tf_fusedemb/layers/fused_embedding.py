@@ -150,6 +150,11 @@ class FusedEmbedding(tf_keras.layers.Layer):
             matrix = np.asarray(matrix, np.float32)
             lookup.load_rows(tables[name], np.arange(len(matrix)), matrix)
 
+    @property
+    def communicator(self):
+        """The Communicator this layer's lookups run over (rank, size, collectives)."""
+        return self._comm
+
     def describe(self) -> str:
         """The fusion plan with each group's exchange and its predicted costs."""
         return self.plan.describe(self.exchanges)
