@@ -1,7 +1,7 @@
 """DynamicGroupTable: a group's rows and slots in TFRA dynamic embedding hash tables."""
 import tensorflow as tf
 
-from tf_fusedemb.storage import resize_safe_insert
+from tf_fusedemb.storage import serial_insert  # noqa: F401  (before any table exists)
 from tf_fusedemb.storage.initializers import init_rows
 from tf_fusedemb.storage.group_table import GroupTable, _object_name
 
@@ -84,6 +84,8 @@ class DynamicGroupTable(GroupTable):
                 {n: self.slots[n].lookup(keys) for n in self.slot_names})
 
     def _write(self, keys, rows, slots):
-        tables = [self.values] + [self.slots[n] for n in self.slot_names]
-        values = [rows] + [slots[n] for n in self.slot_names]
-        return resize_safe_insert.upsert(tables, keys, values, self.dim, self.size)
+        # One thread per insert (storage/serial_insert.py): TFRA's parallel insert can
+        # lose rows when the table resizes.
+        ops = [self.values.upsert(keys, rows)]
+        ops += [self.slots[n].upsert(keys, slots[n]) for n in self.slot_names]
+        return tf.group(ops)

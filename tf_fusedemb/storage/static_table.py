@@ -150,7 +150,7 @@ class StaticGroupTable(GroupTable):
             return tf.zeros_like(keys), tf.zeros_like(keys, tf.bool)
         entries = tf.convert_to_tensor(self.key_entries)
         query = tf.bitwise.left_shift(tf.cast(keys, self._key_dtype), 1)
-        index = tf.cast(tf.searchsorted(entries, query), tf.int64)  # key's entry, if owned
+        index = tf.searchsorted(entries, query, out_type=tf.int64)  # key's entry, if owned
         clipped = tf.minimum(index, self._num_owned - 1)  # a key past the last owned one
         hit = tf.equal(tf.bitwise.right_shift(tf.gather(entries, clipped), 1),
                        tf.bitwise.right_shift(query, 1))
