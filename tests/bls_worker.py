@@ -60,9 +60,13 @@ def exchange(lag, iters, slow_rank, seed):
 def stall():
     """Rank 1 never takes part: the others must fail with BLSTimeoutError, not hang."""
     comm = MPI.COMM_WORLD
+    # The live ranks' own communicator, made while rank 1 still takes part: they meet on
+    # it after reporting, because mpirun kills every rank once one exits without
+    # MPI_Finalize, and a rank whose deadline fires later would be killed unreported.
+    live = comm.Split(MPI.UNDEFINED if comm.rank == 1 else 0, comm.rank)
     bls = BLSAlltoallv(comm, 1, capacity_bytes=64, timeout_s=3)
-    if comm.rank == 1:
-        time.sleep(8)
+    if comm.rank == 1:  # far past the others' 3 s deadline, even on a loaded machine;
+        time.sleep(60)  # mpirun ends it once the live ranks have reported and exited
     else:
         try:
             for j in range(3):
@@ -71,6 +75,7 @@ def stall():
                     bls.finish(j - 1)
         except BLSTimeoutError as e:
             print(f"BLS_TIMEOUT_OK rank {comm.rank}: {e}", flush=True)
+        live.Barrier()
     sys.stdout.flush()
     os._exit(0)  # the windows cannot be freed collectively without rank 1
 
