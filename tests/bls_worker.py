@@ -74,7 +74,8 @@ def stall():
                 if j >= 1:
                     bls.finish(j - 1)
         except BLSTimeoutError as e:
-            print(f"BLS_TIMEOUT_OK rank {comm.rank}: {e}", flush=True)
+            sys.stdout.write(f"BLS_TIMEOUT_OK rank {comm.rank}: {e}\n")  # one write per line
+            sys.stdout.flush()
         live.Barrier()
     sys.stdout.flush()
     os._exit(0)  # the windows cannot be freed collectively without rank 1

@@ -41,7 +41,7 @@ def test_functional_fused_model_survives_model_from_json():
         1, kernel_initializer=tf_keras.initializers.GlorotUniform(3))(h))
     x, _, _ = kp.data(16, 0)
     again = _round_trip(model)
-    assert isinstance(again, tf_keras.Model) and again.get_layer("fused_embedding")
+    assert isinstance(again, tf_keras.Model) and again.get_layer(layer.name)
     np.testing.assert_allclose(again.predict(x, verbose=0), model.predict(x, verbose=0),
                                rtol=1e-6, atol=1e-7)
 
