@@ -138,17 +138,15 @@ def plot_sweep(result, path):
     without collectives) against the link speed, log-scaled, with each speed's
     sync_comm_share; returns ``path``."""
     points = result["sweep"]
-    speeds = sorted(points, key=float)
-    x = [float(m) for m in speeds]
+    speeds, x = plots.sweep_speeds(points)
     fig, ax = plots.new_figure()
     for mode in points[speeds[0]]["step_ms"]:
         ax.plot(x, [points[m]["step_ms"][mode] for m in speeds], marker="o",
                 linewidth=2.5 if mode in ("sync", "dbp_fwp4") else 1.2, label=mode)
     ax.plot(x, [points[m]["compute_only_step_ms"]["local_sync"] for m in speeds], "k--",
             label="sync without collectives (twin)")
-    for m, xm in zip(speeds, x):
-        ax.annotate(f"{points[m]['sync_comm_share']:.0%}", (xm, points[m]["step_ms"]["sync"]),
-                    textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8)
+    plots.annotate_shares(ax, x, [points[m]["step_ms"]["sync"] for m in speeds],
+                          [points[m]["sync_comm_share"] for m in speeds])
     net = result["network"]
     title = (f"tf_fusedemb pipelining: {net['hosts']} hosts x {net['ranks_per_host']} "
              f"rank(s), batch {result['batch_size_per_rank']}/rank\n"

@@ -37,6 +37,19 @@ def save_figure(fig, ax, path: str, title: str, xlabel: str, ylabel: str,
     return write_figure(fig, path)
 
 
+def sweep_speeds(sweep: dict):
+    """(speed keys sorted by value, their float values) of a ``{mbit: point}`` sweep."""
+    speeds = sorted(sweep, key=float)
+    return speeds, [float(m) for m in speeds]
+
+
+def annotate_shares(ax, x, step_ms, shares) -> None:
+    """Labels each point (x[i], step_ms[i]) with shares[i] as a percentage."""
+    for xm, y, share in zip(x, step_ms, shares):
+        ax.annotate(f"{share:.0%}", (xm, y), textcoords="offset points", xytext=(0, 8),
+                    ha="center", fontsize=8)
+
+
 def sweep_axes_labels() -> Tuple[str, str]:
     """(x label, y label) of the step-time-against-link-speed sweeps."""
     return "link speed per host, Mbit/s each direction", "step time, ms (median)"

@@ -102,15 +102,13 @@ def plot_sweep(result, path):
     """PNG: median step time of the flat and hierarchical exchanges (and the flat step's
     twin without collectives) against the inter-node link speed; returns ``path``."""
     points = result["sweep"]
-    speeds = sorted(points, key=float)
-    x = [float(m) for m in speeds]
+    speeds, x = plots.sweep_speeds(points)
     fig, ax = plots.new_figure()
     for name, style in (("flat", "o-"), ("hierarchical", "s-"), ("twin", "k--")):
         ax.plot(x, [points[m]["step_ms"][name] for m in speeds], style,
                 label=name if name != "twin" else "flat without collectives (twin)")
-    for m, xm in zip(speeds, x):
-        ax.annotate(f"{points[m]['hier_comm_share']:.0%}", (xm, points[m]["step_ms"]["flat"]),
-                    textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8)
+    plots.annotate_shares(ax, x, [points[m]["step_ms"]["flat"] for m in speeds],
+                          [points[m]["hier_comm_share"] for m in speeds])
     net = result["network"]
     title = (f"fused exchange, {net['hosts']} hosts x {net['ranks_per_host']} ranks, batch "
              f"{result['batch_size_per_rank']}/rank\n"
