@@ -12,6 +12,7 @@ import tensorflow as tf
 import tf_keras
 
 import keras_parity as kp
+from tf_fusedemb.pipeline import PipelineOptions
 from tf_fusedemb.testing import DistributedTestCase
 
 RTOL = 1e-5
@@ -164,7 +165,7 @@ class TwoRankParityTest(DistributedTestCase):
 
 def test_auto_micro_batches_choose_by_measurement_and_equal_keras():
     """micro_batches="auto" trains its measuring steps exactly too, then keeps one N."""
-    x, y, sw = kp.data(32 * 18, 0)  # 15 measuring steps (3 candidates x 5), then 3 more
+    x, y, sw = kp.data(32 * 23, 0)  # 20 measuring steps (4 candidates x 5), then 3 more
     plain = kp.plain_model()
     fused = kp.fused_twin(plain, "adagrad")
     want = kp.train(plain, kp.keras_optimizer("adagrad"), kp.LOSSES["bce_object"](), x, y, 32,
@@ -173,5 +174,9 @@ def test_auto_micro_batches_choose_by_measurement_and_equal_keras():
                    epochs=1, sample_weight=sw, pipeline="dbp,fwp=auto")
     compare(got, want)
     pipeline = fused.training_pipeline
-    assert pipeline.chosen in (1, 2, 4) and set(pipeline.timings) == {1, 2, 4}
-    assert pipeline.timings[pipeline.chosen] == min(pipeline.timings.values())
+    labels = ["sync", "dbp", "dbp,fwp=2", "dbp,fwp=4"]  # the synchronous step first
+    assert list(pipeline.timings) == labels
+    # the simplest schedule within 3% of the fastest (noise must not buy pipelining)
+    fastest = min(pipeline.timings.values())
+    assert pipeline.chosen == next(l for l in labels if pipeline.timings[l] <= fastest * 1.03)
+    assert pipeline.chosen_options == PipelineOptions.parse(pipeline.chosen)

@@ -29,10 +29,11 @@ overlap; ``--batch-size`` samples per rank. Every variant trains through
 Variants (``step_ms``): ``sync`` (N=1, no prefetch: the fused synchronous step), ``dbp``
 (prefetch + vertical scheduling), ``fwp2``, ``fwp4``, ``fwp8``, ``dbp_fwp4``,
 ``dbp_fwp4_cluster`` (the batches reordered by ``cluster_permutation`` for 4 micro-batches
-beforehand, as the tf.data stage would), and ``auto`` where the pipeline has
-``micro_batches="auto"`` (``tf_fusedemb.pipeline.make_pipeline``, no prefetch): a fresh
-auto pipeline at every link speed is trained until it has chosen its N
-(``auto_micro_batches``, after ``auto_settle_steps`` steps), then timed like the others. Twins on a single-rank communicator in the same worker
+beforehand, as the tf.data stage would), and ``auto``, the pipeline of ``"dbp,fwp=auto"``
+(``tf_fusedemb.pipeline.make_pipeline``: it measures sync, DBP and DBP with 2 and 4
+micro-batches): a fresh auto pipeline at every link speed is trained until it has chosen
+(``auto_choice``, after ``auto_settle_steps`` steps), then timed like the others. Twins
+on a single-rank communicator in the same worker
 (``compute_only_step_ms``): ``local_sync``, ``local_fwp2/4/8``, ``local_dbp_fwp4``: the
 same lookups, pooling, dense compute and updates with no collective (the rank owns
 every key).

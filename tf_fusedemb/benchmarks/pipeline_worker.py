@@ -42,7 +42,7 @@ def _auto_factory():
     where the pipeline has it, else None."""
     try:
         from tf_fusedemb.pipeline import make_pipeline  # pylint: disable=import-outside-toplevel
-        options = PipelineOptions(micro_batches="auto")
+        options = PipelineOptions(prefetch=True, micro_batches="auto")
     except (ImportError, TypeError, ValueError):
         return None
     return lambda model, loss, optimizer, comm: make_pipeline(model, loss, optimizer, options,
@@ -160,8 +160,8 @@ def time_run(pipeline, batches, cursor, steps):
 
 
 def _settle_auto(pipeline, batches):
-    """Trains an auto pipeline until it has chosen its N (its measurement at the start of
-    training); returns (chosen N or None, steps taken)."""
+    """Trains an auto pipeline until it has chosen its schedule (its measurement at the
+    start of training); returns (the chosen schedule's label or None, steps taken)."""
     k = 0
     while getattr(pipeline, "chosen", None) is None and k < AUTO_MAX_STEPS:
         x, y = batches[k % len(batches)]
@@ -367,10 +367,10 @@ def run(args):
         if auto is not None:  # a fresh one per link speed: it chooses from what it measures
             t0 = time.perf_counter()
             runs["auto"] = (auto(model, loss_fn, optimizer, comm), batches)
-            n_auto, k = _settle_auto(runs["auto"][0], batches)
-            settled = {"auto_micro_batches": n_auto, "auto_settle_steps": k,
+            choice, k = _settle_auto(runs["auto"][0], batches)
+            settled = {"auto_choice": choice, "auto_settle_steps": k,
                        "auto_settle_s": round(time.perf_counter() - t0, 1)}
-            log(f"{label} Mbit/s: auto chose N={n_auto} after {k} steps")
+            log(f"{label} Mbit/s: auto chose {choice} after {k} steps")
         times = {name: [] for name in list(runs) + list(calls)}
         diffs = {name: [] for name in runs if f"local_{name}" in runs}
 

@@ -1,16 +1,21 @@
-"""``micro_batches="auto"``: the number of micro-batches chosen by measuring it.
+"""``micro_batches="auto"``: the schedule chosen by measuring it.
 
 FWP helps only when a micro-batch's communication can hide behind another's compute;
 with fast links or small batches its extra collectives and smaller kernels make the step
-slower. :class:`AutoPipeline` trains the first batches with each candidate N in turn
-(they are ordinary, exact training steps), times them, and keeps the fastest for the
-rest of training: a user who turns pipelining on never gets a step slower than the
-fastest candidate, N = 1 (no micro-batches) included. Every rank takes the same decision
-(the slowest rank's time per candidate decides), so all ranks keep running the same graph.
+slower, and DBP's buffer synchronisation costs more than it hides when the key routing
+is cheap. :class:`AutoPipeline` trains the first batches with each candidate schedule in
+turn (they are ordinary, exact training steps): N in ``candidates`` micro-batches with
+the requested prefetch, and the synchronous step itself when prefetch was requested. It
+times them and keeps the fastest for the rest of training, so a user who turns
+pipelining on never gets a step slower than the synchronous one. A few timed steps on a
+shared machine are noisy, so a more pipelined candidate must win by ``margin`` (default
+3%): the first candidate (sync first, then fewer micro-batches) within that margin of
+the fastest is kept. Every rank takes the same decision (the slowest rank's time per
+candidate decides), so all ranks keep running the same graph.
 """
 import dataclasses
 import time
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 
@@ -19,29 +24,46 @@ from tf_fusedemb.pipeline.nested import NestedPipeline
 from tf_fusedemb.pipeline.options import PipelineOptions
 
 CANDIDATES = (1, 2, 4)
+MARGIN = 0.03  # how much faster a more pipelined schedule must measure to be chosen
+
+
+def candidate_options(options: PipelineOptions,
+                      micro_batches: Sequence[int] = CANDIDATES) -> List[PipelineOptions]:
+    """The schedules an auto pipeline measures, simplest first: the synchronous step
+    (when ``options`` asks for prefetch; without it N = 1 is the synchronous step), then
+    ``options`` with each N of ``micro_batches``."""
+    tried = [dataclasses.replace(options, micro_batches=n) for n in micro_batches]
+    return ([PipelineOptions()] if options.prefetch else []) + tried
 
 
 class AutoPipeline:
-    """A NestedPipeline whose number of micro-batches is measured (see module doc).
+    """A NestedPipeline whose schedule is measured (see module doc).
 
     Args: as NestedPipeline; ``options.micro_batches`` is "auto".
-      candidates: the N tried, in order. warmup, timed: steps per candidate (the first
-        ``warmup`` include tracing and are not timed).
+      candidates: the N tried. warmup, timed: steps per candidate (the first ``warmup``
+        include tracing and are not timed). margin: the first candidate whose time is
+        within ``(1 + margin)`` of the fastest is chosen.
     Attributes:
-      chosen: the N kept, None while measuring. timings: {N: seconds per step}.
+      chosen: the chosen schedule's label (``PipelineOptions.label``, e.g. "sync" or
+        "dbp,fwp=4"), None while measuring; ``chosen_options`` its PipelineOptions.
+      timings: {label: seconds per step}.
     """
 
     def __init__(self, model, loss, optimizer, options: PipelineOptions, communicator=None,
-                 candidates: Sequence[int] = CANDIDATES, warmup: int = 2, timed: int = 3):
+                 candidates: Sequence[int] = CANDIDATES, warmup: int = 2, timed: int = 3,
+                 margin: float = MARGIN):
+        if margin < 0:
+            raise ValueError(f"AutoPipeline: margin must be >= 0, got {margin}")
         self.comm = communicator or get_communicator()
-        self.options = options
-        self._pipelines = {n: NestedPipeline(model, loss, optimizer,
-                                             dataclasses.replace(options, micro_batches=n),
-                                             self.comm) for n in candidates}
-        self._plan = [(n, i) for n in candidates for i in range(warmup + timed)]
+        self.options, self.margin = options, margin
+        self._options = {o.label: o for o in candidate_options(options, candidates)}
+        self._pipelines = {label: NestedPipeline(model, loss, optimizer, o, self.comm)
+                           for label, o in self._options.items()}
+        self._plan = [(label, i) for label in self._options for i in range(warmup + timed)]
         self._warmup = warmup
-        self._times = {n: [] for n in candidates}
-        self.chosen: Optional[int] = None
+        self._times = {label: [] for label in self._options}
+        self.chosen: Optional[str] = None
+        self.chosen_options: Optional[PipelineOptions] = None
         self.timings = {}
         self._done = 0
 
@@ -49,15 +71,16 @@ class AutoPipeline:
         """One training step (see NestedPipeline.step)."""
         if self.chosen is not None:
             return self._pipelines[self.chosen].step(x, y, next_x, sample_weight)
-        n, i = self._plan[self._done]
-        last_of_candidate = self._done + 1 == len(self._plan) or self._plan[self._done + 1][0] != n
-        pipeline = self._pipelines[n]
+        label, i = self._plan[self._done]
+        last_of_candidate = (self._done + 1 == len(self._plan)
+                             or self._plan[self._done + 1][0] != label)
+        pipeline = self._pipelines[label]
         begin = time.perf_counter()
         # A candidate's last step prefetches nothing: the next candidate starts afresh.
         result = pipeline.step(x, y, None if last_of_candidate else next_x, sample_weight)
         float(result.loss)  # wait for the step
         if i >= self._warmup:
-            self._times[n].append(time.perf_counter() - begin)
+            self._times[label].append(time.perf_counter() - begin)
         if last_of_candidate:
             pipeline.flush()
         self._done += 1
@@ -66,10 +89,13 @@ class AutoPipeline:
         return result
 
     def _choose(self):
-        mine = {n: float(np.median(t)) for n, t in self._times.items()}
+        mine = {label: float(np.median(t)) for label, t in self._times.items()}
         everyone = self.comm.allgather_object(mine)
-        self.timings = {n: max(t[n] for t in everyone) for n in mine}
-        self.chosen = min(self.timings, key=self.timings.get)
+        self.timings = {label: max(t[label] for t in everyone) for label in mine}
+        fastest = min(self.timings.values())
+        self.chosen = next(label for label, t in self.timings.items()
+                           if t <= fastest * (1 + self.margin))
+        self.chosen_options = self._options[self.chosen]
 
     def flush(self):
         """Applies pending delayed row updates of the pipeline in use."""

@@ -13,16 +13,24 @@ runs concurrently (Horovod collectives are asynchronous kernels):
 * per micro-batch i of batch t: the rows AlltoAll, dense forward/backward, the gradient
   AlltoAll (FWP: one micro-batch's AlltoAlls overlap another's compute; the micro-batches'
   dense compute runs in order, see ``tf_fusedemb.training.step``);
-* after the last micro-batch: dense AllReduce and update; per group, coalesced row
-  gradients split into prior rows K(B_t) ∩ K(B_t+1), applied now, and delayed rows,
-  applied in step t+1; the updated prior rows overwrite the prefetch buffer's copies
-  (DBP's dual-buffer synchronisation), so batch t+1 sees exactly W_t+1 (Proposition 1).
+* after the last micro-batch: per group, coalesced row gradients split into prior rows
+  K(B_t) ∩ K(B_t+1), applied now, and delayed rows, applied in step t+1; the updated
+  prior rows overwrite the prefetch buffer's copies (DBP's dual-buffer synchronisation),
+  so batch t+1 sees exactly W_t+1 (Proposition 1);
+* the dense AllReduce in EmbRace's priority order across steps: the top layers' half
+  during t's backward, the bottom layers' half (the first layer, the step's largest
+  gradient, finished last by the backward and needed first by the next forward) at the
+  start of step t+1, so it is in flight while t+1's rows are exchanged and pooled; the
+  update of θ_t is applied once, before t+1's dense forward reads the variables.
 
 Why it is exact: the forward of t reads rows of K(B_t) only, all of which were written
 (or synchronised) by step t-1; the delayed rows K(B_t-1) \\ K(B_t) are written before
 t+1's retrieval reads the table; each group's optimizer step counter advances once per
 batch and the delayed part reuses that batch's step (EmbRace's Adam fix); gradients are
-summed over all micro-batches before one update (Proposition 2).
+summed over all micro-batches before one update (Proposition 2); the dense update of
+step t is applied before any read of the dense variables in step t+1 (``tf.function``
+orders a variable's assignments and reads in program order), once per step, so the
+optimizer's step count is the synchronous one.
 
 Table ops on one resource are ordered by ``tf.function``'s automatic control
 dependencies in program order, so the step emits them in the order the schedule needs:
@@ -38,7 +46,8 @@ from tf_fusedemb.layers.lookup_context import LookupContext
 from tf_fusedemb.pipeline.options import PipelineOptions
 from tf_fusedemb.training import keysets
 from tf_fusedemb.training.micro_batches import micro_batch_slices, slice_rows
-from tf_fusedemb.training.step import Schedule, after, as_keras_loss, train_step
+from tf_fusedemb.training.step import (DENSE_GRADS, Schedule, after, as_keras_loss,
+                                       top_layers_split, train_step)
 from tf_fusedemb.training.tracing import RankInvariantFunction
 
 
@@ -72,6 +81,7 @@ class NestedPipeline:
         self.lookups = [g for layer in self.layers for g in layer.groups]
         self._prepared = None  # prefetch buffer of the next step
         self._pending = None  # delayed row updates of the last step
+        self._dense_pending = None  # the last step's dense gradients, not yet applied
         self._step_fn = RankInvariantFunction(self._step)
         self._prefetch_fn = RankInvariantFunction(self._prefetch)
         self._flush_fn = RankInvariantFunction(self._flush)
@@ -90,21 +100,25 @@ class NestedPipeline:
           Keras's running mean, this rank's predictions).
         """
         if not self.options.prefetch:
-            result, _, _ = self._step_fn(x, y, sample_weight, None, None, None)
+            result, _, _, _ = self._step_fn(x, y, sample_weight, None, None, None, None)
             return result
         if self._prepared is None:
             self._prepared = self._prefetch_fn(x)
         pending = self._pending if self._pending is not None else self._empty_pending()
-        result, prepared, self._pending = self._step_fn(x, y, sample_weight, self._prepared,
-                                                        pending, next_x)
+        result, prepared, self._pending, self._dense_pending = self._step_fn(
+            x, y, sample_weight, self._prepared, pending, next_x, self._dense_pending)
         self._prepared = prepared if next_x is not None else None
+        if self._dense_pending is not None:  # the next step applies it: its trace must
+            _build_optimizer(self.optimizer, self.model.trainable_variables)  # not create slots
         return result
 
     def flush(self):
-        """Applies pending delayed row updates (call before reading or saving tables)."""
-        if self._pending is not None:
-            self._flush_fn(self._pending)
-            self._pending = None
+        """Applies pending delayed row updates and the last step's dense update (call
+        before reading or saving tables or weights; every rank must call it: the dense
+        update's AllReduce is a collective)."""
+        if self._pending is not None or self._dense_pending is not None:
+            self._flush_fn(self._pending, self._dense_pending)
+            self._pending = self._dense_pending = None
 
     def run(self, batches: Iterable, steps: Optional[int] = None):
         """Trains on ``(x, y)`` batches (at most ``steps``), looking one batch ahead for
@@ -130,8 +144,18 @@ class NestedPipeline:
         return [g.table.apply_gradients(p["keys"], p["grads"], p["init_keys"], step=p["step"])
                 for g, p in zip(self.lookups, pending)]
 
-    def _flush(self, pending):
-        self._apply_pending(pending)  # ops run as the function's stateful ops
+    def _flush(self, pending, dense_pending):
+        if pending is not None:
+            self._apply_pending(pending)  # ops run as the function's stateful ops
+        if dense_pending is not None:
+            self._apply_dense(dense_pending)
+
+    def _apply_dense(self, dense_pending):
+        """The previous step's dense update: its bottom layers' gradients summed over
+        ranks now, with the top layers' (summed during that step), applied once."""
+        bottom = list(self.comm.allreduce_sum_list(dense_pending["bottom"], DENSE_GRADS))
+        self.optimizer.apply_gradients(zip(bottom + list(dense_pending["top"]),
+                                           self.model.trainable_variables))
 
     def _route(self, x):
         """Per micro-batch, per lookup: the route() dict of ``x``'s slice (DBP stage 3)."""
@@ -154,11 +178,13 @@ class NestedPipeline:
     def _prefetch(self, x):
         return self._retrieve(self._route(x))
 
-    def _step(self, x, y, sample_weight, prepared, pending, next_x):
+    def _step(self, x, y, sample_weight, prepared, pending, next_x, dense_pending):
+        if dense_pending is not None:  # before this step reads the dense variables
+            self._apply_dense(dense_pending)
         schedule = PrefetchSchedule(self, prepared, pending, next_x)
         result = train_step(self.model, x, y, self.loss, self.optimizer, sample_weight,
                             self.comm, schedule)
-        return result, schedule.synced, (schedule.new_pending or None)
+        return result, schedule.synced, (schedule.new_pending or None), schedule.dense_pending
 
 
 class PrefetchSchedule(Schedule):
@@ -180,6 +206,7 @@ class PrefetchSchedule(Schedule):
         self._next = None
         self.synced = [[] for _ in range(self.micro_batches if next_x is not None else 0)]
         self.new_pending = []
+        self.dense_pending = None
 
     def after_forward(self, i, outputs):
         # DBP stage 3: t+1's key routing once micro-batch 0's forward is done. Horovod runs
@@ -205,6 +232,17 @@ class PrefetchSchedule(Schedule):
         if self._routed_next is not None:
             with tf.control_dependencies([d for d in delayed if d is not None] + done):
                 self._next = self.pipeline._retrieve(self._routed_next)  # pylint: disable=protected-access
+
+    def update_dense(self, comm, optimizer, grads, variables, row_grads, extras):
+        if self._next_x is None:  # the last step: no next step to apply it in
+            return super().update_dense(comm, optimizer, grads, variables, row_grads, extras)
+        # The top layers' half (with the extras) now, during the backward; the bottom
+        # half at the start of the next step (NestedPipeline._apply_dense).
+        split = top_layers_split(variables)
+        reduced = list(comm.allreduce_sum_list(grads[split:] + extras, DENSE_GRADS + "/top"))
+        top = len(variables) - split
+        self.dense_pending = {"bottom": grads[:split], "top": reduced[:top]}
+        return reduced[top:]
 
     def apply_rows(self, lookup, keys, grads, init_keys):
         if self._next is None:
@@ -259,3 +297,15 @@ def _features_batch_size(x, layers):
     if isinstance(value, tf.SparseTensor):
         return value.dense_shape[0]
     return tf.shape(value, out_type=tf.int64)[0]
+
+
+def _build_optimizer(optimizer, variables):
+    """Creates ``optimizer``'s slot variables for ``variables`` now (eagerly), as its
+    first ``apply_gradients`` would: a step whose dense update was deferred applies it in
+    a later trace of the step function, where TensorFlow forbids creating variables."""
+    if getattr(optimizer, "_built", False):
+        return
+    if hasattr(optimizer, "_create_all_weights"):  # tf_keras.optimizers.legacy: no public
+        optimizer._create_all_weights(variables)  # pylint: disable=protected-access
+    else:
+        optimizer.build(variables)

@@ -49,6 +49,14 @@ class PipelineOptions:
     def uses_vertical(self) -> bool:
         return self.prefetch if self.vertical is None else bool(self.vertical)
 
+    @property
+    def label(self) -> str:
+        """The options as :meth:`parse` reads them, e.g. "sync", "dbp,fwp=4"."""
+        parts = (["dbp"] if self.prefetch else []) + \
+            ([f"fwp={self.micro_batches}"] if self.micro_batches != 1 else []) + \
+            (["novertical"] if self.prefetch and not self.uses_vertical else [])
+        return ",".join(parts) or "sync"
+
     @classmethod
     def parse(cls, text: str) -> "PipelineOptions":
         """From a command-line string: "sync", or comma-separated "dbp", "fwp=N" (or "fwp=auto"),

@@ -47,7 +47,17 @@ class LossPartial:
 
     def stacked(self) -> tf.Tensor:
         """float32[2 * outputs + 1]: sums, counts, rows (one collective sums them all)."""
-        return tf.stack(list(self.sums) + list(self.counts) + [self.rows])
+        return tf.concat([self.stacked_sums(), self.stacked_sizes()], 0)
+
+    def stacked_sums(self) -> tf.Tensor:
+        """float32[outputs]: the sums (they depend on the predictions)."""
+        return tf.stack(list(self.sums))
+
+    def stacked_sizes(self) -> tf.Tensor:
+        """float32[outputs + 1]: counts and rows. They depend on the labels' shapes only
+        (where the per-element losses have a static shape per row), so a step can sum
+        them over ranks before its forward pass is done."""
+        return tf.stack(list(self.counts) + [self.rows])
 
 
 @dataclasses.dataclass
@@ -152,8 +162,13 @@ class KerasLoss:
             y_t, y_p, sw = match_dtype_and_rank(tf.convert_to_tensor(y_t), y_p,
                                                 None if sw is None else tf.convert_to_tensor(sw))
             elements = tf.cast(obj(y_t, y_p, sample_weight=sw), tf.float32)
-            sums.append(tf.reduce_sum(elements))
-            counts.append(tf.cast(tf.size(elements), tf.float32))
+            count = _element_count(elements, y_t)
+            check = tf.debugging.assert_equal(  # gates the sum only, never the count
+                tf.cast(tf.size(elements), tf.float32), count,
+                message=f"output {i}: the loss's elements per row differ from its static shape")
+            with tf.control_dependencies([check]):
+                sums.append(tf.reduce_sum(elements))
+            counts.append(count)
             if rows is None:
                 rows = tf.cast(tf.shape(y_t)[0], tf.float32)
         if rows is None:
@@ -167,20 +182,56 @@ class KerasLoss:
         slice's (for the output indices); ``regularization`` is ``sum(model.losses)``
         (identical on every rank) or None."""
         n = len(partial.outputs)
-        sums, counts, rows = tf.unstack(summed[:n]), tf.unstack(summed[n:2 * n]), summed[-1]
-        active = [self._output(i) for i in partial.outputs]
+        return self.totals(partial, summed[n:], summed[:n], regularization)
+
+    def coefficients(self, partial: LossPartial, sizes: tf.Tensor) -> List[tf.Tensor]:
+        """Per output, d total / d sums_o, from ``sizes`` = the sum over all slices of
+        :meth:`LossPartial.stacked_sizes` (the sums are not needed: a step can start its
+        backward before the loss values are summed over ranks)."""
+        counts = tf.unstack(sizes[:len(partial.outputs)])
         coefficients = []
-        for (_, reduction, weight), count in zip(active, counts):
+        for (_, reduction, weight), count in zip(self._active(partial), counts):
             if reduction in _MEAN_LIKE:  # Keras's _safe_mean: 0 for an empty batch
                 coefficients.append(tf.math.divide_no_nan(tf.constant(weight), count))
             else:
                 coefficients.append(tf.constant(weight))
-        value = tf.add_n([c * s for c, s in zip(coefficients, sums)])
+        return coefficients
+
+    def regularization_coefficient(self, partial: LossPartial, sizes: tf.Tensor) -> tf.Tensor:
+        """d total / d sum(model.losses), from the summed sizes (see :meth:`coefficients`)."""
+        return sizes[0] if self._active(partial)[0][1] == _NONE else tf.constant(1.0)
+
+    def totals(self, partial: LossPartial, sizes: tf.Tensor, sums: tf.Tensor,
+               regularization: Optional[tf.Tensor] = None) -> LossTotals:
+        """The :class:`LossTotals` from the summed :meth:`LossPartial.stacked_sizes`
+        (``sizes`` float32[outputs + 1]) and :meth:`LossPartial.stacked_sums` (``sums``
+        float32[outputs]) of all slices; ``regularization`` is ``sum(model.losses)``
+        (identical on every rank) or None."""
+        n = len(partial.outputs)
+        coefficients = self.coefficients(partial, sizes)
+        value = tf.add_n([c * s for c, s in zip(coefficients, tf.unstack(sums[:n]))])
         reg = tf.constant(0.0) if regularization is None else tf.cast(regularization, tf.float32)
-        if active[0][1] == _NONE:
+        rows = sizes[-1]
+        if self._active(partial)[0][1] == _NONE:
             # Keras's total is the vector w*l + reg: its gradient is that of its sum, and
             # its Mean metric adds sum(vector) * rows over count * rows per batch.
-            count = counts[0]
+            count = sizes[0]
             return LossTotals(coefficients, count, tf.math.divide_no_nan(value + count * reg, count),
                               rows * count)
-        return LossTotals(coefficients, tf.constant(1.0), value + reg, rows)
+        return LossTotals(coefficients, self.regularization_coefficient(partial, sizes),
+                          value + reg, rows)
+
+    def _active(self, partial: LossPartial):
+        return [self._output(i) for i in partial.outputs]
+
+
+def _element_count(elements: tf.Tensor, y_true: tf.Tensor) -> tf.Tensor:
+    """float32 scalar, the number of per-element losses: rows of ``y_true`` times the
+    elements per row where their shape per row is static, so the count does not wait for
+    the forward pass (see LossPartial.stacked_sizes); else ``tf.size(elements)``."""
+    per_row = elements.shape[1:]
+    if elements.shape.rank is None or not per_row.is_fully_defined():
+        return tf.cast(tf.size(elements), tf.float32)
+    if elements.shape.rank == 0:  # a loss that reduced the batch itself
+        return tf.constant(1.0)
+    return tf.cast(tf.shape(y_true)[0] * per_row.num_elements(), tf.float32)

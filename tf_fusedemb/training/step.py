@@ -23,8 +23,13 @@ With N > 1 micro-batches the step runs their dense compute one after another
 output, its backward for i's dense gradients. TensorFlow's executor would otherwise
 interleave all N forwards and all N backwards, so every micro-batch's collectives
 would become ready together at the end of each phase, with nothing left to overlap
-them (seen in Horovod's timeline, docs/timelines/). Lookups are not held back: a
-micro-batch's key and row AlltoAlls run while earlier micro-batches compute.
+them (seen in Horovod's timeline, docs/timelines/). A micro-batch's lookup starts once
+the previous one's rows are retrieved, so its key and row AlltoAlls run while earlier
+micro-batches compute, and micro-batch 0's rows come first.
+
+The loss's sizes (element counts, rows) are summed over ranks at the step's start (they
+depend on the labels only), so the backward never waits for a collective; the loss sums,
+only needed for the reported value, travel with the dense gradients.
 """
 from typing import List, NamedTuple, Optional
 
@@ -87,6 +92,28 @@ class Schedule:
         float32[u, dim], init_keys int64[u])."""
         lookup.table.apply_gradients(keys, grads, init_keys)
 
+    def update_dense(self, comm, optimizer, grads: List[tf.Tensor], variables,
+                     row_grads: List[tf.Tensor], extras: List[tf.Tensor]) -> List[tf.Tensor]:
+        """Sums this rank's dense ``grads`` (one per variable) over ranks and applies them
+        with ``optimizer``; returns ``extras`` (other tensors to sum, e.g. the loss sums)
+        summed over ranks. Two grouped AllReduces (EmbRace's dense AllReduce, split in
+        time; the sums are the same):
+
+        * the variables created last (a model's top layers, whose gradients the backward
+          finishes first), up to half the elements (:func:`top_layers_split`): as soon as
+          they are summed over the micro-batches, while the backward still runs;
+        * the others and ``extras`` after ``row_grads`` (the received row gradients):
+          Horovod runs one collective at a time, so the row AlltoAlls go first and the
+          row updates compute while this AllReduce, the step's largest, is in flight.
+        """
+        split = top_layers_split(variables)
+        top = comm.allreduce_sum_list(grads[split:], DENSE_GRADS + "/top") \
+            if split < len(variables) else []
+        late = list(comm.allreduce_sum_list(after(row_grads, grads[:split] + extras),
+                                            DENSE_GRADS))
+        optimizer.apply_gradients(zip(late[:split] + list(top), variables))
+        return late[split:]
+
 
 def as_keras_loss(loss, model=None) -> KerasLoss:
     """``loss`` as a :class:`KerasLoss` (a loss name, function, Loss object, or already one)."""
@@ -131,9 +158,14 @@ def train_step(model, x, y, loss, optimizer, sample_weight=None, communicator=No
     for i, (lo, hi) in enumerate(micro_batch_slices(batch_size_of(y), schedule.micro_batches)):
         context = LookupContext(None, schedule.prepared(i), schedule.suffix(i))
         x_i = slice_rows(x, lo, hi)
-        if preds and isinstance(x_i, dict):  # dense compute after the previous
-            # micro-batch's; its lookups at once (x not a dict: which part feeds them is unknown)
+        if preds and isinstance(x_i, dict):  # x not a dict: which part feeds the lookups
+            # is unknown. Dense compute after the previous micro-batch's; the lookups once
+            # the previous micro-batch's rows are retrieved (its row AlltoAll then goes
+            # while this one routes; all at once, they would share the core and micro-batch
+            # 0's rows would come last of all).
             x_i = after(tf.nest.flatten(preds[-1]), x_i, skip=lookup_inputs)
+            x_i = after([r.rows for r in records[-1]], x_i,
+                        skip=[k for k in x_i if k not in lookup_inputs])
         with tf.GradientTape() as tape, use_context(model, context):
             context.tape = tape
             pred = model(x_i, training=True)
@@ -145,15 +177,21 @@ def train_step(model, x, y, loss, optimizer, sample_weight=None, communicator=No
         tapes.append(tape)
         preds.append(pred)
         records.append(context.records)
-    totals = loss_totals(loss, partials, reg, comm)
+    # The loss's sizes (element counts, rows) depend on the labels only: summed over ranks
+    # at the step's start, they give the backward its coefficients without waiting for
+    # a collective between forward and backward. The sums (the reported value) travel
+    # with the dense gradients at the end.
+    sizes = comm.allreduce_sum(tf.add_n([p.stacked_sizes() for p in partials]), LOSS_STATS)
+    coefficients = loss.coefficients(partials[0], sizes)
+    regularization_scale = loss.regularization_coefficient(partials[0], sizes)
     dense_vars = list(model.trainable_variables)  # built by the first forward
     dense_sum = [tf.zeros_like(v) for v in dense_vars]
     parts, previous = {}, []
     for i, (tape, part, recs) in enumerate(zip(tapes, partials, records)):
-        targets, scales = list(part.sums), list(totals.coefficients)
+        targets, scales = list(part.sums), list(coefficients)
         if i == 0 and reg is not None:
             targets.append(reg)
-            scales.append(totals.regularization / comm.size)
+            scales.append(regularization_scale / comm.size)
         # This micro-batch's backward after the previous one's dense gradients (FWP: its
         # gradient AlltoAll is in flight meanwhile).
         with tf.control_dependencies(previous):
@@ -165,11 +203,15 @@ def train_step(model, x, y, loss, optimizer, sample_weight=None, communicator=No
         for r, g in zip(recs, grads[len(dense_vars):]):
             parts.setdefault(id(r.table), []).append((r.keys, row_gradient(g, r.rows),
                                                       r.init_keys))
-    schedule.after_backward(dense_sum or [totals.value])
+    local_sums = tf.add_n([p.stacked_sums() for p in partials])
+    schedule.after_backward(dense_sum or [local_sums])
     if dense_vars:
         row_grads = [g for group in parts.values() for _, g, _ in group]
-        reduced = allreduce_dense(comm, dense_sum, dense_vars, row_grads)
-        optimizer.apply_gradients(zip(reduced, dense_vars))
+        sums, = schedule.update_dense(comm, optimizer, dense_sum, dense_vars, row_grads,
+                                      [local_sums])
+    else:
+        sums = comm.allreduce_sum(local_sums, LOSS_STATS + "/sums")
+    totals = loss.totals(partials[0], sizes, sums, reg)
     for layer in fused_embedding_layers(model):
         for lookup in layer.groups:
             keys, grads, init = _coalesce(parts.get(id(lookup.table), []), lookup.group.dim)
@@ -190,27 +232,16 @@ def test_step(model, x, y, loss, sample_weight=None, communicator=None) -> StepR
     return StepResult(totals.value, totals.weight, y_pred)
 
 
-def allreduce_dense(comm, grads: List[tf.Tensor], variables,
-                    row_grads: List[tf.Tensor]) -> List[tf.Tensor]:
-    """``grads`` (one per dense variable, its shape) summed over ranks, in two grouped
-    AllReduces (EmbRace's dense AllReduce, split in time; the sums are the same).
-
-    The variables created last (a model's top layers, whose gradients the backward
-    finishes first), up to half the elements: as soon as they are summed over the
-    micro-batches, while the backward still runs. The others after ``row_grads`` (the
-    row gradients, received by their AlltoAlls): Horovod runs one collective at a time,
-    so the row AlltoAlls go first and the row updates compute while this AllReduce, the
-    step's largest collective, is in flight.
-    """
+def top_layers_split(variables) -> int:
+    """Index splitting ``variables`` (a model's, in creation order) into the bottom ones
+    and the top ones, created last, holding at most half the elements (at least one
+    variable stays at the bottom)."""
     sizes = [v.shape.num_elements() or 0 for v in variables]
-    split, late = len(grads), 0
-    while split > 1 and late + sizes[split - 1] <= sum(sizes) / 2:
+    split, top = len(sizes), 0
+    while split > 1 and top + sizes[split - 1] <= sum(sizes) / 2:
         split -= 1
-        late += sizes[split]
-    first = comm.allreduce_sum_list(grads[split:], DENSE_GRADS + "/top") if split < len(grads) \
-        else []
-    return list(comm.allreduce_sum_list(after(row_grads, grads[:split]), DENSE_GRADS)) + \
-        list(first)
+        top += sizes[split]
+    return split
 
 
 def after(deps: List[tf.Tensor], x, skip=()):
