@@ -5,6 +5,11 @@ checks what it received against messages it regenerates with numpy alone.
 
   python bls_worker.py exchange LAGS ITERS SLOW_RANK   -> "BLS_OK <json>" per lag
   python bls_worker.py stall                           -> "BLS_TIMEOUT_OK" on live ranks
+  python bls_worker.py die                            -> rank 1 dies (os._exit) mid-run
+
+Under a transport without asynchronous progress (osc pt2pt) a live rank of ``stall`` may
+instead block in a Flush to the stalled rank: the deadline thread then writes
+"BLSTimeoutError: ..." to stderr and ends it (status 124).
 """
 import json
 import os
@@ -81,9 +86,30 @@ def stall():
     os._exit(0)  # the windows cannot be freed collectively without rank 1
 
 
+def die():
+    """Rank 1 exchanges two iterations, then dies with no goodbye in the middle of the
+    run; the others go on exchanging (they must fail, not hang)."""
+    comm = MPI.COMM_WORLD
+    bls = BLSAlltoallv(comm, 1, capacity_bytes=64, timeout_s=5)
+    for j in range(1000):
+        if comm.rank == 1 and j == 2:
+            sys.stdout.write(f"BLS_DYING rank 1 at iteration {j}\n")
+            sys.stdout.flush()
+            os._exit(3)
+        bls.start(j, [np.zeros(2)] * comm.size)
+        if j >= 1:
+            bls.finish(j - 1)
+        time.sleep(0.01)
+    sys.stdout.write(f"BLS_DIE_NOT_NOTICED rank {comm.rank}\n")  # must never print
+    sys.stdout.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "exchange":
         for k in json.loads(sys.argv[2]):
             exchange(k, int(sys.argv[3]), int(sys.argv[4]), seed=1234 + k)
+    elif sys.argv[1] == "die":
+        die()
     else:
         stall()

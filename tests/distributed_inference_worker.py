@@ -2,9 +2,10 @@
 
     python distributed_inference_worker.py LAGS_JSON KIND CKPT_DIR OUT_NPZ [KIND CKPT_DIR OUT_NPZ ...]
 
-For each model KIND: restores this rank's share of CKPT_DIR, runs sharded inference of
-the shared batches with the BLS alltoallv for every lag, gathers the logits on rank 0
-(in global sample order) and writes them with each rank's stored row count to OUT_NPZ.
+For each model KIND: builds the model for this rank (``for_rank``), restores this rank's
+share of CKPT_DIR, runs sharded inference of the shared batches with the BLS alltoallv
+for every lag, gathers the logits on rank 0 (in global sample order) and writes them
+with each rank's stored and resident row counts to OUT_NPZ.
 (Several models in one job: the ranks start TensorFlow once.)
 """
 import json
@@ -18,15 +19,18 @@ from mpi4py import MPI  # noqa: E402
 
 import distributed_inference_models as dm  # noqa: E402
 from tf_fusedemb.comm.bls_alltoallv import BLSAlltoallv  # noqa: E402
-from tf_fusedemb.inference.distributed import (ShardedPredictor, restore_shard,  # noqa: E402
-                                               run_bounded_lag, stored_rows)
+from tf_fusedemb.inference.distributed import (ShardedPredictor, for_rank,  # noqa: E402
+                                               resident_rows, restore_shard, run_bounded_lag,
+                                               stored_rows)
 
 
 def main(kind, ckpt_dir, out_path, lags):
     comm = MPI.COMM_WORLD
-    model = dm.build_model(kind)
+    with for_rank(comm.rank, comm.size, comm):
+        model = dm.build_model(kind)
     restore_shard(model, ckpt_dir, comm.rank, comm.size)
     rows = comm.gather(stored_rows(model), root=0)
+    resident = comm.gather(resident_rows(model), root=0)
     batches = dm.batches(kind)
     predictor = ShardedPredictor(model, comm.rank, comm.size, exchange=None)
     capacity = predictor.capacity_bytes(max(dm.BATCH_SIZES))
@@ -40,7 +44,7 @@ def main(kind, ckpt_dir, out_path, lags):
             results[f"lag{lag}"] = np.concatenate([
                 np.concatenate([g[j] for g in gathered]) for j in range(len(batches))])
     if comm.rank == 0:
-        np.savez(out_path, rows=np.array(rows), **results)
+        np.savez(out_path, rows=np.array(rows), resident=np.array(resident), **results)
         print("DIST_OK " + json.dumps({"rows": rows}), flush=True)
 
 

@@ -4,8 +4,11 @@ End to end under ``mpirun -np 2 --lag 2`` on Criteo lines: the predictions TSV e
 single-host SavedModel's probabilities of the same lines (1e-6), in input order, with an
 uneven last batch. A missing checkpoint (the command) and a checkpoint of another model
 (other embedding dim; ``restore_shard``, whose message the command prints) fail with a
-clear message instead of a traceback or a hang.
+clear message instead of a traceback or a hang. On 2 emulated hosts x 1 rank (network
+namespaces, ``python -m tf_fusedemb.comm.mpirun --hosts 2``; needs root) the same
+command gives the same predictions.
 """
+import json
 import subprocess
 import sys
 
@@ -68,6 +71,24 @@ def test_serve_under_mpirun_equals_savedmodel(trained, tmp_path):
     proc = mpirun.run_mpirun(2, _serve_args(data, ckpt, str(out)), timeout=540, env=ENV)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "samples/s" in proc.stdout and "RESULT " in proc.stdout
+    table = np.loadtxt(out, skiprows=1, delimiter="\t")
+    np.testing.assert_array_equal(table[:, 0], np.arange(LINES))
+    np.testing.assert_allclose(table[:, 1], want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.timeout(300)  # about a minute on an idle machine
+def test_serve_on_two_emulated_hosts_equals_single_process(trained, tmp_path):
+    from tf_fusedemb.testing.cluster import unavailable_reason  # pylint: disable=import-outside-toplevel
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"no emulated cluster on this machine: {reason}")
+    data, ckpt, want = trained
+    out = tmp_path / "predictions.tsv"
+    proc = mpirun.run_on_emulated_hosts(2, 1, [sys.executable, *_serve_args(data, ckpt, str(out))],
+                                        timeout=240, env=ENV, cwd=str(REPO_ROOT))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    assert result["ranks"] == 2, result
     table = np.loadtxt(out, skiprows=1, delimiter="\t")
     np.testing.assert_array_equal(table[:, 0], np.arange(LINES))
     np.testing.assert_allclose(table[:, 1], want, rtol=0, atol=1e-6)

@@ -4,7 +4,13 @@
         --checkpoint-dir runs/main/ckpt --data criteo --data-path test.txt --lag 2 \\
         --output predictions.tsv
 
-Every rank restores only the embedding rows it owns (about 1/N of them, never merged),
+On emulated hosts (network namespaces; root), e.g. 2 hosts x 1 rank::
+
+    python -m tf_fusedemb.comm.mpirun --hosts 2 --ranks-per-host 1 -- \\
+        python -m tf_fusedemb.serve --checkpoint-dir ... --output predictions.tsv
+
+Every rank builds the model for its rank (static tables allocate only their own rows)
+and restores only the embedding rows it owns (about 1/N of them, never merged),
 reads every global batch, pushes partial pooled embeddings of its own keys to the
 samples' owner ranks over the BLS alltoallv (k = ``--lag``; 0 is synchronous) and
 predicts its samples (tf_fusedemb/inference/distributed.py). Build options (--model,
@@ -74,13 +80,15 @@ def global_batches(args):
     return evaluation, kinds, dense
 
 
-def build(args, rank, size):
-    """The model with this rank's shard restored, and the batches."""
+def build(args, rank, size, comm=None):
+    """The model built for rank ``rank`` of ``size`` (``comm``: the mpi4py communicator)
+    with this rank's shard restored, and the batches."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    from tf_fusedemb.inference.distributed import restore_shard  # pylint: disable=import-outside-toplevel
+    from tf_fusedemb.inference.distributed import for_rank, restore_shard  # pylint: disable=import-outside-toplevel
     from tf_fusedemb.training import job  # pylint: disable=import-outside-toplevel
     data, kinds, dense = global_batches(args)
-    model = job.make_model(args.model, kinds, dense, dim=args.dim)
+    with for_rank(rank, size, comm):  # tables of this rank's rows only (static ones too)
+        model = job.make_model(args.model, kinds, dense, dim=args.dim)
     first, _ = next(iter(data))
     model(tf.nest.map_structure(lambda t: t[:0], first))  # variables, no key recorded
     try:
@@ -111,7 +119,7 @@ def serve(args):
                                                    sample_bounds)
     comm = MPI.COMM_WORLD
     rank, size = comm.rank, comm.size
-    model, data, meta = build(args, rank, size)
+    model, data, meta = build(args, rank, size, comm)
     predictor = ShardedPredictor(model, rank, size, exchange=None)
     predictor.exchange = BLSAlltoallv(comm, args.lag, predictor.capacity_bytes(args.batch_size),
                                       timeout_s=args.timeout)
@@ -141,6 +149,7 @@ def serve(args):
     order = sorted(logits)
     parts = comm.gather([(j, logits[j], labels[j]) for j in order], root=0)
     rows = comm.gather(predictor.stored_rows(), root=0)
+    resident = comm.gather(predictor.resident_rows(), root=0)
     if rank != 0:
         return None
     # Samples of batch j: rank 0's block, then rank 1's, ... (contiguous sample owners).
@@ -155,7 +164,8 @@ def serve(args):
               "batches": len(by_batch), "seconds": round(wall, 3),
               "samples_per_s": round(len(all_logits) / wall, 1) if wall > 0 else None,
               "samples_per_s_after_first_batch": _rate(first_done, len(all_logits), start + wall),
-              "checkpoint_step": meta["step"], "rows_per_rank": rows, "output": args.output}
+              "checkpoint_step": meta["step"], "rows_per_rank": rows,
+              "resident_rows_per_rank": resident, "output": args.output}
     print(f"\nserved {result['samples']} samples in {wall:.2f}s on {size} ranks "
           f"(lag {args.lag}): {result['samples_per_s']} samples/s", flush=True)
     print("RESULT " + json.dumps(result), flush=True)
@@ -171,7 +181,13 @@ def _rate(first_done, total, end):
 
 def main(argv=None):
     args = parse_args(argv)
-    serve(args)
+    from tf_fusedemb.comm.bls_alltoallv import BLSCapacityError, BLSTimeoutError  # pylint: disable=import-outside-toplevel
+    try:
+        serve(args)
+    except (BLSTimeoutError, BLSCapacityError, ValueError) as e:
+        # One line naming the rank instead of a traceback; mpirun then stops the others.
+        rank = os.environ.get("OMPI_COMM_WORLD_RANK", "0")
+        raise SystemExit(f"serve (rank {rank}): {type(e).__name__}: {e}") from e
 
 
 if __name__ == "__main__":

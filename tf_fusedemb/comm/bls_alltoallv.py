@@ -32,15 +32,31 @@ operations to different locations are not ordered otherwise).
 
 Messages are bytes of any numpy array, of any size from 0 to ``capacity_bytes``
 per (slot, peer); a larger one raises :class:`BLSCapacityError` before anything is
-sent. Every wait has a deadline and raises :class:`BLSTimeoutError` naming the peer,
-so a dead or stuck peer never hangs the job.
+sent.
+
+Deadlines: every wait has one (``timeout_s``), so a dead or stuck peer never hangs the
+job. Waits for a peer's counter poll this rank's own memory and raise
+:class:`BLSTimeoutError` naming the peer. The MPI calls that block inside MPI until a peer
+takes part (``Win.Flush`` to a peer, window creation and release, ``Barrier``) cannot
+be interrupted: on transports without asynchronous progress (Open MPI's ``osc pt2pt``,
+used between hosts, see ``tf_fusedemb.comm.mpirun``) a Flush returns only once the
+target rank enters MPI again, so a peer stalled outside MPI, or dead without mpirun
+noticing, would block it for ever. A watchdog thread (:class:`_BlockingCallDeadline`)
+bounds them: past the deadline it writes the same BLSTimeoutError message to stderr
+and ends the process with status :data:`TIMEOUT_EXIT_STATUS` (MPI cannot be used again
+after an abandoned call), and mpirun then stops the job. Flushes to this rank itself
+need no peer and are not watched.
 """
+import os
+import threading
 import time
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["BLSAlltoallv", "BLSCapacityError", "BLSTimeoutError"]
+__all__ = ["BLSAlltoallv", "BLSCapacityError", "BLSTimeoutError", "TIMEOUT_EXIT_STATUS"]
+
+TIMEOUT_EXIT_STATUS = 124  # a rank whose blocking MPI call passed its deadline (as timeout(1))
 
 
 class BLSTimeoutError(RuntimeError):
@@ -51,6 +67,52 @@ class BLSCapacityError(ValueError):
     """A message is larger than the slot capacity fixed at construction."""
 
 
+def timeout_message(rank: int, timeout_s: float, what: str, peer: Optional[int]) -> str:
+    """The text of a BLS deadline, naming the rank waited for (``peer``; None: several)."""
+    who = "a rank" if peer is None else f"rank {peer}"
+    return (f"BLS alltoallv on rank {rank}: waited {timeout_s:.0f}s for {what}; {who} died, "
+            "hangs or runs more than the lag behind")
+
+
+class _BlockingCallDeadline:
+    """Bounds the MPI calls that cannot time out by themselves (see the module doc).
+
+    ``call(fn, *args, what=..., peer=...)`` runs ``fn(*args)`` while a daemon thread
+    watches the clock; if it has not returned ``timeout_s`` later, the thread writes
+    ``BLSTimeoutError: <timeout_message>`` to stderr and ends the process with
+    :data:`TIMEOUT_EXIT_STATUS`. Costs two attribute writes per call."""
+
+    def __init__(self, rank: int, timeout_s: float):
+        self._rank, self._timeout_s = rank, timeout_s
+        self._current = None  # (deadline, what, peer) of the call in progress
+        self._stop = threading.Event()
+        period = min(0.25, max(timeout_s / 20, 0.005))
+        self._thread = threading.Thread(target=self._watch, args=(period,), daemon=True,
+                                        name=f"bls-deadline-rank{rank}")
+        self._thread.start()
+
+    def call(self, fn, *args, what: str, peer: Optional[int]):
+        self._current = (time.monotonic() + self._timeout_s, what, peer)
+        try:
+            return fn(*args)
+        finally:
+            self._current = None
+
+    def stop(self):
+        self._stop.set()
+
+    def _watch(self, period):
+        while not self._stop.wait(period):
+            current = self._current
+            if current is not None and time.monotonic() > current[0]:
+                _, what, peer = current
+                text = (f"BLSTimeoutError: {timeout_message(self._rank, self._timeout_s, what, peer)}"
+                        f" (blocked inside MPI, which cannot be interrupted: rank {self._rank} "
+                        f"exits with status {TIMEOUT_EXIT_STATUS})\n")
+                os.write(2, text.encode())
+                os._exit(TIMEOUT_EXIT_STATUS)
+
+
 class BLSAlltoallv:
     """Bounded-lag alltoallv over the ranks of an mpi4py communicator (collective ctor).
 
@@ -58,7 +120,12 @@ class BLSAlltoallv:
       comm: an ``mpi4py.MPI.Intracomm`` (e.g. ``MPI.COMM_WORLD``).
       lag: k >= 0; k = 0 is the synchronous collective.
       capacity_bytes: largest message per (slot, peer); every rank must pass the same.
-      timeout_s: deadline of every wait for a peer.
+      timeout_s: deadline of every wait for a peer (see the module doc).
+
+    Raises:
+      BLSTimeoutError: a peer did not deliver or consume in time (from any method).
+      RuntimeError: MPI could not create the windows (the message says which transport
+        settings work between hosts).
     """
 
     def __init__(self, comm, lag: int, capacity_bytes: int, timeout_s: float = 60.0):
@@ -72,11 +139,27 @@ class BLSAlltoallv:
         self.slots = max(lag, 1)
         self.capacity = int(-(-capacity_bytes // 8) * 8)  # 8-byte aligned slots
         self.timeout_s = float(timeout_s)
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self._blocking = _BlockingCallDeadline(self.rank, self.timeout_s)
         n, s = self.size, self.slots
-        self._data = MPI.Win.Allocate(s * n * self.capacity, disp_unit=1, comm=comm)
-        self._ctrl = MPI.Win.Allocate(3 * s * n * 8, disp_unit=8, comm=comm)
+        collective = "every rank to create the BLS windows (collective)"
+        try:
+            self._data = self._blocking.call(MPI.Win.Allocate, s * n * self.capacity, 1,
+                                             MPI.INFO_NULL, comm, what=collective, peer=None)
+            self._ctrl = self._blocking.call(MPI.Win.Allocate, 3 * s * n * 8, 8,
+                                             MPI.INFO_NULL, comm, what=collective, peer=None)
+        except MPI.Exception as e:
+            self._blocking.stop()
+            raise RuntimeError(
+                f"BLS alltoallv on rank {self.rank}: MPI could not create an RMA window "
+                f"({e}). Between hosts Open MPI 4.1 needs its pt2pt one-sided component and a "
+                "thread level below MPI_THREAD_MULTIPLE: --mca osc pt2pt and "
+                "MPI4PY_RC_THREAD_LEVEL=serialized (tf_fusedemb.comm.mpirun --hosts sets "
+                "both)") from e
         np.frombuffer(self._ctrl.tomemory(), np.int64)[:] = 0
-        comm.Barrier()  # every counter is zero before anyone may raise one
+        # Every counter is zero before anyone may raise one.
+        self._blocking.call(comm.Barrier, what=collective, peer=None)
         self._data.Lock_all(MPI.MODE_NOCHECK)
         self._ctrl.Lock_all(MPI.MODE_NOCHECK)
         self._one = np.ones(1, np.int64)
@@ -147,10 +230,10 @@ class BLSAlltoallv:
                                       f"reached close within {self.timeout_s:.0f}s")
             time.sleep(1e-3)
         self._closed = True
-        self._data.Unlock_all()
-        self._ctrl.Unlock_all()
-        self._data.Free()
-        self._ctrl.Free()
+        for win in (self._data, self._ctrl):
+            self._blocking.call(win.Unlock_all, what="its RMA operations to complete", peer=None)
+            self._blocking.call(win.Free, what="every rank to free the BLS windows", peer=None)
+        self._blocking.stop()
 
     def __enter__(self):
         return self
@@ -181,9 +264,7 @@ class BLSAlltoallv:
             if ready():
                 return
             if time.monotonic() > deadline:
-                raise BLSTimeoutError(
-                    f"BLS alltoallv on rank {self.rank}: waited {self.timeout_s:.0f}s for "
-                    f"{what}; rank {peer} died, hangs or runs more than the lag behind")
+                raise BLSTimeoutError(timeout_message(self.rank, self.timeout_s, what, peer))
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
 
@@ -204,9 +285,14 @@ class BLSAlltoallv:
                 self._ctrl.Accumulate([self._one, mpi.INT64_T], p, target=(
                     self._counter_index("consumed", slot, self.rank), 1, mpi.INT64_T),
                     op=mpi.SUM)
-                self._ctrl.Flush(p)
+                self._blocking.call(self._ctrl.Flush, p, peer=p,
+                                    what=f"rank {p} to take our consumption of iteration {it}")
 
     def _put(self, q, slot, payload):
+        self._blocking.call(self._put_and_flush, q, slot, payload, peer=q,
+                            what=f"rank {q} to take our message (slot {slot})")
+
+    def _put_and_flush(self, q, slot, payload):
         mpi = self._mpi
         if payload.nbytes:
             self._data.Put([payload, mpi.BYTE], q,

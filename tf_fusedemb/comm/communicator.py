@@ -185,6 +185,20 @@ class HorovodCommunicator(Communicator):
 _COMMUNICATOR = None
 
 
+@contextlib.contextmanager
+def communicator_scope(communicator):
+    """Inside the block, :func:`get_communicator` returns ``communicator``; the previous
+    one is back afterwards. For code that builds layers without a communicator argument
+    (e.g. ``training.job.make_model``) on a world that is not Horovod's, such as sharded
+    inference (``tf_fusedemb.inference.distributed.for_rank``)."""
+    global _COMMUNICATOR
+    previous, _COMMUNICATOR = _COMMUNICATOR, communicator
+    try:
+        yield communicator
+    finally:
+        _COMMUNICATOR = previous
+
+
 def get_communicator():
     """The process's communicator: Horovod when launched by horovodrun (HOROVOD_RANK set)
     or when Horovod is already initialised, else the single-process one."""

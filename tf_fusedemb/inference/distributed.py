@@ -1,7 +1,10 @@
 """Sharded, push-based inference over a bounded-lag alltoallv (paper 001).
 
 N ranks each hold only the rows they own (``restore_shard``: the training checkpoint
-restored onto N ranks, owner = ``owner_rank(id, N)``, about 1/N of the rows each). For
+restored onto N ranks, owner = ``owner_rank(id, N)``, about 1/N of the rows each). The
+model must be built inside ``for_rank(rank, N)``: its tables are then created for rank
+``rank`` of N, so a static-vocabulary table allocates only its own ~V/N rows (dynamic
+tables grow with what is restored either way). For
 every global batch each rank reads all IDs, looks up only its own keys (never-trained
 keys get their deterministic initial row, as in training and serving) and pushes, to
 the rank owning each sample (contiguous blocks ``sample_bounds``), partial pooled sums
@@ -11,32 +14,95 @@ single-host ``ServingGroup`` does, and runs the dense part of the unchanged mode
 samples. There is no request/response: a rank never waits for another rank's lookup,
 only (through the exchange) for the partials of its own samples.
 
+    with for_rank(rank, size, MPI.COMM_WORLD):
+        model = build_model()
+    restore_shard(model, checkpoint_dir, rank, size)
     predictor = ShardedPredictor(model, rank, size, BLSAlltoallv(MPI.COMM_WORLD, k, cap))
     for j, logits in run_bounded_lag(predictor, batches, k): ...   # this rank's samples
+
+Inputs per feature: int IDs [B] or [B, L], RaggedTensor [B, None] or SparseTensor [B, L]
+(as ``FusedEmbedding``); a sequence longer than the feature's ``max_len`` is an error
+naming the feature (``max_len`` sizes the exchange's slots).
 """
-import contextlib
 import os
 from typing import Callable, Iterable, Iterator, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
 
+from tf_fusedemb.comm.communicator import Communicator, communicator_scope
+from tf_fusedemb.comm.topology import Topology
 from tf_fusedemb.inference import distributed_payload as payload
 from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
 from tf_fusedemb.layers.inputs import flatten_feature
 from tf_fusedemb.ops import hashing
 
 
-class RankInfo:
-    """The part of a communicator that ``CheckpointManager.restore`` uses (rank, size):
-    sharded inference never runs Horovod."""
+class InferenceCommunicator(Communicator):
+    """The communicator of a model built for sharded inference: rank ``rank`` of ``size``
+    on one flat node, never Horovod. Tables created under it hold rank ``rank``'s rows
+    only, and ``CheckpointManager.restore`` restores that share. ``allgather_object`` (the
+    layer's check that every rank has the same features) goes through ``mpi_comm`` (an
+    mpi4py communicator) when given, else it is skipped. It has no collective lookups:
+    :class:`ShardedPredictor` replaces them by the push exchange. Only the call on an
+    empty batch that creates a model's variables runs the layer's own lookup: its
+    AlltoAlls send nothing and receive nothing; one that would send IDs is an error."""
 
-    def __init__(self, rank: int, size: int):
+    def __init__(self, rank: int, size: int, mpi_comm=None):
         self.rank, self.size = int(rank), int(size)
+        self.topology = Topology(self.rank, self.size, 1)
+        self._mpi_comm = mpi_comm
 
-    def watch(self, activity):
-        del activity
-        return contextlib.nullcontext()
+    def allgather_object(self, obj):
+        if self._mpi_comm is None:
+            return [obj] * self.size
+        return self._mpi_comm.allgather(obj)
+
+    def alltoall(self, tensor, splits, name, counters=None, members=None):
+        del counters, members
+        splits = tf.cast(splits, tf.int32)
+        check = tf.debugging.assert_equal(
+            tf.reduce_sum(splits), 0, message=f"{name}: {_NO_COLLECTIVE}")
+        with tf.control_dependencies([check]):
+            return tf.identity(tensor[:0]), tf.zeros_like(splits)
+
+    def _no_collective(self, *args, **kwargs):
+        raise RuntimeError(_NO_COLLECTIVE)
+
+    allreduce_sum = allreduce_sum_list = allgather = _no_collective
+
+
+_NO_COLLECTIVE = ("a model built for sharded inference makes no collective lookup (only "
+                  "its variables are created on an empty batch): predict through "
+                  "ShardedPredictor (tf_fusedemb.inference.distributed)")
+
+
+def for_rank(rank: int, size: int, mpi_comm=None):
+    """Context manager: models (their FusedEmbedding layers) built inside it belong to
+    rank ``rank`` of ``size`` (:class:`InferenceCommunicator`), so each static table
+    creates only that rank's rows. Needed by every rank of sharded inference whose model
+    code takes no communicator argument, e.g. ``with for_rank(r, n, MPI.COMM_WORLD): model
+    = job.make_model(...)``."""
+    return communicator_scope(InferenceCommunicator(rank, size, mpi_comm))
+
+
+def check_sharded(model, rank: int, size: int) -> None:
+    """Raises ValueError when a static table of ``model`` was not built for rank ``rank``
+    of ``size`` (built outside :func:`for_rank`, it would allocate every row of its
+    vocabulary on every rank, or rows another rank owns)."""
+    for layer in fused_embedding_layers(model):
+        for lookup in layer.groups:
+            table = getattr(lookup, "table", None)  # None: already a ShardedPredictor's
+            if table is None or not lookup.group.is_static:
+                continue
+            if (table.rank, table.num_ranks) != (rank, size):
+                raise ValueError(
+                    f"sharded inference: static group '{lookup.group.name}' of layer "
+                    f"'{layer.name}' was built for rank {table.rank} of {table.num_ranks} "
+                    f"(holding about 1/{table.num_ranks} of its "
+                    f"{table.vocabulary_size} rows), but this is rank {rank} of {size}: "
+                    "build the model inside tf_fusedemb.inference.distributed.for_rank"
+                    f"({rank}, {size}) so each rank holds only its own rows")
 
 
 def restore_shard(model, checkpoint_dir: str, rank: int, size: int, path=None) -> dict:
@@ -46,12 +112,15 @@ def restore_shard(model, checkpoint_dir: str, rank: int, size: int, path=None) -
 
     Raises:
       FileNotFoundError: no directory, no complete checkpoint, or a missing shard file.
-      ValueError: the checkpoint was written for another model (fusion plan).
+      ValueError: the checkpoint was written for another model (fusion plan), or a static
+        table of ``model`` was not built for this rank (:func:`check_sharded`).
     """
     from tf_fusedemb.training.checkpoint import CheckpointManager  # pylint: disable=import-outside-toplevel
     if not os.path.isdir(checkpoint_dir):
         raise FileNotFoundError(f"checkpoint directory {checkpoint_dir!r} does not exist")
-    manager = CheckpointManager(checkpoint_dir, model, communicator=RankInfo(rank, size))
+    check_sharded(model, rank, size)
+    manager = CheckpointManager(checkpoint_dir, model,
+                                communicator=InferenceCommunicator(rank, size))
     try:
         meta = manager.restore(path)
     except FileNotFoundError as e:
@@ -69,10 +138,30 @@ def sample_bounds(batch_size: int, size: int) -> np.ndarray:
     return (np.arange(size + 1, dtype=np.int64) * batch_size) // size
 
 
+def _lookups(model):
+    return [g for layer in fused_embedding_layers(model) for g in layer.groups
+            if hasattr(g, "table")]
+
+
 def stored_rows(model) -> int:
-    """Rows this rank holds in the model's FusedEmbedding tables (eager)."""
-    return int(sum(int(g.table.size()) for layer in fused_embedding_layers(model)
-                   for g in layer.groups if hasattr(g, "table")))
+    """Rows this rank holds in the model's FusedEmbedding tables: written (trained or
+    restored) rows, as a checkpoint counts them (eager)."""
+    return _stored_rows(_lookups(model))
+
+
+def resident_rows(model) -> int:
+    """Rows this rank's tables occupy in memory: a static table's allocated rows (all it
+    owns, written or not), a dynamic table's stored rows (eager)."""
+    return _resident_rows(_lookups(model))
+
+
+def _stored_rows(lookups):
+    return int(sum(int(g.table.size()) for g in lookups))
+
+
+def _resident_rows(lookups):
+    return int(sum(int(g.table.values.shape[0]) if g.group.is_static else int(g.table.size())
+                   for g in lookups))
 
 
 class _InjectedGroup:
@@ -93,14 +182,20 @@ class ShardedPredictor:
     """Push side and owner side of sharded inference for one rank.
 
     Args:
-      model: a built, restored model with FusedEmbedding layers (switched in place: its
-        layers' groups are replaced by injected embeddings; keep the model for this).
+      model: a model with FusedEmbedding layers, built inside :func:`for_rank` and
+        restored (switched in place: its layers' groups are replaced by injected
+        embeddings; keep the model for this).
       rank, size: this rank and the number of ranks.
       exchange: ``start(j, sends: N uint8 arrays)`` / ``finish(j) -> N uint8 arrays``,
         e.g. :class:`~tf_fusedemb.comm.bls_alltoallv.BLSAlltoallv`.
+
+    Raises:
+      ValueError: a static table of ``model`` was not built for this rank (see
+        :func:`check_sharded`).
     """
 
     def __init__(self, model, rank: int, size: int, exchange):
+        check_sharded(model, rank, size)
         self.model, self.rank, self.size, self.exchange = model, rank, size, exchange
         self._lookups, self._injected = [], []
         for layer in fused_embedding_layers(model):
@@ -115,14 +210,21 @@ class ShardedPredictor:
         self.dims = [f.dim for f in self.features]
         self._pending = {}
         self._dense = tf.function(self._dense_part, reduce_retracing=True)
+        self.max_batch = None  # the global batch the exchange's capacity was sized for
 
     def stored_rows(self) -> int:
-        """Rows this rank holds in its tables (eager)."""
-        return int(sum(int(g.table.size()) for g in self._lookups))
+        """Written rows this rank holds in its tables (see :func:`stored_rows`, eager)."""
+        return _stored_rows(self._lookups)
+
+    def resident_rows(self) -> int:
+        """Rows this rank's tables occupy in memory (see :func:`resident_rows`, eager)."""
+        return _resident_rows(self._lookups)
 
     def capacity_bytes(self, global_batch: int) -> int:
         """Largest message of a global batch of ``global_batch`` samples: one entry per
-        owner sample for a pooled feature, at most ``max_len`` for a sequence feature."""
+        owner sample for a pooled feature, at most ``max_len`` for a sequence feature.
+        Later batches larger than ``global_batch`` are refused by :meth:`push`."""
+        self.max_batch = int(global_batch)
         per_rank = -(-global_batch // self.size)
         entries = [per_rank * (f.max_len if f.is_sequence else 1) for f in self.features]
         return payload.capacity_bytes(entries, self.dims)
@@ -130,7 +232,14 @@ class ShardedPredictor:
     # ---- push side ----------------------------------------------------------------------
     def push(self, j: int, batch) -> None:
         """Looks up this rank's keys of global batch ``j`` ({feature: IDs [B] | [B, L] |
-        RaggedTensor}, dense features [B]) and pushes the partials to the owners."""
+        RaggedTensor [B, None] | SparseTensor [B, L]}, dense features [B]) and pushes the
+        partials to the owners.
+
+        Raises:
+          ValueError: naming the feature: a missing feature, features of different batch
+            sizes, a sequence longer than its ``max_len``, a batch larger than the one
+            the capacity was sized for, invalid IDs (as ``FusedEmbedding``).
+        """
         blocks = [[] for _ in range(self.size)]
         splits = []
         batch_size = None
@@ -142,6 +251,7 @@ class ShardedPredictor:
                 if len(row_splits) - 1 != batch_size:
                     raise ValueError(f"sharded inference: feature '{spec.name}' has "
                                      f"{len(row_splits) - 1} samples, others {batch_size}")
+                self._check_fits(j, spec, row_splits)
                 splits.append(row_splits)
                 for q, block in enumerate(self._partials(spec, row_splits, owned, own_rows)):
                     blocks[q].append(block)
@@ -151,6 +261,15 @@ class ShardedPredictor:
                             [s[lo:hi + 1] - s[lo] for s in splits])
         self.exchange.start(j, [payload.pack(b) for b in blocks])
 
+    def _check_fits(self, j, spec, row_splits):
+        """The feature's entries fit the slots sized by :meth:`capacity_bytes` (sequence
+        lengths were checked before flattening, by ``_check_sequence_lengths``)."""
+        batch_size = len(row_splits) - 1
+        if self.max_batch is not None and batch_size > self.max_batch:
+            raise ValueError(f"sharded inference: batch {j} has {batch_size} samples (feature "
+                             f"'{spec.name}'), more than the {self.max_batch} the exchange's "
+                             f"capacity was sized for (capacity_bytes({self.max_batch}))")
+
     def _flatten(self, lookup, spec, batch):
         """(ids int64[n], row_splits int64[B+1], owned bool[n]) of one feature."""
         id_bits = None
@@ -159,6 +278,8 @@ class ShardedPredictor:
         if spec.name not in batch:
             raise ValueError(f"sharded inference: the batch lacks feature '{spec.name}'")
         value = batch[spec.name]
+        if spec.is_sequence:
+            _check_sequence_lengths(spec, value)
         if id_bits is None and not lookup.group.is_static and _is_plain(value):
             # Fast path (no ID range to check): the IDs as they are, in numpy.
             ids = np.asarray(value).astype(np.int64).reshape(-1)
@@ -269,10 +390,36 @@ def _is_plain(value):
 
 def _rows(value, lo, hi):
     """Samples [lo, hi) of one input (dense tensors sliced in numpy: cheaper per batch
-    than an eager slice op)."""
+    than an eager slice op; a SparseTensor keeps its width L)."""
     if isinstance(value, (tf.Tensor, np.ndarray)):
         return np.asarray(value)[lo:hi]
+    if isinstance(value, tf.SparseTensor):
+        width = tf.shape(value, out_type=tf.int64)[1:]
+        return tf.sparse.slice(value, tf.concat([[lo], tf.zeros_like(width)], 0),
+                               tf.concat([[hi - lo], width], 0))
     return value[lo:hi]
+
+
+def _check_sequence_lengths(spec, value):
+    """Raises ValueError naming the feature, the sample, its length and ``max_len`` when
+    a sequence is longer than ``max_len``, which sizes the exchange's slots. Runs before
+    flattening (whose own check names neither the length nor the sample)."""
+    if isinstance(value, tf.RaggedTensor):
+        lengths = value.row_lengths().numpy()
+    elif isinstance(value, tf.SparseTensor):
+        rows = value.indices[:, 0].numpy() if value.indices.shape[0] else np.zeros(0, np.int64)
+        lengths = np.bincount(rows)
+    else:
+        shape = tuple(value.shape) if hasattr(value, "shape") else np.shape(value)
+        if len(shape) != 2:  # [B]: one ID per sample; other ranks: flattening raises
+            return
+        lengths = np.full(int(shape[0]), int(shape[1]))
+    if len(lengths) and lengths.max() > spec.max_len:
+        longest = int(np.argmax(lengths))
+        raise ValueError(f"sharded inference: feature '{spec.name}': sample {longest} has a "
+                         f"sequence of {int(lengths[longest])} IDs, longer than its "
+                         f"max_len={spec.max_len} (the limit that sizes the exchange's "
+                         "slots); truncate it in the input pipeline or raise max_len")
 
 
 def _check_complete(spec, got, expected):
