@@ -2,11 +2,12 @@
 and the tf.data transform.
 
 Reduction thresholds (of the summed per-micro-batch unique keys) sit below the measured values
-with margin. Measured at N=2/4/8: synthetic Criteo-like (seeds 11, 12) 4096 rows 5.7-5.9 /
-8.4-8.5 / 9.2-9.3%, 1024 rows 4.2-4.3 / 6.3-6.5 / 6.8-7.1%; first 4096 rows of the real Kaggle
-sample 9.8 / 17.3 / 22.3%. The synthetic features are independent of each other, so there is
-little to gain: KaHyPar, a full hypergraph partitioner taking seconds, reaches only ~10.6% at
-4096 rows, N=4 (22.9% on the real rows).
+with margin. Measured at N=2/4/8 (2026-11, diffusion bisection + swap refinement): synthetic
+Criteo-like (seeds 11, 12) 4096 rows 7.2-7.3 / 11.1-11.2 / 12.3-12.5%, 1024 rows at N=4
+8.3-8.4%; first 4096 rows of the real Kaggle sample 11.4 / 21.8 / 28.3% (the previous,
+bisection-only version: 5.7-5.9 / 8.4-8.5 / 9.2-9.3%, 6.3-6.5%, 9.8 / 17.3 / 22.3%). The
+synthetic features are independent of each other, so there is little to gain; the real rows
+are correlated, hence the larger gains (issue 10 asks for >= 20% on them at N=4).
 """
 import os
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tf_fusedemb.data.synthetic import generate_criteo_like  # noqa: E402
+from tf_fusedemb.pipeline import clustering  # noqa: E402
 from tf_fusedemb.pipeline.clustering import (cluster_dataset, cluster_permutation,  # noqa: E402
                                              micro_batch_bounds, unique_keys_per_micro_batch)
 
@@ -146,18 +148,21 @@ def test_multi_hot_lists():
 def test_reduction_on_criteo_like_4096(criteo_like):
     for seed, data in criteo_like.items():
         features = {k: data[k] for k in CATEGORICAL}
-        assert _reduction(features, 4) >= 0.065, seed  # measured 8.4-8.5%
-        assert _reduction(features, 8) >= 0.07, seed  # 9.2-9.3%
-        assert _reduction(features, 2) >= 0.04, seed  # 5.7-5.9%
+        assert _reduction(features, 4) >= 0.095, seed  # measured 11.1-11.2%
+        assert _reduction(features, 8) >= 0.105, seed  # 12.3-12.5%
+        assert _reduction(features, 2) >= 0.06, seed  # 7.2-7.3%
 
 
 def test_reduction_on_criteo_like_1024(criteo_like):
     for seed, data in criteo_like.items():
         features = {k: data[k][:1024] for k in CATEGORICAL}
-        assert _reduction(features, 4) >= 0.045, seed  # measured 6.3-6.5%
+        assert _reduction(features, 4) >= 0.07, seed  # measured 8.3-8.4%
 
 
-def test_reduction_on_real_criteo_sample():
+@pytest.fixture(scope="module")
+def real_ids():
+    """int64[4096, 26]: C1..C26 of the first 4096 lines of the real Kaggle sample (hex ids;
+    an empty field is id 0)."""
     if not CRITEO_TRAIN.is_file():
         pytest.skip(f"real Criteo sample not found at {CRITEO_TRAIN}")
     rows = []
@@ -165,9 +170,84 @@ def test_reduction_on_real_criteo_sample():
         for line, _ in zip(f, range(4096)):
             fields = line.rstrip("\n").split("\t")
             rows.append([int(x, 16) if x else 0 for x in fields[14:40]])
-    ids = np.array(rows, np.int64)
-    features = {name: ids[:, j] for j, name in enumerate(CATEGORICAL)}
-    assert _reduction(features, 4) >= 0.13  # measured 17.3% (N=2 9.8%, N=8 22.3%)
+    return np.array(rows, np.int64)
+
+
+def _numpy_unique_keys(ids, n):
+    """Summed per-micro-batch unique keys of a batch int[B, F] split into the contiguous
+    micro-batches [i*B//N, (i+1)*B//N), counted column by column with np.unique (independent
+    of unique_keys_per_micro_batch)."""
+    b = len(ids)
+    return sum(len(np.unique(ids[i * b // n:(i + 1) * b // n, j]))
+               for i in range(n) for j in range(ids.shape[1]))
+
+
+@pytest.mark.parametrize("n,bound", [(2, 0.10), (4, 0.20), (8, 0.25)])
+def test_reduction_on_real_criteo_sample(real_ids, n, bound):
+    # Measured 11.4 / 21.8 / 28.3% at N = 2 / 4 / 8 (previous version 9.8 / 17.3 / 22.3%).
+    features = {name: real_ids[:, j] for j, name in enumerate(CATEGORICAL)}
+    perm = cluster_permutation(features, n)
+    _assert_permutation(perm, len(real_ids))
+    # Micro-batch i of the clustered batch is rows [i*B//N, (i+1)*B//N) of ids[perm]: here
+    # N blocks of exactly B/N samples, each sample in exactly one of them.
+    blocks = [perm[lo:hi] for lo, hi in micro_batch_bounds(len(perm), n)]
+    assert [len(x) for x in blocks] == [len(real_ids) // n] * n
+    before = _numpy_unique_keys(real_ids, n)
+    after = _numpy_unique_keys(real_ids[perm], n)
+    assert after == unique_keys_per_micro_batch(
+        {k: v[perm] for k, v in features.items()}, n).sum()
+    assert 1.0 - after / before >= bound
+
+
+def _objective(rows, kid, num_keys, part, n):
+    """Sum over shared keys of the number of micro-batches holding the key."""
+    return np.count_nonzero(np.bincount(kid * n + part[rows], minlength=num_keys * n))
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_refinement_keeps_sizes_and_lowers_the_objective(real_ids, n):
+    # 4001 rows: micro-batch sizes differ by one at N = 3 and 4; start from the batch order.
+    ids = real_ids[:4001]
+    feats, b = clustering._as_flat_features(
+        {name: ids[:, j] for j, name in enumerate(CATEGORICAL)})
+    rows, kid, key_count = clustering._shared_key_pins(feats, b, b)
+    part = np.repeat(np.arange(n), [hi - lo for lo, hi in micro_batch_bounds(b, n)])
+    refined = clustering._refine_swaps(rows, kid, len(key_count), part.copy(), n)
+    np.testing.assert_array_equal(np.bincount(refined, minlength=n),
+                                  np.bincount(part, minlength=n))
+    before = _objective(rows, kid, len(key_count), part, n)
+    after = _objective(rows, kid, len(key_count), refined, n)
+    assert after < 0.95 * before  # the unordered real rows have much to gain
+    # Its objective is exactly the drop of the summed per-micro-batch unique keys.
+    perm = np.argsort(refined, kind="stable")
+    clustered = unique_keys_per_micro_batch(
+        {name: ids[perm, j] for j, name in enumerate(CATEGORICAL)}, n).sum()
+    plain = unique_keys_per_micro_batch(
+        {name: ids[:, j] for j, name in enumerate(CATEGORICAL)}, n).sum()
+    assert plain - clustered == before - after
+
+
+def test_never_worse_than_unclustered_or_unrefined(monkeypatch):
+    """Random small batches (little structure, N up to B): the clustered order never has more
+    keys than the batch order, and the refinement never adds keys to the bisection's order."""
+    rng = np.random.default_rng(2)
+    for trial in range(40):
+        b, n = int(rng.integers(2, 200)), int(rng.integers(2, 10))
+        features = {"one": rng.integers(0, int(rng.integers(2, 60)), b),
+                    "pair": rng.integers(0, int(rng.integers(2, 60)), (b, 2)),
+                    "multi": [list(rng.integers(0, 15, rng.integers(0, 4))) for _ in range(b)]}
+        perm = cluster_permutation(features, n)
+        _assert_permutation(perm, b)
+        with monkeypatch.context() as m:
+            m.setattr(clustering, "_REFINE_ROUNDS", 0)
+            unrefined = cluster_permutation(features, n)
+        plain = unique_keys_per_micro_batch(features, n).sum()
+        clustered = unique_keys_per_micro_batch(
+            {k: _permuted(v, perm) for k, v in features.items()}, n).sum()
+        bisected = unique_keys_per_micro_batch(
+            {k: _permuted(v, unrefined) for k, v in features.items()}, n).sum()
+        assert clustered <= plain, trial
+        assert clustered <= bisected, trial
 
 
 def _batches(num_batches=3, b=512, last=100):

@@ -8,10 +8,20 @@ A key used by samples of several micro-batches is sent once per micro-batch. Clu
 the samples INSIDE the batch (the batch's composition, hence the model's values and gradients,
 is unchanged) so that such samples meet in one micro-batch.
 
-Finding the best order is balanced hypergraph partitioning (samples = vertices, keys shared by
->= 2 samples = hyperedges, objective = sum over keys of the number of micro-batches holding it),
-so `cluster_permutation` uses a cheap spectral heuristic; see the comment above it for the
-measurements behind the choice and the achievable reductions.
+NestPipe states the goal ("group samples that share more sparse keys into the same micro-batch,
+maximizing key redundancy within micro-batch"), that it must be lightweight, and that it runs
+asynchronously on the CPU in the data stage (here: `cluster_dataset`, a parallel tf.data map);
+it gives no algorithm. Finding the best order is balanced hypergraph partitioning (samples =
+vertices, keys shared by >= 2 samples = hyperedges, objective = sum over keys of the number of
+micro-batches holding it, i.e. exactly the rows the embedding All2Alls carry; the
+"connectivity - 1" metric of hypergraph partitioners), with every part of exactly its
+micro-batch size. `cluster_permutation` implements a cheap two-phase version of what such
+partitioners do: a recursive bisection by a momentum-accelerated diffusion vector of the
+sample-key graph (global structure), then Kernighan-Lin / Fiduccia-Mattheyses style swap
+refinement between the micro-batches with exact gains of that objective (local moves). See the
+comment above _POWER_ITERATIONS for the measurements behind the choice and the achievable
+reductions (on the real Criteo sample at N = 4: 22% fewer keys, 17.5% with the previous,
+bisection-only version).
 
 Importing this module does not import TensorFlow; only `cluster_dataset` needs it.
 """
@@ -90,36 +100,66 @@ def unique_keys_per_micro_batch(features: Mapping[str, FeatureValues],
     return out
 
 
-# Heuristic choice. Figures: reduction of the summed per-micro-batch unique keys vs the unclustered
-# order on the 26 Criteo columns C1..C26, B=4096, N=4; "synthetic" = generate_criteo_like(4096,
-# seed=7), "real" = the first 4096 lines of the Kaggle sample (measured 2026-11):
-#   lexicographic sort, features ranked by expected dedup savings:  3.5% synthetic, 10.3% real
-#   spectral ordering (1 vector) cut into N contiguous blocks:       5.2% synthetic, 14.6% real
-#   recursive spectral bisection, unweighted keys:                   7.3% synthetic, 16.2% real
-#   ... with keys weighted by their expected savings (this code):    8.6% synthetic, 17.3% real
-#   vectorised greedy swap refinement (FM-like, 10-20 rounds after a
-#   sort or a spectral order, 100-300 ms):                          8-10% synthetic, 15-18% real
-#   KaHyPar km1 (state of the art partitioner, seconds per batch):  10.6% synthetic, 22.9% real
-# A sort only groups the duplicates of its leading feature, while the savings are spread over
-# keys shared by 2..30 samples in ALL features; the spectral vector averages every shared key at
-# once. The synthetic generator draws features independently (a random hypergraph, an
-# expander), so no order does much better there (KaHyPar's ~10.6% is the practical ceiling);
-# real data has correlated columns and samples, hence the larger gains. At N=2 / 8 this code gives
-# 6.1 / 9.1% synthetic and 9.8 / 22.3% real. Cost, numpy on one core of a shared 2-core VM:
-# ~9-14 ms per 4096 x 26 batch at N=4 (one 106k-element sort, then 8 power iterations of two
-# bincounts per bisection level), ~2-4 ms at 1024 rows.
-_POWER_ITERATIONS = 8
-
+# Algorithm choice. Figures: reduction of the summed per-micro-batch unique keys vs the unclustered
+# order on the 26 Criteo columns C1..C26 at N=4, measured as benchmarks.pipeline does (2026-11):
+# "real" = clustering_unique_key_reduction_real, the Kaggle sample read with
+# tf_fusedemb.data.criteo in batches of 4096 lines (2 batches, 4096 + 3904 rows); "synthetic" =
+# clustering_unique_key_reduction, the benchmark's rank-0 batches (8 x 4096 generate_criteo_like
+# rows, 2 ranks, seed 0).
+#   recursive bisection, 8 plain iterations per level
+#   (the previous version of this code):                             8.4% synthetic, 17.5% real
+#   ... + a prototype of this code's swap refinement, 20 rounds:    10.9% synthetic, 19.4% real
+#   ... 24 / 32 / 128 plain iterations, no refinement:       9.4 / 9.4 / 8.7%, 19.4 / 20.2 / 21.1%
+#   ... exact Fiedler vectors (Lanczos, 10-40 steps) instead:      8.5-9.1% synthetic, 17-19% real
+#   ... 24 iterations, momentum after 8 (no refinement):            9.3% synthetic, 21.1% real
+#   ... + 1 / 2 / 4 (this code) / 8 rounds of swap refinement: 10.2 / 10.7 / 11.1 / 11.3% synthetic,
+#                                                              21.6 / 21.9 / 22.05 / 22.2% real
+# Earlier figures (2026-11, first 4096 real lines, generate_criteo_like(4096, seed=7)): a
+# lexicographic sort by features ranked by expected savings 3.5% synthetic / 10.3% real; one
+# spectral ordering cut into N blocks 5.2 / 14.6%; KaHyPar km1, a state of the art hypergraph
+# partitioner taking seconds per batch, 10.6 / 22.9%.
+# At N=2 / 8 this code gives 7.3 / 12.6% synthetic and 12.1 / 28.3% real (previous version
+# 5.9 / 9.3% and 10.0 / 22.6%). Cost, numpy, CPU time per 4096 x 26 batch on one core of a
+# busy shared 2-core VM (median, interleaved with the previous version): N=4 ~19-21 ms (previous
+# ~6 ms; the 106k-element sort of the keys ~3 ms, 2 levels x 24 iterations of two bincounts over
+# ~35k incidences ~9 ms, refinement ~5 ms); N=2 ~13 ms (5), N=8 ~28-31 ms (8).
+#
+# Why these pieces:
+# * The walk is a diffusion: after t steps a random start vector becomes roughly a random
+#   combination of the walk's slowest modes, i.e. of indicators of groups of samples that share
+#   many keys, so sorting by it puts such groups next to each other and the cut keeps them
+#   whole. The more steps, the sharper the groups: 8 steps left the vector noisy. The exact
+#   second eigenvector (what spectral partitioners use) is worse: it singles out one tightly
+#   knit group and leaves the order of the rest arbitrary. Momentum (x_{t+1} = M x_t -
+#   beta x_{t-1}, beta = lambda^2 / 4, lambda = the segment's Rayleigh quotient after 8 plain
+#   steps; Xu et al., "Accelerated stochastic power iteration", 2018) damps every mode below lambda
+#   at the same rate sqrt(beta), so 24 steps filter about as sharply as ~128 plain ones. beta
+#   must stay <= lambda_max^2 / 4 or the modes oscillate (a fixed beta = 0.2, which helps the
+#   real rows, drops the synthetic ones to 1.8%: their lambda is ~0.6-0.8); the Rayleigh
+#   quotient is <= lambda_max, hence the per-segment estimate.
+# * The bisection never sees the objective itself; the refinement does: it swaps samples
+#   between micro-batches with gains computed exactly from per-micro-batch key counts, and
+#   keeps a round only if the recounted objective drops (see _refine_swaps). It uses every
+#   shared key, not only the small ones of the bisection.
+_POWER_ITERATIONS = 24
+# Plain iterations before the momentum coefficient is estimated; a multiple of
+# _RENORMALIZE_EVERY, so the estimate sees a freshly recentred vector.
+_MOMENTUM_WARMUP = 8
+_RENORMALIZE_EVERY = 8  # iterations between recentring/rescaling the vector (precision only)
+_REFINE_ROUNDS = 4
+_REFINE_HALVINGS = 3  # a round that does not lower the objective retries with 1/2, 1/4, 1/8
+_HOT_MARGIN = 3  # keys with more than this many samples in EVERY micro-batch are left out
 
 def _max_key_count(b: int, n: int) -> int:
-    """Keys shared by more samples than this are left out of the clustering.
+    """Keys shared by more samples than this are left out of the bisection (not the refinement).
 
     A key of more than B/N samples spans several micro-batches whatever the order. Keys of
     B/(8N)..B/N samples could still be grouped, but each saves at most N - 1 copies and their
-    weight is tiny (see _savings_weight) while their incidences are ~40% of the work on Criteo
-    (22k of 57k at B=4096, N=4, where the reduction is the same within 0.1 point without
-    them); keys of up to min(B/N, 16) samples are always kept, so small batches, where such
-    keys may be the only structure, are still clustered.
+    weight is tiny (see _savings_weight) while their incidences are ~60% of the shared-key
+    incidences on Criteo (55k of 90k at B=4096, N=4, where doubling this limit changes the
+    reduction by under 0.1 point); the refinement uses every shared key. Keys of up to
+    min(B/N, 16) samples are always kept, so small batches, where such keys may be the only
+    structure, are still clustered.
     """
     return max(2, b // (8 * n), min(b // n, 16))
 
@@ -129,8 +169,9 @@ def _savings_weight(count: np.ndarray, n: int) -> np.ndarray:
     samples when the batch is in random order: (N * (1 - (1 - 1/N)**c) - 1) / c.
 
     A key of c samples saves at most N - 1 copies however large c is, but its pull on the
-    spectral vector grows with c; weighting its incidences by this keeps a few big keys from
-    outvoting the many small ones (+1.2 points synthetic, +1.0 real over unit weights).
+    diffusion vector grows with c; weighting its incidences by this keeps a few big keys from
+    outvoting the many small ones (+1.2 points synthetic, +1.0 real over unit weights, measured
+    with the 8-iteration version).
     """
     c = count.astype(np.float64)
     return (n * -np.expm1(c * np.log1p(-1.0 / n)) - 1.0) / c
@@ -138,22 +179,28 @@ def _savings_weight(count: np.ndarray, n: int) -> np.ndarray:
 
 def cluster_permutation(features: Mapping[str, FeatureValues], num_micro_batches: int,
                         seed: int = 0) -> np.ndarray:
-    """Key-centric sample order of one batch: recursive spectral bisection of the key graph.
+    """Key-centric sample order of one batch: recursive diffusion bisection of the key graph,
+    then exact-gain swap refinement between the micro-batches.
 
-    Samples are vertices and every (feature, id) key shared by 2..max(B/(8N), min(B/N, 16))
-    samples joins them (bigger keys span several micro-batches whatever the order, or save too
-    little for their cost, see _max_key_count). At each level the rows of a segment (a range of
-    micro-batches) get a smoothed random vector: a few power iterations of "key value = mean of
-    its samples' values, sample value = weighted mean of its keys' values" (a lazy random walk
-    on the sample-key graph restricted to the segment; key weights = expected dedup savings
-    per sample, see _savings_weight), which make samples that share keys, directly or through
-    chains, take close values. The segment's rows are sorted by that value and cut at the
-    micro-batch boundary nearest its middle, so both halves hold whole micro-batches; the
-    halves are refined the same way until each segment is one micro-batch.
+    1. Bisection. Samples are vertices and every (feature, id) key shared by 2..max(B/(8N),
+       min(B/N, 16)) samples joins them (bigger keys span several micro-batches whatever the
+       order, or save too little for their cost, see _max_key_count). At each level the rows
+       of a segment (a range of micro-batches) get a smoothed random vector: 24 iterations of
+       "key value = mean of its samples' values, sample value = weighted mean of its keys'
+       values" (a random walk on the sample-key graph restricted to the segment; key weights
+       = expected dedup savings per sample, see _savings_weight), accelerated by momentum
+       after the first 8, which make samples that share keys, directly or through chains,
+       take close values. The segment's rows are sorted by that value and cut at the
+       micro-batch boundary nearest its middle, so both halves hold whole micro-batches; the
+       halves are split the same way until each segment is one micro-batch.
+    2. Refinement (_refine_swaps): a few rounds of swaps of samples between micro-batches,
+       with gains computed exactly from the per-micro-batch counts of every shared key, each
+       round kept only if the recounted sum of per-micro-batch unique keys drops.
 
-    Deterministic (fixed-seed start vector, stable sorts). Ids are hashed to 64 - log2(B) -
-    log2(F) bits for speed; a collision merges two keys in the heuristic only, the result is
-    always a permutation.
+    Swaps keep every micro-batch at its size, so micro-batch i of the result is rows
+    [i*B//N, (i+1)*B//N) of batch[perm] as before (sizes differ by at most 1), and the result
+    is a permutation. Deterministic (fixed-seed start vector, stable sorts). Ids are hashed to
+    64 - log2(B) - log2(F) bits for speed; a collision merges two keys in the heuristic only.
 
     Args:
       features: {name: values} for one batch of B samples: int[B], int[B, k] (every id used) or
@@ -162,7 +209,9 @@ def cluster_permutation(features: Mapping[str, FeatureValues], num_micro_batches
       seed: seed of the start vector (the default is fine; other seeds give other good orders).
     Returns:
       int64[B] permutation: clustered batch = batch[perm] (row j of the new batch is old row
-      perm[j]). Identity when N == 1, B <= 1 or no key is shared.
+      perm[j]); within a micro-batch the rows keep their batch order. Identity when N == 1,
+      B <= 1, no key is shared, or the batch order already has no more unique keys per
+      micro-batch (in sum) than the clustered one: clustering never makes a batch worse.
     Raises:
       ValueError: features of different batch sizes, N < 1, non-integer ids, too many rows or
         features for the hash layout.
@@ -171,20 +220,36 @@ def cluster_permutation(features: Mapping[str, FeatureValues], num_micro_batches
     _, n = _check_sizes(b, num_micro_batches)
     if n == 1 or b <= 1:
         return np.arange(b, dtype=np.int64)
-    rows, kid, key_count = _shared_key_pins(feats, b, _max_key_count(b, n))
+    rows, kid, key_count = _shared_key_pins(feats, b, b)
     if rows.size == 0:
         return np.arange(b, dtype=np.int64)
-    weight = _savings_weight(key_count, n)[kid]
-    return _recursive_spectral_bisection(rows, kid, weight, len(key_count), b, n, seed)
+    small = key_count[kid] <= _max_key_count(b, n)
+    if small.any():
+        order = _diffusion_bisection(rows[small], kid[small], _savings_weight(key_count, n),
+                                     len(key_count), b, n, seed)
+    else:  # only keys of more than _max_key_count samples: refine the batch order
+        order = np.arange(b)
+    sizes = np.diff([i * b // n for i in range(n + 1)])
+    part = np.empty(b, np.intp)
+    part[order] = np.repeat(np.arange(n), sizes)
+    part = _refine_swaps(rows, kid, len(key_count), part, n)
+    # Never worse than the batch's own order (it can be on tiny batches with little structure).
+    kn = kid * n
+    unclustered = np.repeat(np.arange(n), sizes)[rows]
+    if (np.count_nonzero(np.bincount(kn + part[rows], minlength=len(key_count) * n))
+            >= np.count_nonzero(np.bincount(kn + unclustered, minlength=len(key_count) * n))):
+        return np.arange(b, dtype=np.int64)
+    return np.argsort(part, kind="stable").astype(np.int64)
 
 
-def _recursive_spectral_bisection(rows: np.ndarray, kid: np.ndarray, weight: np.ndarray,
-                                  num_keys: int, b: int, n: int, seed: int) -> np.ndarray:
-    """Pins (sample rows[p] uses key kid[p], weight[p]), int/float[P] -> int64[B] order; see
-    cluster_permutation."""
+def _diffusion_bisection(rows: np.ndarray, kid: np.ndarray, key_weight: np.ndarray,
+                         num_keys: int, b: int, n: int, seed: int) -> np.ndarray:
+    """Pins (sample rows[p] uses key kid[p]), key_weight float[num_keys] -> int64[B] order
+    whose N contiguous blocks [i*B//N, (i+1)*B//N) are the micro-batches; see
+    cluster_permutation and the comment above _POWER_ITERATIONS."""
     bounds = [i * b // n for i in range(n + 1)]
-    inv_deg = np.bincount(rows, weights=weight, minlength=b)
-    inv_deg = np.divide(1.0, inv_deg, out=np.zeros_like(inv_deg), where=inv_deg > 0)
+    deg = np.bincount(rows, weights=key_weight[kid], minlength=b)
+    inv_deg = np.divide(1.0, deg, out=np.zeros_like(deg), where=deg > 0)
     x0 = np.random.default_rng(seed).standard_normal(b)
     segs = [(0, n)]  # segment s holds micro-batches [p0, p1)
     lab = np.zeros(b, np.intp)  # segment of each row
@@ -195,14 +260,37 @@ def _recursive_spectral_bisection(rows: np.ndarray, kid: np.ndarray, weight: np.
         # partitioned independently, as their rows can no longer meet.
         kk = kid * ns + lab[rows] if ns > 1 else kid
         kc = np.bincount(kk, minlength=num_keys * ns).astype(np.float64)
-        inv_kc = np.divide(1.0, kc, out=np.zeros_like(kc), where=kc > 0)
-        seg_size = np.bincount(lab, minlength=ns).clip(1)
-        x = x0 - (np.bincount(lab, weights=x0, minlength=ns) / seg_size)[lab]  # precision only
-        for _ in range(_POWER_ITERATIONS):
-            y = np.bincount(kk, weights=x[rows], minlength=num_keys * ns) * inv_kc
-            x = np.bincount(rows, weights=y[kk] * weight, minlength=b) * inv_deg
-        # No renormalisation needed: the walk is an averaging operator, so the vector only
-        # shrinks towards per-segment constants, and a constant shift does not change the sort.
+        w = np.repeat(key_weight, ns) if ns > 1 else key_weight  # weight of key kk // ns
+        w_kc = np.divide(w, kc, out=np.zeros_like(kc), where=kc > 0)
+        seg_deg = np.bincount(lab, weights=deg, minlength=ns)
+        inv_seg_deg = np.divide(1.0, seg_deg, out=np.zeros_like(seg_deg), where=seg_deg > 0)
+        # The walk M: x -> (sum over the sample's keys of w_k * mean of x over the key's
+        # samples) / deg. M is self-adjoint for <x, z>_deg, its top eigenvector is constant per
+        # segment (eigenvalue 1) and its spectrum lies in [0, 1].
+        x, x_prev, beta = x0.copy(), np.zeros(b), None
+        for it in range(_POWER_ITERATIONS):
+            if it % _RENORMALIZE_EVERY == 0:
+                # Remove the constant (the deg-weighted segment mean, which M preserves) and
+                # rescale each segment; the order of the values is unchanged.
+                for v in (x, x_prev):
+                    v -= (np.bincount(lab, weights=v * deg, minlength=ns) * inv_seg_deg)[lab]
+                norm = np.sqrt(np.bincount(lab, weights=x * x, minlength=ns))
+                scale = np.divide(1.0, norm, out=np.zeros_like(norm), where=norm > 0)[lab]
+                x, x_prev = x * scale, x_prev * scale
+            key_sum = np.bincount(kk, weights=x[rows], minlength=num_keys * ns)
+            if it == _MOMENTUM_WARMUP:
+                # Rayleigh quotient <x, Mx>_deg / <x, x>_deg per segment (<= its largest
+                # non-trivial eigenvalue): beta = lambda^2 / 4 keeps the modes above lambda
+                # growing and damps all below at rate sqrt(beta) without oscillation.
+                key_seg = np.arange(num_keys * ns) % ns
+                num = np.bincount(key_seg, weights=key_sum * key_sum * w_kc, minlength=ns)
+                den = np.bincount(lab, weights=deg * x * x, minlength=ns)
+                lam = np.divide(num, den, out=np.zeros_like(num), where=den > 0)
+                beta = (np.minimum(lam, 1.0) ** 2 / 4)[lab]
+            x_next = np.bincount(rows, weights=(key_sum * w_kc)[kk], minlength=b) * inv_deg
+            if beta is not None and it > _MOMENTUM_WARMUP:
+                x_next -= beta * x_prev
+            x_prev, x = x, x_next
         # By segment, then by vector value (two stable argsorts: ties keep row order; cheaper
         # than np.lexsort).
         order = np.argsort(x, kind="stable")
@@ -216,6 +304,79 @@ def _recursive_spectral_bisection(rows: np.ndarray, kid: np.ndarray, weight: np.
                 new_segs.append((q0, q1))
         segs, lab = new_segs, new_lab
     return order.astype(np.int64)
+
+
+def _refine_swaps(rows: np.ndarray, kid: np.ndarray, num_keys: int, part: np.ndarray,
+                  n: int) -> np.ndarray:
+    """Pins of every shared key (sample rows[p] uses key kid[p]), intp[B] micro-batch of each
+    sample -> improved intp[B] with the same micro-batch sizes.
+
+    Objective: sum over keys of the number of micro-batches holding the key (the summed
+    per-micro-batch unique keys, up to the constant of the keys of one sample). With C[k, q] =
+    samples of micro-batch q using key k, moving sample v from micro-batch a to q changes it by
+    exactly -(#keys of v with C[k, a] == 1) + (#keys of v with C[k, q] == 0): its gain. Each
+    round, like one pass of Kernighan-Lin / Fiduccia-Mattheyses done in bulk: every sample
+    picks its best target; for each pair of micro-batches (a, q) the candidates a -> q and
+    q -> a are sorted by gain and paired best with best while the pair's summed gain is
+    positive; all those swaps are applied at once. Gains of swaps that touch the same key do
+    not add up exactly, so the objective is recounted and a round that does not lower it is
+    retried with the best 1/2, 1/4, 1/8 of each pair's swaps, then refinement stops.
+
+    Keys with more than _HOT_MARGIN samples in every micro-batch are dropped first: they are
+    in every micro-batch, so no swap set can make them cost more, and a single move cannot
+    change them (gain 0). The recounted objective over the kept keys is therefore an upper
+    bound on the change of the full one: an accepted round never makes the batch worse.
+    """
+    b = len(part)
+    kn = kid * n
+    count = np.bincount(kn + part[rows], minlength=num_keys * n)
+    keep = (count.reshape(num_keys, n).min(axis=1) <= _HOT_MARGIN)[kid]
+    if not keep.any():
+        return part
+    rows, kn = rows[keep], kn[keep]
+    count = np.bincount(kn + part[rows], minlength=num_keys * n)
+    objective = np.count_nonzero(count)
+    parts = np.arange(n)
+    pin_targets = ((rows * n)[:, None] + parts).ravel()  # (sample, target) of (pin, target)
+    key_targets = (kn[:, None] + parts).ravel()  # (key, target) of (pin, target)
+    samples = np.arange(b)
+    for _ in range(_REFINE_ROUNDS):
+        leave = np.bincount(rows, weights=count[kn + part[rows]] == 1, minlength=b)
+        enter = np.bincount(pin_targets, weights=count[key_targets] == 0, minlength=b * n)
+        gain = leave[:, None] - enter.reshape(b, n)
+        gain[samples, part] = -np.inf
+        target = gain.argmax(axis=1)
+        best = gain[samples, target]
+        # Candidates grouped by (from, to), best gain first (lexsort is stable: ties by row).
+        group = part * n + target
+        by_group = np.lexsort((-best, group))
+        starts = np.searchsorted(group[by_group], np.arange(n * n + 1))
+        swaps = []
+        for a in range(n):
+            for q in range(a + 1, n):
+                out_a = by_group[starts[a * n + q]:starts[a * n + q + 1]]
+                out_q = by_group[starts[q * n + a]:starts[q * n + a + 1]]
+                m = min(len(out_a), len(out_q))
+                # Both lists are sorted, so the pair sums decrease: a prefix is positive.
+                m = int(np.count_nonzero(best[out_a[:m]] + best[out_q[:m]] > 0))
+                if m:
+                    swaps.append((out_a[:m], out_q[:m], a, q))
+        if not swaps:
+            break
+        for halving in range(_REFINE_HALVINGS + 1):
+            new_part = part.copy()
+            for out_a, out_q, a, q in swaps:
+                m = max(1, len(out_a) >> halving)
+                new_part[out_a[:m]] = q
+                new_part[out_q[:m]] = a
+            new_count = np.bincount(kn + new_part[rows], minlength=num_keys * n)
+            new_objective = np.count_nonzero(new_count)
+            if new_objective < objective:
+                break
+        else:
+            break
+        part, count, objective = new_part, new_count, new_objective
+    return part
 
 
 def _shared_key_pins(feats: List[Tuple[np.ndarray, np.ndarray]], b: int,
