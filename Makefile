@@ -49,9 +49,14 @@ $(HVD_STAMP): $(STAMP)
 	touch $@
 
 # Build the custom-op library in place and install the package in editable mode.
-ops: $(STAMP)
+# The op library is rebuilt (and the package reinstalled, editable) only when its sources,
+# setup.py or the stack change, so `make train` / `make test` start the job at once.
+OPS_SO := tf_fusedemb/_fusedemb_ops.so
+ops: $(OPS_SO)
+$(OPS_SO): $(STAMP) setup.py $(wildcard custom_ops/*.cc custom_ops/*.h)
 	$(PIP) install --no-build-isolation --no-deps -e .
 	$(PY) setup.py build_ext --inplace
+	touch $@
 
 # The whole suite; multi-process Horovod tests carry their own timeouts, and every test
 # is bounded by pytest-timeout so a hang fails instead of blocking CI.
