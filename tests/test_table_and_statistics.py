@@ -69,7 +69,7 @@ def test_restore_gives_every_row_its_identity_even_without_its_statistics(tmp_pa
     prefix = f"l0/{layer.groups[0].group.name}/stats/"
     lost = arrays[f"l0/{layer.groups[0].group.name}/keys"][0]
     keep = arrays[prefix + "keys"] != lost
-    for k in ("keys", "counts", "categories", "ids"):
+    for k in ("keys", "counts", "categories", "ids", "last_steps"):
         arrays[prefix + k] = arrays[prefix + k][keep]
     np.savez(shard, **arrays)
 

@@ -23,11 +23,13 @@ import json
 import math
 from typing import Any, Mapping, Optional, Sequence
 
-__all__ = ["OptimizerSpec", "InitializerSpec", "TableSpec", "FeatureSpec", "FusedGroup",
-           "FusionPlan", "plan_fusion", "unfused_plan", "COMBINERS", "KEY_DTYPES"]
+__all__ = ["OptimizerSpec", "InitializerSpec", "AdmissionPolicy", "EvictionPolicy", "TableSpec",
+           "FeatureSpec", "FusedGroup", "FusionPlan", "plan_fusion", "unfused_plan", "COMBINERS",
+           "KEY_DTYPES"]
 
 COMBINERS = ("sum", "mean", "sqrtn")
 KEY_DTYPES = ("int64", "int32")
+_POLICY_FIELDS = ("admission", "eviction")  # TableSpec fields outside the storage layout
 _PLAN_FORMAT = 1  # bump when to_dict() changes shape: old fingerprints then no longer match
 
 # Hyper-parameter defaults follow tf.keras optimizers (Adam epsilon 1e-7, accumulators 0.1).
@@ -219,6 +221,98 @@ class InitializerSpec:
         return cls(d["name"], d.get("params", {}))
 
 
+def _positive_int(kind: str, field: str, v, optional: bool = False):
+    if v is None and optional:
+        return
+    if not _is_int(v) or v <= 0:
+        raise ValueError(f"{kind}: {field} must be an int > 0{' or None' if optional else ''}, "
+                         f"got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AdmissionPolicy:
+    """Frequency admission of a table's keys (SOK's frequency filter; TFRA has none).
+
+    A key is admitted once the lossless access statistics have counted ``min_count``
+    training accesses of it (all ranks' batches, counted on its owner). Until then its
+    lookups read its deterministic initial row, its gradient updates nothing and it has
+    no row and no optimizer slots; its accesses are counted all the same. The update of
+    the step whose accesses reach ``min_count`` is the first one stored. A stored key (a
+    row written by training, a restore or a weight import) is always admitted.
+
+    Args:
+        min_count: int > 0; 1 admits every key at its first access (no filter).
+
+    Example::
+
+        >>> AdmissionPolicy(3).to_dict()
+        {'min_count': 3}
+    """
+    min_count: int
+
+    def __post_init__(self):
+        _positive_int("AdmissionPolicy", "min_count", self.min_count)
+
+    def to_dict(self) -> dict:
+        return {"min_count": self.min_count}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "AdmissionPolicy":
+        return cls(d["min_count"])
+
+
+@dataclasses.dataclass(frozen=True)
+class EvictionPolicy:
+    """Eviction of a table's keys: TTL by the last step a key was seen, and a cap.
+
+    Evaluated by ``GroupLookup.enforce_policy`` after a training step t (the group's step
+    counter after t's update; ``FusedModel.fit`` runs it after every step) when
+    ``t % every_steps == 0``, in this order:
+
+    1. TTL: every key of the table with ``t - last_seen > ttl_steps`` is evicted, where
+       ``last_seen`` is the step of its last training access (a key seen at step t
+       survives until step t + ttl_steps included);
+    2. cap: if the table then tracks more than ``max_rows`` keys over all ranks (stored
+       rows plus keys still counting towards admission), the excess with the smallest
+       (access count, last_seen, ID) is evicted: least used first, then least recently
+       seen, then the smaller ID (a total order, so the choice does not depend on the
+       number of ranks).
+
+    An evicted key loses its row, its optimizer slots and its access statistics
+    together; seen again, it starts over from its initial row (and, with admission,
+    from a count of 0).
+
+    Args:
+        ttl_steps: int > 0 or None (no TTL).
+        max_rows: int > 0 or None (no cap): keys tracked per table, all ranks together.
+        every_steps: int > 0, evaluate every this many steps (default every step;
+            between evaluations the table can exceed the cap by the keys those steps add).
+
+    Example::
+
+        >>> EvictionPolicy(ttl_steps=100, max_rows=10_000).to_dict()
+        {'ttl_steps': 100, 'max_rows': 10000, 'every_steps': 1}
+    """
+    ttl_steps: Optional[int] = None
+    max_rows: Optional[int] = None
+    every_steps: int = 1
+
+    def __post_init__(self):
+        _positive_int("EvictionPolicy", "ttl_steps", self.ttl_steps, optional=True)
+        _positive_int("EvictionPolicy", "max_rows", self.max_rows, optional=True)
+        _positive_int("EvictionPolicy", "every_steps", self.every_steps)
+        if self.ttl_steps is None and self.max_rows is None:
+            raise ValueError("EvictionPolicy: set ttl_steps, max_rows or both")
+
+    def to_dict(self) -> dict:
+        return {"ttl_steps": self.ttl_steps, "max_rows": self.max_rows,
+                "every_steps": self.every_steps}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "EvictionPolicy":
+        return cls(d.get("ttl_steps"), d.get("max_rows"), d.get("every_steps", 1))
+
+
 @dataclasses.dataclass(frozen=True)
 class TableSpec:
     """One logical embedding table: rows of ``dim`` values, one per ID.
@@ -231,6 +325,10 @@ class TableSpec:
         vocabulary_size: None for a dynamic hash table (any ID); an int > 0 for a static
             table, whose IDs must lie in [0, vocabulary_size).
         key_dtype: "int64" or "int32" (a tf/numpy dtype with that ``.name`` is accepted).
+        admission: optional AdmissionPolicy of the table's keys (dynamic tables only).
+        eviction: optional EvictionPolicy of the table's keys (dynamic tables only).
+            Policies are per table (a FusedRec category): tables with different
+            policies still fuse into one group.
     """
     name: str
     dim: int
@@ -238,6 +336,8 @@ class TableSpec:
     initializer: InitializerSpec = dataclasses.field(default_factory=InitializerSpec)
     vocabulary_size: Optional[int] = None
     key_dtype: str = "int64"
+    admission: Optional[AdmissionPolicy] = None
+    eviction: Optional[EvictionPolicy] = None
 
     def __post_init__(self):
         _check_name("TableSpec", self.name)
@@ -254,6 +354,19 @@ class TableSpec:
         if dtype not in KEY_DTYPES:
             _fail("TableSpec", self.name, f"key_dtype {self.key_dtype!r} is not one of {KEY_DTYPES}")
         object.__setattr__(self, "key_dtype", dtype)
+        for field, cls in (("admission", AdmissionPolicy), ("eviction", EvictionPolicy)):
+            value = getattr(self, field)
+            if value is not None and not isinstance(value, cls):
+                _fail("TableSpec", self.name, f"{field} must be an {cls.__name__} or None, "
+                                              f"got {value!r}")
+            if value is not None and v is not None:
+                _fail("TableSpec", self.name, f"{field} policies need a dynamic table "
+                                              f"(vocabulary_size=None): a static table's "
+                                              f"memory is fixed")
+
+    @property
+    def has_policy(self) -> bool:
+        return self.admission is not None or self.eviction is not None
 
     @property
     def is_static(self) -> bool:
@@ -267,15 +380,22 @@ class TableSpec:
         return (self.dim, self.optimizer, self.initializer, self.key_dtype, self.is_static)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "dim": self.dim, "optimizer": self.optimizer.to_dict(),
-                "initializer": self.initializer.to_dict(), "vocabulary_size": self.vocabulary_size,
-                "key_dtype": self.key_dtype}
+        # Policies only when set: a plan without them keeps its old dict and fingerprint.
+        d = {"name": self.name, "dim": self.dim, "optimizer": self.optimizer.to_dict(),
+             "initializer": self.initializer.to_dict(), "vocabulary_size": self.vocabulary_size,
+             "key_dtype": self.key_dtype}
+        for field in _POLICY_FIELDS:
+            if getattr(self, field) is not None:
+                d[field] = getattr(self, field).to_dict()
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "TableSpec":
         return cls(d["name"], d["dim"], OptimizerSpec.from_dict(d["optimizer"]),
                    InitializerSpec.from_dict(d["initializer"]), d.get("vocabulary_size"),
-                   d.get("key_dtype", "int64"))
+                   d.get("key_dtype", "int64"),
+                   AdmissionPolicy.from_dict(d["admission"]) if d.get("admission") else None,
+                   EvictionPolicy.from_dict(d["eviction"]) if d.get("eviction") else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -476,9 +596,19 @@ class FusionPlan:
         return cls(tuple(FusedGroup(g["name"], tuple(FeatureSpec.from_dict(f) for f in g["features"]))
                          for g in d["groups"]))
 
-    def fingerprint(self) -> str:
-        """sha256 hex of the canonical JSON of ``to_dict()``; equal on ranks with equal plans."""
-        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), allow_nan=False)
+    def fingerprint(self, policies: bool = True) -> str:
+        """sha256 hex of the canonical JSON of ``to_dict()``; equal on ranks with equal plans.
+
+        ``policies=False`` leaves the tables' admission/eviction policies out: the
+        fingerprint of the storage layout alone (a checkpoint restores under changed
+        policies; a plan without policies has the same fingerprint either way)."""
+        d = self.to_dict()
+        if not policies:
+            for g in d["groups"]:
+                for f in g["features"]:
+                    for field in _POLICY_FIELDS:
+                        f["table"].pop(field, None)
+        blob = json.dumps(d, sort_keys=True, separators=(",", ":"), allow_nan=False)
         return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 

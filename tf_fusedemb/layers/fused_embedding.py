@@ -64,9 +64,8 @@ class FusedEmbedding(tf_keras.layers.Layer):
         self.key_mode = key_mode
         self._comm = communicator or get_communicator()
         self._check_same_plan_on_all_ranks()
-        self.exchange = exchange
-        self.exchanges = _choose_exchanges(self.plan, self._comm.topology, exchange,
-                                           traffic or TrafficHints())
+        self.exchange, self.traffic = exchange, traffic
+        self.exchanges = self._choose_exchanges_on_all_ranks(exchange, traffic or TrafficHints())
         self.groups = [GroupLookup(g, self._comm, key_mode, self.exchanges[g.name].kind)
                        for g in self.plan.groups]
         # Installed by a training step for one forward pass (see lookup_context).
@@ -84,6 +83,40 @@ class FusedEmbedding(tf_keras.layers.Layer):
                     f"FusedEmbedding '{self.name}': rank {rank} has a different feature set "
                     f"or specs than rank {self._comm.rank}: {_plan_diff(mine, other)}. Every "
                     "rank must build the layer with identical FeatureSpecs.")
+
+    def _choose_exchanges_on_all_ranks(self, exchange, traffic):
+        """{group name: ExchangeEstimate}, the same kinds on every rank: the ranks compare
+        their choices (one allgather) and each raises, naming the group, where they differ
+        (the node and rail collectives of one rank would otherwise wait forever for the
+        world AlltoAll of another)."""
+        try:
+            choices, error = _choose_exchanges(self.plan, self._comm.topology, exchange,
+                                               traffic), None
+        except ValueError as e:  # raised after the allgather: no rank is left waiting
+            choices, error = None, e
+        if self._comm.size == 1:
+            if error:
+                raise error
+            return choices
+        mine = {"exchanges": None if error else {g: c.kind for g, c in choices.items()},
+                "error": str(error) if error else None}
+        everyone = self._comm.allgather_object(mine)
+        if error:
+            raise error
+        for rank, other in enumerate(everyone):
+            if other["error"]:
+                raise ValueError(f"FusedEmbedding '{self.name}': rank {rank} could not choose "
+                                 f"the exchanges: {other['error']}")
+        for name, choice in choices.items():
+            kinds = [other["exchanges"][name] for other in everyone]
+            if len(set(kinds)) > 1:
+                raise ValueError(
+                    f"FusedEmbedding '{self.name}': group '{name}': the ranks chose different "
+                    f"exchanges ({', '.join(f'rank {r}: {k}' for r, k in enumerate(kinds))}; "
+                    f"this is rank {self._comm.rank}, {self._comm.topology.describe()}). "
+                    f"Every rank must see the same topology, {EXCHANGE_ENV}, exchange= and "
+                    "traffic= (e.g. link costs measured on one rank and shared).")
+        return choices
 
     def __call__(self, inputs, *args, **kwargs):
         # Keras converts Python/numpy leaves of the input dict one element at a time before
@@ -163,6 +196,23 @@ class FusedEmbedding(tf_keras.layers.Layer):
         """{group name: cumulative counter snapshot} (eager)."""
         return {g.group.name: g.counters.snapshot() for g in self.groups}
 
+    @property
+    def has_eviction(self) -> bool:
+        """Whether some table of the layer has an EvictionPolicy."""
+        return any(g.policy is not None and g.policy.evictions for g in self.groups)
+
+    def enforce_policies(self) -> dict:
+        """Runs every group's eviction (``GroupLookup.enforce_policy``) after a training
+        step; ``FusedModel.fit`` calls it after every step, a custom loop calls it after
+        each ``train_step`` on every rank. Eager. Returns {group name: keys evicted on
+        this rank}."""
+        return {g.group.name: g.enforce_policy() for g in self.groups}
+
+    def memory(self) -> dict:
+        """{group name: GroupLookup.memory()} of this rank: stored rows, tracked keys,
+        payload bytes (eager)."""
+        return {g.group.name: g.memory() for g in self.groups}
+
     def statistics(self, group_name=None):
         """AccessStatistics of a group (by name, default the only/first group)."""
         for g in self.groups:
@@ -174,8 +224,11 @@ class FusedEmbedding(tf_keras.layers.Layer):
         config = super().get_config()
         config.update(features=[f.to_dict() for f in self.features],
                       plan=self.plan.to_dict(), key_mode=self.key_mode)
-        if isinstance(self.exchange, (str, Mapping)):
-            config.update(exchange=self.exchange)
+        if self.exchange is not None:  # a str or a mapping (Keras wraps a dict attribute)
+            config.update(exchange=self.exchange if isinstance(self.exchange, str)
+                          else dict(self.exchange))
+        if self.traffic is not None:
+            config.update(traffic=self.traffic.to_dict())
         return config
 
     @classmethod
@@ -183,6 +236,8 @@ class FusedEmbedding(tf_keras.layers.Layer):
         config = dict(config)
         config["features"] = [FeatureSpec.from_dict(f) for f in config["features"]]
         config["plan"] = FusionPlan.from_dict(config["plan"])
+        if isinstance(config.get("traffic"), Mapping):
+            config["traffic"] = TrafficHints.from_dict(config["traffic"])
         return cls(**config)
 
 

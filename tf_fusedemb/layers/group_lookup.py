@@ -17,6 +17,7 @@ from tf_fusedemb.layers.hierarchical_exchange import HierarchicalExchange
 from tf_fusedemb.layers.lookup_context import NO_CONTEXT, LookupContext
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FusedGroup
+from tf_fusedemb.storage.policy import GroupPolicy
 from tf_fusedemb.storage.statistics import AccessStatistics
 
 KEY_MODES = ("hashed", "packed")
@@ -60,6 +61,13 @@ class GroupLookup(tf.Module):
                          else FlatExchange(communicator, group.name, self.counters))
         self.stats = AccessStatistics(group.name, self.table_names)
         self.table = self._make_table()
+        # Admission and eviction per table (TableSpec.admission / .eviction), decided on
+        # the owner from the statistics; static tables cannot have policies (specs.py).
+        self.policy = GroupPolicy(group.tables) if any(t.has_policy for t in group.tables) \
+            else None
+        if self.policy is not None and self.policy.admits:
+            self._min_counts = tf.constant(self.policy.min_counts)
+            self.table.admission = self._admitted
 
     def _make_table(self):
         from tf_fusedemb.storage import tables  # pylint: disable=import-outside-toplevel
@@ -157,7 +165,44 @@ class GroupLookup(tf.Module):
         else:
             keys = hashing.hashed_unified_keys(ids, [table] * len(ids))
         self.table.load({"keys": keys, "values": rows})
-        self.stats.register(keys, segment, ids)
+        self.stats.register(keys, segment, ids, step=int(self.table.step.numpy()))
+
+    def _admitted(self, keys):
+        """bool[u]: which of the owner's unique ``keys`` int64[u] an update may store: a
+        stored key, or one whose access count (this step's accesses included: they were
+        recorded during the forward pass) reached its table's ``min_count``."""
+        cats, _ = self.stats.key_metadata(keys)
+        known = cats >= 0  # a key never recorded (a direct table call) is not filtered
+        need = tf.where(known, tf.gather(self._min_counts, tf.maximum(cats, 0)), 0)
+        return tf.logical_or(self.stats.counts_of(keys) >= need, self.table.contains(keys))
+
+    def enforce_policy(self) -> int:
+        """Evicts the keys the tables' EvictionPolicies select after the step the
+        group's step counter shows (TTL, then the cap; see ``EvictionPolicy``): their
+        rows, optimizer slots and statistics together. Every rank must call it after
+        the same steps (it may run up to two collectives); calling it twice after one
+        step evicts nothing more. Eager.
+
+        Returns:
+          int, the number of keys this rank evicted.
+        """
+        if self.policy is None or not self.policy.due(int(self.table.step.numpy())):
+            return 0
+        keys = self.policy.evictions_at(int(self.table.step.numpy()), self.stats.export(),
+                                        self.comm.allgather_object)
+        if len(keys):
+            self.table.remove(tf.constant(keys, tf.int64))
+            self.stats.remove(keys)
+        return len(keys)
+
+    def memory(self) -> dict:
+        """What this rank holds for the group (eager): ``rows`` stored rows, ``tracked_keys``
+        keys with statistics, and ``bytes``, their payload: per row the key (8) and
+        dim float32 values per row and optimizer slot, per tracked key 5 int64 (key,
+        count, table, ID, last step). Hash-table overhead is not counted."""
+        rows, tracked = int(self.table.size().numpy()), int(self.stats.size().numpy())
+        per_row = 8 + 4 * self.group.dim * (1 + len(self.table.slot_names))
+        return {"rows": rows, "tracked_keys": tracked, "bytes": rows * per_row + tracked * 40}
 
     def hashed_keys(self, ids, segment_ids):
         """Plan-independent unified keys mix64(id ^ tag(table)): int64[n]."""
@@ -186,7 +231,8 @@ class GroupLookup(tf.Module):
         init_keys = (hashed.lookup_keys if self.key_mode == "hashed"
                      else self.hashed_keys(hashed.lookup_ids, hashed.lookup_segment_ids))
         if record_statistics:  # training accesses only: not evaluation or prediction
-            self.stats.record(hashed, accesses)  # runs as a stateful op; gates nothing
+            # The step these accesses belong to: the one the next update takes (TTL clock).
+            self.stats.record(hashed, accesses, self.table.step + 1)  # stateful; gates nothing
         return dict(state, ids=ids, unique_inverse=uniq.inverse, keys=keys,
                     init_keys=init_keys, inverse=hashed.inverse)
 

@@ -16,6 +16,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_fusedemb.comm import get_communicator
+from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
 from tf_fusedemb.training import step as steps
 from tf_fusedemb.training.loss import KerasLoss
 from tf_fusedemb.training.progress import fit_verbosity
@@ -35,8 +36,10 @@ class SparseTrainingMixin:
         (or its string form, e.g. "dbp,fwp=4") making ``fit`` run NestPipe's dual-buffer
         prefetch and micro-batches with EmbRace's vertical scheduling. Pipelining changes
         when work happens, never what is computed: ``fit`` gives the same history and
-        weights as without it. Delayed row updates are applied at the end of each pass
-        over the data and before ``evaluate``/``predict`` (or call ``flush_pipeline``)."""
+        weights as without it. With prefetch, a step's delayed row updates and the
+        bottom half of its dense update are applied during the next step; they are
+        applied at the end of each pass over the data and before ``evaluate``/``predict``
+        (a per-batch callback that reads weights calls ``flush_pipeline`` first)."""
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics,
                         loss_weights=loss_weights, weighted_metrics=weighted_metrics, **kwargs)
         self._fused_compile = {"loss": loss, "loss_weights": loss_weights,
@@ -83,8 +86,26 @@ class SparseTrainingMixin:
             self._pipeline.flush()
 
     def make_train_function(self, force=False):
+        evicting = [layer for layer in fused_embedding_layers(self) if layer.has_eviction]
+        policies = [layer for layer in fused_embedding_layers(self)
+                    if any(g.policy is not None for g in layer.groups)]
         if getattr(self, "_fused_compile", {}).get("pipeline") is None:
-            return super().make_train_function(force)
+            if self.train_function is not None and not force:
+                return self.train_function
+            step = super().make_train_function(force)
+            if evicting:  # eviction after every step (Keras calls this once per step)
+                def step_then_evict(iterator):
+                    logs = step(iterator)
+                    for layer in evicting:
+                        layer.enforce_policies()
+                    return logs
+                self.train_function = step_then_evict
+            return self.train_function
+        if policies:
+            # The prefetch routes (and counts) batch t+1 before batch t's update, and
+            # delayed updates would rewrite evicted rows: not the synchronous semantics.
+            raise ValueError("admission/eviction policies need the synchronous step; "
+                             "compile without pipeline=")
         if self.train_function is None or force:
             self.train_function = self._pipelined_train_function
         return self.train_function

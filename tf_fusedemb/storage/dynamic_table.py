@@ -70,6 +70,17 @@ class DynamicGroupTable(GroupTable):
             out[n] = self.slots[n].lookup(keys)
         return out
 
+    def contains(self, keys):
+        """bool[u]: whether each of ``keys`` int64[u] has a stored row."""
+        return self.values.lookup(self._as_keys(keys, "keys"), return_exists=True)[1]
+
+    def remove(self, keys):
+        """Removes the rows of ``keys`` int64[u] and their optimizer slots (absent keys
+        are ignored); they read their initial rows again. Returns the op (None eagerly)."""
+        keys = self._as_keys(keys, "keys")
+        return tf.group([self.values.remove(keys)] +
+                        [self.slots[n].remove(keys) for n in self.slot_names])
+
     def _lookup(self, keys, init_keys):
         rows, exists = self.values.lookup(keys, return_exists=True)
         if self.initializer.name == "zeros":  # the table's default value is already right

@@ -74,6 +74,9 @@ class GroupTable(tf.Module):
         self.optimizer_spec = optimizer
         self.optimizer = RowOptimizer.from_spec(optimizer)
         self.validate_unique = validate_unique
+        # Optional admission filter, keys int64[u] -> bool[u] (set by the group's lookup
+        # when a table has an AdmissionPolicy): apply_gradients stores only admitted keys.
+        self.admission = None
         with tf.init_scope():  # state is created once, even if the first call is traced
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False,
                                     name=f"{_object_name(name)}_step")
@@ -114,6 +117,8 @@ class GroupTable(tf.Module):
                 1 first and its new value used (the first call uses 1); pass an explicit
                 step to split one batch's update into several calls (e.g. prior rows
                 first), after advancing the counter once with :meth:`advance_step`.
+                With an ``admission`` filter set, only admitted keys are written; the
+                others keep no row and no slots.
 
             return_rows: also return the updated rows float32[u, dim] (a pipeline copies
                 them into its prefetch buffer: NestPipe's dual-buffer synchronisation).
@@ -138,7 +143,13 @@ class GroupTable(tf.Module):
         step = self.advance_step() if step is None else tf.cast(step, tf.int64)
         rows, slots = self._read(keys, init_keys)
         new_rows, new_slots = self.optimizer.apply(rows, slots, grads, step)
-        op = self._write(keys, new_rows, new_slots)
+        if self.admission is None:
+            op = self._write(keys, new_rows, new_slots)
+        else:  # keys not admitted yet: nothing stored, they keep reading their initial row
+            admitted = tf.reshape(self.admission(keys), [-1])  # hash lookups lose the rank
+            op = self._write(tf.boolean_mask(keys, admitted), tf.boolean_mask(new_rows, admitted),
+                             {n: tf.boolean_mask(v, admitted) for n, v in new_slots.items()})
+            new_rows = tf.where(admitted[:, None], new_rows, rows)
         return (op, new_rows) if return_rows else op
 
     def advance_step(self) -> tf.Tensor:

@@ -2,6 +2,8 @@
 
 Recorded from the outputs of ``category_hash`` (step b.1), where every key still carries
 its category and instance ID, so reports can name "feature/ID" even in hashed mode.
+Per key: its access count, (category, ID) and the last step it was seen, which the
+admission and eviction policies (``tf_fusedemb.storage.policy``) decide by.
 """
 import numpy as np
 import tensorflow as tf
@@ -31,18 +33,25 @@ class AccessStatistics(tf.Module):
             self._counts = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, 0)
             self._ids = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, 0)
             self._cats = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, -1)
+            # unified key -> the last (training) step it was seen: TTL eviction's clock.
+            self._last = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, 0)
 
-    def record(self, hashed, accesses):
+    def record(self, hashed, accesses, step=None):
         """Adds one step's owner-side lookups; returns an op.
 
         Args:
           hashed: the ``CategoryHashResult`` of the received keys.
           accesses: int64[n] occurrences of each received key in its sender's batch.
+          step: int64 scalar, the step these accesses belong to (the group's step
+            counter after this step's update), recorded as the keys' last step; None
+            leaves the last steps as they are.
         """
         keys = hashed.lookup_keys
         counts = tf.math.unsorted_segment_sum(accesses, hashed.inverse, tf.size(keys))
         new_counts = self._counts.lookup(keys) + counts
-        return tf.group(
+        last = [] if step is None else [self._last.insert(
+            keys, tf.fill(tf.shape(keys), tf.cast(step, tf.int64)))]
+        return tf.group(*last,
             self.category_counts.assign_add(tf.math.unsorted_segment_sum(
                 counts, hashed.lookup_segment_ids, len(self.categories))),
             self.last_unique_keys.assign(tf.size(keys, out_type=tf.int64)),
@@ -58,35 +67,67 @@ class AccessStatistics(tf.Module):
         keys = tf.convert_to_tensor(keys, tf.int64)
         return self._cats.lookup(keys), self._ids.lookup(keys)
 
+    def counts_of(self, keys):
+        """int64[u]: access counts of unified ``keys`` (0 for a key never recorded)."""
+        return self._counts.lookup(tf.convert_to_tensor(keys, tf.int64))
+
+    def size(self):
+        """int64 scalar: number of keys tracked here (with a recorded (category, ID))."""
+        return self._cats.size()
+
     def known_keys(self):
         """int64[k], sorted: every unified key whose (category, ID) is recorded here, i.e.
         every key a training lookup, a restore or a weight import gave this rank (eager)."""
         return np.sort(self._cats.export()[0].numpy())
 
     def export(self):
-        """Per-key statistics as numpy arrays: keys, counts, categories, ids (eager)."""
-        keys, counts = (t.numpy() for t in self._counts.export())
-        cats, ids = (t.numpy() for t in self.key_metadata(keys))
-        return {"keys": keys, "counts": counts, "categories": cats, "ids": ids}
+        """Per-key statistics as numpy arrays, sorted by key: keys, counts, categories,
+        ids, last_steps (eager)."""
+        keys = np.sort(self._counts.export()[0].numpy())
+        tensor = tf.constant(keys, tf.int64)
+        cats, ids = (t.numpy() for t in self.key_metadata(tensor))
+        return {"keys": keys, "counts": self._counts.lookup(tensor).numpy(), "categories": cats,
+                "ids": ids, "last_steps": self._last.lookup(tensor).numpy()}
 
-    def register(self, keys, categories, ids):
+    def register(self, keys, categories, ids, step=0):
         """Records the (category, ID) behind stored ``keys`` (int64[u], int64[u],
         int64[u]) with no access: rows written by a restore or a weight import carry
-        their identity with them, so the table and its metadata stay one unit (eager)."""
+        their identity with them, so the table and its metadata stay one unit (eager).
+        A key not tracked yet gets ``step`` as its last step (its TTL starts now)."""
         if len(keys) == 0:
             return
         keys = tf.constant(keys, tf.int64)
+        new = tf.equal(self._cats.lookup(keys), -1)
+        self._last.insert(keys, tf.where(new, tf.constant(step, tf.int64), self._last.lookup(keys)))
         self._counts.insert(keys, self._counts.lookup(keys))
         self._ids.insert(keys, tf.constant(ids, tf.int64))
         self._cats.insert(keys, tf.constant(categories, tf.int64))
 
-    def load(self, keys, counts, categories, ids):
+    def remove(self, keys):
+        """Forgets ``keys`` int64[u] (unique, tracked here): counts, identities and last
+        steps; their counts leave the category totals too, which stay the sums over the
+        tracked keys (what a restore recomputes). Eviction's half of "rows, slots and
+        statistics leave together" (eager)."""
+        if len(keys) == 0:
+            return
+        keys = tf.constant(keys, tf.int64)
+        self.category_counts.assign_sub(tf.math.unsorted_segment_sum(
+            self._counts.lookup(keys), tf.cast(tf.maximum(self._cats.lookup(keys), 0), tf.int32),
+            len(self.categories)))
+        for table in (self._counts, self._ids, self._cats, self._last):
+            table.remove(keys)
+
+    def load(self, keys, counts, categories, ids, last_steps=None):
         """Adds per-key statistics (e.g. this rank's share of a checkpoint); category
-        totals are recomputed from them, so resharding loses no count (eager)."""
+        totals are recomputed from them, so resharding loses no count (eager).
+        ``last_steps`` int64[u] (default: kept, or 0 for a new key) are the keys' last
+        steps."""
         if len(keys) == 0:
             return
         self.register(keys, categories, ids)
         keys = tf.constant(keys, tf.int64)
+        if last_steps is not None:
+            self._last.insert(keys, tf.constant(last_steps, tf.int64))
         self._counts.insert(keys, self._counts.lookup(keys) + tf.constant(counts, tf.int64))
         self.category_counts.assign_add(tf.math.unsorted_segment_sum(
             tf.constant(counts, tf.int64), tf.constant(categories, tf.int32),

@@ -5,7 +5,8 @@ Layout of ``<dir>/ckpt-<step>/``:
   dense.*                       tf.train.Checkpoint of the dense variables and optimizer
                                 (identical on every rank; written by rank 0)
   shard-<r>-of-<N>.npz          rank r's embedding rows per group: keys, values, optimizer
-                                slots, each key's (table, raw ID), access statistics, step
+                                slots, each key's (table, raw ID), access statistics (counts,
+                                last steps: what admission and eviction decide by), step
 ``<dir>/latest`` names the newest complete checkpoint.
 
 Atomicity: everything is written into ``ckpt-<step>.tmp`` first; after a barrier rank 0
@@ -82,7 +83,7 @@ class CheckpointManager:
         self._barrier("ckpt_written")
         if self.comm.rank == 0:
             meta = {"step": step, "world_size": self.comm.size, "state": state or {},
-                    "plans": [layer.plan.fingerprint() for layer in self.layers]}
+                    "plans": [layer.plan.fingerprint(policies=False) for layer in self.layers]}
             with open(os.path.join(tmp, "meta.json"), "w") as f:
                 json.dump(meta, f)
             shutil.rmtree(final, ignore_errors=True)
@@ -144,7 +145,8 @@ class CheckpointManager:
             return None
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
-        plans = [layer.plan.fingerprint() for layer in self.layers]
+        # Policies may change between runs: only the storage layout must match.
+        plans = [layer.plan.fingerprint(policies=False) for layer in self.layers]
         if plans != meta["plans"]:
             raise ValueError(f"checkpoint {path} was written with other fusion plans; "
                              "build the model with the same FeatureSpecs and plan")
@@ -165,9 +167,13 @@ class CheckpointManager:
             rows[slot] = merged(slot)[mine]
         g.table.load(rows)
         g.table.step.assign(int(max(s[prefix + "step"] for s in shards)))
-        stats = {k: merged("stats/" + k) for k in ("keys", "counts", "categories", "ids")}
+        fields = ["keys", "counts", "categories", "ids"]
+        if all(prefix + "stats/last_steps" in s for s in shards):  # absent before eviction
+            fields.append("last_steps")
+        stats = {k: merged("stats/" + k) for k in fields}
         owned = hashing.owner_rank(stats["ids"], self.comm.size) == self.comm.rank
-        g.stats.load(*(stats[k][owned] for k in ("keys", "counts", "categories", "ids")))
+        g.stats.load(*(stats[k][owned] for k in fields))
         # The rows' (table, ID) come from the rows' own arrays, last: a restored row can
         # never lack (or get another) identity, whatever the access statistics hold.
-        g.stats.register(rows["keys"], merged("tables")[mine], ids[mine])
+        g.stats.register(rows["keys"], merged("tables")[mine], ids[mine],
+                         step=int(g.table.step.numpy()))
