@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 import tensorflow as tf
+import tf_keras
 
 from horovod_launch import horovodrun
 from tf_fusedemb.comm import CommCounters, LocalCommunicator
@@ -115,6 +116,61 @@ def test_layer_describes_the_chosen_exchange_per_group():
     assert "exchange: flat (one node)" in single.describe()
     with pytest.raises(ValueError, match="exchange must be"):
         FusedEmbedding(feats, communicator=_FakeWorld(), exchange="ring")
+
+
+def test_traffic_hints_survive_model_from_json():
+    """The layer's ``traffic`` hints are part of its Keras config: a model rebuilt from its
+    JSON plans its exchanges under the same hints."""
+    t8 = TableSpec("t8", 8, OptimizerSpec.sgd(0.1))
+    feats = [FeatureSpec("a", t8), FeatureSpec("b", TableSpec("t4", 4, OptimizerSpec.sgd(0.1)))]
+    hints = TrafficHints({"g0_d8_sgd": 20000.0}, {"g0_d8_sgd": 0.5, "g1_d4_sgd": 0.9},
+                         LinkCosts(intra_mbit=20000, inter_mbit=300, round_latency_s=1e-3))
+    inputs = {f.name: tf_keras.Input([], dtype=tf.int64, name=f.name) for f in feats}
+    out = FusedEmbedding(feats, exchange={"g1_d4_sgd": "flat"}, traffic=hints,
+                         name="emb")(inputs)
+    model = tf_keras.Model(inputs, tf_keras.layers.Concatenate()(list(out.values())))
+    again = tf_keras.models.model_from_json(model.to_json())
+    layer = again.get_layer("emb")
+    assert layer.traffic == hints and isinstance(layer.traffic.links, LinkCosts)
+    assert layer.exchange == {"g1_d4_sgd": "flat"}
+    assert json.loads(again.to_json()) == json.loads(model.to_json())
+    assert TrafficHints.from_dict(TrafficHints().to_dict()) == TrafficHints()
+
+
+class _DisagreeingWorld(_FakeWorld):
+    """A 2 x 2 world whose rank 2 chose the flat exchange for ``g0_d8_sgd`` (e.g. other
+    hints or another TF_FUSEDEMB_EXCHANGE there)."""
+
+    def allgather_object(self, obj):
+        everyone = [obj] * self.size
+        if isinstance(obj, dict) and "exchanges" in obj:
+            everyone[2] = {"exchanges": dict(obj["exchanges"], g0_d8_sgd="flat"), "error": None}
+        return everyone
+
+
+class _FailingRankWorld(_FakeWorld):
+    """A 2 x 2 world whose rank 3 could not choose (it raised before comparing)."""
+
+    def allgather_object(self, obj):
+        everyone = [obj] * self.size
+        if isinstance(obj, dict) and "exchanges" in obj:
+            everyone[3] = {"exchanges": None, "error": "group 'g0_d8_sgd': exchange must be"}
+        return everyone
+
+
+def test_ranks_that_choose_different_exchanges_fail_naming_the_group():
+    """The per-group flat/hierarchical choice is compared across ranks at build: where the
+    ranks differ, each raises (instead of hanging in mismatched collectives)."""
+    feats = [FeatureSpec("a", TableSpec("t8", 8, OptimizerSpec.sgd(0.1))),
+             FeatureSpec("b", TableSpec("t4", 4, OptimizerSpec.sgd(0.1)))]
+    with pytest.raises(ValueError, match=r"group 'g0_d8_sgd': the ranks chose different "
+                                         r"exchanges \(rank 0: hierarchical, rank 1: "
+                                         r"hierarchical, rank 2: flat"):
+        FusedEmbedding(feats, communicator=_DisagreeingWorld(), exchange="hierarchical")
+    with pytest.raises(ValueError, match="rank 3 could not choose the exchanges"):
+        FusedEmbedding(feats, communicator=_FailingRankWorld(), exchange="hierarchical")
+    agreed = FusedEmbedding(feats, communicator=_FakeWorld(), exchange="hierarchical")
+    assert {g.exchange.kind for g in agreed.groups} == {"hierarchical"}
 
 
 @pytest.mark.timeout(300)

@@ -50,6 +50,23 @@ class TrafficHints:
     dedup_ratio: Union[float, Mapping[str, float]] = 1.0
     links: LinkCosts = LinkCosts()
 
+    def to_dict(self) -> dict:
+        """JSON-able fields (a layer's Keras config); :meth:`from_dict` reads them back."""
+        def plain(value):
+            return ({str(k): float(v) for k, v in value.items()} if isinstance(value, Mapping)
+                    else float(value))
+        return {"unique_keys_per_rank": plain(self.unique_keys_per_rank),
+                "dedup_ratio": plain(self.dedup_ratio),
+                "links": {f.name: float(getattr(self.links, f.name))
+                          for f in dataclasses.fields(LinkCosts)}}
+
+    @classmethod
+    def from_dict(cls, config: Mapping) -> "TrafficHints":
+        config = dict(config)
+        if "links" in config:
+            config["links"] = LinkCosts(**config["links"])
+        return cls(**config)
+
     def of(self, field: str, group: str) -> float:
         value = getattr(self, field)
         return float(value.get(group, 1.0 if field == "dedup_ratio" else 4096.0)
