@@ -11,6 +11,13 @@ local/cross topology and static process sets per node and rail:
 Where the machine cannot build the cluster (not root, no namespaces), the same runs go to
 4 local ranks seen as 2 nodes x 2 (``TF_FUSEDEMB_TOPOLOGY=2x2``): the same process sets
 and collectives over loopback.
+
+3 hosts x 2 ranks: 6 local ranks seen as 3 nodes x 2 (``TF_FUSEDEMB_TOPOLOGY=3x2``), the
+synchronous hierarchical exchange equal to the reference (rails of 3 ranks: a node's keys
+go to two other nodes). The override is the cheaper emulation (no namespaces, and the
+exactness does not depend on the link); Horovod's own local/cross detection, DBP + FWP
+and the flat comparison are covered by the 2 x 2 runs above. About 3 minutes of 6 ranks
+on 2 cores.
 """
 import os
 import sys
@@ -67,27 +74,27 @@ def run_job():
             cluster.close()
 
 
-def expected_accesses(steps, rank=0):
+def expected_accesses(steps, rank=0, world=WORLD):
     """Accesses of the keys ``rank`` owns, per table, counted in numpy: every ID of the
-    ``steps`` global batches, plus each rank reading every row once at the end (the
-    worker's read_state)."""
+    ``steps`` global batches, plus each of the ``world`` ranks reading every row once at
+    the end (the worker's read_state)."""
     out = {}
     for name, vocab in em.VOCAB.items():
-        ids = [np.arange(vocab)] * WORLD
+        ids = [np.arange(vocab)] * world
         for t in range(steps):
             f = em.global_batch(t)[0][name]
             ids.append(np.asarray([i for row in f for i in row] if isinstance(f, list) else f,
                                   np.int64))
-        out[name] = int((hashing.owner_rank(np.concatenate(ids), WORLD) == rank).sum())
+        out[name] = int((hashing.owner_rank(np.concatenate(ids), world) == rank).sum())
     return out
 
 
-def check(result, steps):
+def check(result, steps, world=WORLD):
     (losses, dense, tables), _ = reference(steps)
     assert len(result["losses"]) == steps
-    assert_equivalent(result, WORLD, (losses, dense, tables))
+    assert_equivalent(result, world, (losses, dense, tables))
     got = {n: c for access in result["access"].values() for n, c in access.items()}
-    assert got == expected_accesses(steps)
+    assert got == expected_accesses(steps, world=world)
     for group, c in result["counters"].items():
         assert c["inter_bytes_sent"] > 0 and c["intra_bytes_sent"] > 0, (group, c)
 
@@ -107,3 +114,21 @@ def test_hierarchical_dbp_fwp_equals_reference(run_job):
     result = parse_result(run_job([SCRIPT, "--steps", str(steps), "--pipeline", "dbp,fwp=2",
                                    "--empty-step", "3"]))
     check(result, steps)
+
+
+@pytest.mark.timeout(900)
+def test_three_hosts_of_two_ranks_hierarchical_equals_reference(monkeypatch):
+    """3 x 2: 6 local ranks seen as 3 nodes of 2 (``TF_FUSEDEMB_TOPOLOGY=3x2``: Horovod's
+    static process sets per node and rail, the same collectives as on 3 hosts, over
+    loopback). The hierarchical exchange equals the single-process reference (1e-5), with
+    2 stages x (keys, rows, gradients) per step, half of them between nodes. (No empty
+    batch here: 6 ranks with an empty batch at step 1 hang with the flat exchange too, a
+    separate defect under investigation.)"""
+    steps = 3
+    monkeypatch.setenv("TF_FUSEDEMB_TOPOLOGY", "3x2")
+    monkeypatch.setenv("TF_FUSEDEMB_EXCHANGE", "hierarchical")
+    monkeypatch.setenv("TF_NUM_INTRAOP_THREADS", "1")  # 6 ranks share the cores
+    result = parse_result(horovodrun([SCRIPT, "--steps", str(steps)], 6, timeout=840))
+    check(result, steps, world=6)
+    for group, c in result["counters"].items():
+        assert c["rounds"] == 6 * steps and c["inter_rounds"] == 3 * steps, (group, c)
