@@ -22,6 +22,7 @@ import equivalence_model as em  # noqa: E402
 from tf_fusedemb.comm import get_communicator  # noqa: E402
 from tf_fusedemb.layers import FusedEmbedding  # noqa: E402
 from tf_fusedemb.models import FusedModel, train_step  # noqa: E402
+from tf_fusedemb.training.tracing import RankInvariantFunction  # noqa: E402
 
 
 def all_rows_inputs():
@@ -84,9 +85,11 @@ def main(argv=None):
             return em.head_forward(self.head, self.emb(x))
     model = Model()
 
-    @tf.function(reduce_retracing=True, autograph=False)
-    def step(x, y):
-        return train_step(model, x, y, em.bce, dense_opt, communicator=comm).loss
+    # Traced once per input structure on every rank (reduce_retracing would retrace on the
+    # ranks whose batch size changes, e.g. when one rank's batch is empty, and ranks
+    # running different traces never meet in their collectives).
+    step = RankInvariantFunction(
+        lambda x, y: train_step(model, x, y, em.bce, dense_opt, communicator=comm).loss)
 
     if args.keras_fit:
         model.compile(optimizer=dense_opt, loss=em.bce)
