@@ -303,6 +303,18 @@ def test_pipelined_fit_refuses_policies():
         model.fit(x, y, batch_size=GLOBAL_BATCH, verbose=0)
 
 
+def test_prefetching_pipeline_refuses_policies():
+    """NestedPipeline used directly: prefetch with policies fails naming the group; the
+    synchronous schedule is accepted."""
+    from tf_fusedemb.pipeline import NestedPipeline, PipelineOptions  # pylint: disable=import-outside-toplevel
+    model, layer = build_model()
+    loss = tf_keras.losses.BinaryCrossentropy(from_logits=True)
+    with pytest.raises(ValueError, match=f"policies need the synchronous step.*"
+                                         f"{layer.groups[0].group.name}"):
+        NestedPipeline(model, loss, tf_keras.optimizers.SGD(0.1), PipelineOptions(prefetch=True))
+    NestedPipeline(model, loss, tf_keras.optimizers.SGD(0.1), PipelineOptions())
+
+
 # ---------------------------------------------------------------- memory
 def zipf_stream(steps, batch, seed=3):
     """int64[steps, batch]: Zipf(1.2) popularity; IDs past the head of 100 are new at

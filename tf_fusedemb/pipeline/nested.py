@@ -79,6 +79,12 @@ class NestedPipeline:
         if not self.layers:
             raise ValueError("NestedPipeline: the model has no FusedEmbedding layer")
         self.lookups = [g for layer in self.layers for g in layer.groups]
+        if self.options.prefetch and any(g.policy is not None for g in self.lookups):
+            # The prefetch counts batch t+1's accesses before batch t's update, and delayed
+            # updates could rewrite evicted rows: not the synchronous semantics.
+            raise ValueError("NestedPipeline: admission/eviction policies need the synchronous "
+                             "step; prefetch (dbp) cannot be combined with them (groups "
+                             f"{[g.group.name for g in self.lookups if g.policy is not None]})")
         self._prepared = None  # prefetch buffer of the next step
         self._pending = None  # delayed row updates of the last step
         self._dense_pending = None  # the last step's dense gradients, not yet applied
