@@ -88,6 +88,7 @@ class NestedPipeline:
         self._prepared = None  # prefetch buffer of the next step
         self._pending = None  # delayed row updates of the last step
         self._dense_pending = None  # the last step's dense gradients, not yet applied
+        self._optimizer_built = False  # its slots created eagerly (see _build_optimizer)
         self._step_fn = RankInvariantFunction(self._step)
         self._prefetch_fn = RankInvariantFunction(self._prefetch)
         self._flush_fn = RankInvariantFunction(self._flush)
@@ -114,8 +115,10 @@ class NestedPipeline:
         result, prepared, self._pending, self._dense_pending = self._step_fn(
             x, y, sample_weight, self._prepared, pending, next_x, self._dense_pending)
         self._prepared = prepared if next_x is not None else None
-        if self._dense_pending is not None:  # the next step applies it: its trace must
-            _build_optimizer(self.optimizer, self.model.trainable_variables)  # not create slots
+        if self._dense_pending is not None and not self._optimizer_built:  # the next step
+            # applies it: its trace must not create the optimizer's slots
+            _build_optimizer(self.optimizer, self.model.trainable_variables)
+            self._optimizer_built = True
         return result
 
     def flush(self):
@@ -309,8 +312,6 @@ def _build_optimizer(optimizer, variables):
     """Creates ``optimizer``'s slot variables for ``variables`` now (eagerly), as its
     first ``apply_gradients`` would: a step whose dense update was deferred applies it in
     a later trace of the step function, where TensorFlow forbids creating variables."""
-    if getattr(optimizer, "_built", False):
-        return
     if hasattr(optimizer, "_create_all_weights"):  # tf_keras.optimizers.legacy: no public
         optimizer._create_all_weights(variables)  # pylint: disable=protected-access
     else:
