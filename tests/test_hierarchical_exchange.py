@@ -20,6 +20,7 @@ and the flat comparison are covered by the 2 x 2 runs above. About 3 minutes of 
 on 2 cores.
 """
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -132,3 +133,45 @@ def test_three_hosts_of_two_ranks_hierarchical_equals_reference(monkeypatch):
     check(result, steps, world=6)
     for group, c in result["counters"].items():
         assert c["rounds"] == 6 * steps and c["inter_rounds"] == 3 * steps, (group, c)
+
+
+EARLY_EXIT_SCRIPT = r"""
+import time
+import numpy as np
+import tensorflow as tf
+from tf_fusedemb.comm import get_communicator
+comm = get_communicator()
+assert [2, 3] in comm.process_sets, comm.process_sets
+if comm.rank >= 2:  # node 1 is late with its intra-node stage; node 0 is done already
+    time.sleep(4)
+    x = tf.constant([[10.0 * comm.rank], [10.0 * comm.rank + 1]])
+    received, _ = comm.alltoall(x, tf.constant([1, 1]), "late_intra_node", members=(2, 3))
+    print(f"RANK {comm.rank} RECEIVED {received.numpy().ravel().tolist()}", flush=True)
+"""
+
+
+def run_early_exit(env):
+    cmd = [sys.executable, "-m", "horovod.runner.launch", "-np", "4", "--gloo",
+           "-H", "localhost:4", sys.executable, "-c", EARLY_EXIT_SCRIPT]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_FUSEDEMB_TOPOLOGY="2x2",
+               TF_NUM_INTRAOP_THREADS="1", **env)
+    return subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=240)
+
+
+@pytest.mark.timeout(600)
+def test_rank_done_early_does_not_abort_another_nodes_exchange():
+    """Node 0's ranks finish while node 1 still runs an AlltoAll in its own process set.
+    Horovod's shutdown on rank 0 would abort it ("Horovod has been shut down": how the
+    3 x 2 run above once failed when rank 0 finished reading the tables first); the
+    watchdog makes a normal exit wait for the peers, so all four ranks exit 0 and node 1's
+    exchange delivers its rows. With the wait switched off (TF_FUSEDEMB_EXIT_WAIT_S=0)
+    the same job fails, as before (the set is gone, or its collective aborted)."""
+    out = run_early_exit({})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "RANK 2 RECEIVED [20.0, 30.0]" in out.stdout, out.stdout[-3000:]
+    assert "RANK 3 RECEIVED [21.0, 31.0]" in out.stdout, out.stdout[-3000:]
+    out = run_early_exit({"TF_FUSEDEMB_EXIT_WAIT_S": "0"})
+    text = out.stdout + out.stderr
+    assert out.returncode != 0 and ("Horovod has been shut down" in text or
+                                    "Process set provided does not exist" in text), text[-3000:]

@@ -100,7 +100,8 @@ class HorovodCommunicator(Communicator):
         with tf.init_scope():
             self._watchdog = _watchdog.start_watchdog(
                 self.rank, self.size,
-                lambda obj: hvd.allgather_object(obj, name="fusedemb/watchdog_addresses"))
+                lambda obj: hvd.allgather_object(obj, name="fusedemb/watchdog_addresses"),
+                wait_at_exit=bool(self._process_sets))
 
     @property
     def process_sets(self):

@@ -23,7 +23,12 @@ saying goodbye is seen within milliseconds, whatever this rank is doing. Then it
 
 A rank that exits normally says goodbye first (at interpreter exit, before Horovod's own
 shutdown), and one that exits with an uncaught exception says so with the exception, so
-finishing or failing is told apart from being lost. Connections use TCP keep-alive, so
+finishing or failing is told apart from being lost. When the job uses Horovod process sets
+(the hierarchical exchange's node and rail sets), a rank that exits normally then waits
+until every peer is gone too (at most ``TF_FUSEDEMB_EXIT_WAIT_S`` s, default 120): Horovod's
+shutdown on one rank aborts the collectives still running in process sets it is not part
+of, so a rank done with its last exchange must not shut Horovod down while another node
+still runs that exchange's intra-node stage. Connections use TCP keep-alive, so
 a peer whose host vanishes is noticed too (within about 25 s).
 
 Environment: ``TF_FUSEDEMB_WATCHDOG=0`` disables the watchdog; it is off under Horovod
@@ -46,6 +51,8 @@ EXIT_PEER_LOST = 75  # EX_TEMPFAIL: the job can be rerun and resumes from its ch
 TIMEOUT_ENV = "TF_FUSEDEMB_PEER_LOSS_TIMEOUT_S"
 ENABLE_ENV = "TF_FUSEDEMB_WATCHDOG"
 DEFAULT_TIMEOUT_S = 20.0
+EXIT_WAIT_ENV = "TF_FUSEDEMB_EXIT_WAIT_S"
+DEFAULT_EXIT_WAIT_S = 120.0
 _CONNECT_TIMEOUT_S = 120.0  # every rank reaches the mesh set-up within this (slow starts)
 _EXPLAIN_WAIT_S = 5.0  # a collective's error may arrive before the watchdog's notice
 _BYE = b"B"  # first byte of the goodbye message; the rest is a failure reason (or empty)
@@ -119,20 +126,21 @@ def _keepalive(sock):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
 
 
-def timeout_from_env():
-    """Seconds from TF_FUSEDEMB_PEER_LOSS_TIMEOUT_S (default 20); None for "none"."""
-    value = os.environ.get(TIMEOUT_ENV, "").strip().lower()
+def timeout_from_env(name=TIMEOUT_ENV, default=DEFAULT_TIMEOUT_S):
+    """Seconds from the environment variable ``name`` (TF_FUSEDEMB_PEER_LOSS_TIMEOUT_S,
+    default 20, or TF_FUSEDEMB_EXIT_WAIT_S); None for "none"."""
+    value = os.environ.get(name, "").strip().lower()
     if not value:
-        return DEFAULT_TIMEOUT_S
+        return default
     if value in ("none", "never", "off"):
         return None
     try:
         seconds = float(value)
     except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds or 'none', "
+        raise ValueError(f"{name} must be a number of seconds or 'none', "
                          f"got {value!r}") from None
     if seconds < 0:
-        raise ValueError(f"{TIMEOUT_ENV} must be >= 0, got {seconds}")
+        raise ValueError(f"{name} must be >= 0, got {seconds}")
     return seconds
 
 
@@ -146,14 +154,19 @@ class PeerWatchdog:
       timeout_s: seconds from a loss to the forced exit; None: never forced.
       exit_process: whether to end the process (at exit, or after ``timeout_s``) once a
         peer is lost; False in tests that run several watchdogs in one process.
+      exit_wait_s: at a normal exit, seconds to wait for every peer to be gone before
+        Horovod's shutdown (0: no wait; None: no limit). Needed with process sets only.
     """
 
     def __init__(self, rank, size, allgather_object, timeout_s=DEFAULT_TIMEOUT_S,
-                 exit_process=True):
+                 exit_process=True, exit_wait_s=0.0):
         self.rank, self.size = rank, size
         self.timeout_s, self._exit_process = timeout_s, exit_process
+        self.exit_wait_s = exit_wait_s
         self._lock = threading.Lock()
         self._lost, self._failed, self._finished, self._stopped = {}, {}, set(), set()
+        self._gone = set()  # peers whose connection closed, for any reason
+        self._all_gone = threading.Event()
         self._changed = threading.Event()
         self._activity, self._last_activity = [], "start-up"
         self._closing = False
@@ -281,6 +294,24 @@ class PeerWatchdog:
         if self._exit_process and self.lost():
             _flush_std()
             os._exit(EXIT_PEER_LOST)  # pylint: disable=protected-access
+        if error is None and self.exit_wait_s != 0:
+            self._wait_for_peers_to_exit()
+
+    def _wait_for_peers_to_exit(self):
+        """A normal exit waits for the peers (see the module doc: process sets). A peer
+        lost meanwhile: this rank's own work is complete, so it exits 0 without Horovod's
+        shutdown, which would wait for the dead peer."""
+        if not self._all_gone.wait(self.exit_wait_s):
+            with self._lock:
+                running = sorted(set(range(self.size)) - self._gone - {self.rank})
+            _stderr(f"tf_fusedemb: rank {self.rank} finished; {_ranks(running, self.size)} "
+                    f"still running after {self.exit_wait_s:g} s ({EXIT_WAIT_ENV}): shutting "
+                    "Horovod down now aborts their collectives in progress")
+        elif self.lost():
+            _stderr(f"tf_fusedemb: rank {self.rank} finished; {_ranks(self.lost(), self.size)}"
+                    f" {_was(self.lost())} lost afterwards; exiting without Horovod's shutdown")
+            _flush_std()
+            os._exit(0)  # pylint: disable=protected-access
 
     def _say_goodbye(self, reason):
         for sock in list(self._conns.values()):
@@ -311,10 +342,19 @@ class PeerWatchdog:
                     received[peer] += data[:2000]
                     continue
                 selector.unregister(sock)
-                if not self._closing:
-                    self._on_gone(peer, received[peer])
+                self._on_gone(peer, received[peer])
 
     def _on_gone(self, peer, message):
+        with self._lock:
+            self._gone.add(peer)
+            if len(self._gone) == self.size - 1:
+                self._all_gone.set()
+        if self._closing and message.startswith(_BYE):
+            return  # this rank is exiting normally: a peer's goodbye is no news
+        if self._closing:  # lost while this rank waits at its exit: recorded, not announced
+            with self._lock:
+                self._lost[peer] = time.monotonic()
+            return
         if message.startswith(_BYE):
             reason = message[1:].decode("utf-8", "replace")
             with self._lock:
@@ -369,10 +409,12 @@ def _flush_std():
 _WATCHDOG = None
 
 
-def start_watchdog(rank, size, allgather_object):
+def start_watchdog(rank, size, allgather_object, wait_at_exit=False):
     """The process's watchdog, started on the first call (every rank must make it at the
     same point); None in one process, under Horovod elastic, with TF_FUSEDEMB_WATCHDOG=0,
-    or when it could not connect (a warning says why; the job goes on without it)."""
+    or when it could not connect (a warning says why; the job goes on without it).
+    ``wait_at_exit``: the job has process sets, so a normal exit waits for the peers
+    (TF_FUSEDEMB_EXIT_WAIT_S)."""
     global _WATCHDOG
     if _WATCHDOG is not None or size < 2:
         return _WATCHDOG
@@ -380,7 +422,9 @@ def start_watchdog(rank, size, allgather_object):
             os.environ.get("HOROVOD_ELASTIC") == "1":
         return None
     try:
-        _WATCHDOG = PeerWatchdog(rank, size, allgather_object, timeout_from_env())
+        exit_wait = timeout_from_env(EXIT_WAIT_ENV, DEFAULT_EXIT_WAIT_S) if wait_at_exit else 0
+        _WATCHDOG = PeerWatchdog(rank, size, allgather_object, timeout_from_env(),
+                                 exit_wait_s=exit_wait)
     except RuntimeError as e:
         _stderr(f"tf_fusedemb: WARNING: {e}; running without the peer watchdog")
         return None
