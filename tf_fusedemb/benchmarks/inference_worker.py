@@ -46,28 +46,40 @@ def build_model(args):
     return model, batches
 
 
-def delay_fn(mode, max_delay_s, rank, size, seed: tuple):
-    """before_push hook of one block."""
-    if mode == "none" or max_delay_s <= 0:
-        return None
-    if mode == "straggler":
-        return (lambda j: time.sleep(max_delay_s / 2)) if rank == size - 1 else None
-    rng = np.random.default_rng([*seed, rank])
-    return lambda j: time.sleep(rng.uniform(0, max_delay_s))
+class Delay:
+    """before_push hook of one block: sleeps as the delay mode says and adds up the time
+    actually slept (``slept_s``: a sleep overshoots its request by tens of microseconds,
+    which no lag can mask, so the ideal time counts what was slept)."""
+
+    def __init__(self, mode, max_delay_s, rank, size, seed: tuple):
+        self.slept_s = 0.0
+        self._draw = None
+        if mode == "straggler" and rank == size - 1 and max_delay_s > 0:
+            self._draw = lambda: max_delay_s / 2
+        elif mode == "random" and max_delay_s > 0:
+            rng = np.random.default_rng([*seed, rank])
+            self._draw = lambda: rng.uniform(0, max_delay_s)
+
+    def __call__(self, j):
+        del j
+        if self._draw is not None:
+            start = time.perf_counter()
+            time.sleep(self._draw())
+            self.slept_s += time.perf_counter() - start
 
 
-def timed_block(predictor, batches, lag, hook):
-    """(wall seconds, per-batch latencies in ms) of one pass over ``batches``."""
+def timed_block(predictor, batches, lag, delay):
+    """(wall seconds, per-batch latencies in ms, seconds slept) of one pass over
+    ``batches``."""
     pushed = {}
 
     def before(j):
-        if hook is not None:
-            hook(j)
+        delay(j)
         pushed[j] = time.perf_counter()
     start = time.perf_counter()
     latencies = [(time.perf_counter() - pushed[j]) * 1e3
                  for j, _ in run_bounded_lag(predictor, batches, lag, before)]
-    return time.perf_counter() - start, latencies
+    return time.perf_counter() - start, latencies, delay.slept_s
 
 
 class HorovodExchange:
@@ -113,19 +125,21 @@ class Ranks:
                                                                           timeout)
 
 
-def run_block(predictor, batches, ranks, lag, hook, capacity, timeout):
-    """One timed pass with a fresh exchange of lag ``lag``: (wall s, latencies ms)."""
+def run_block(predictor, batches, ranks, lag, delay, capacity, timeout):
+    """One timed pass with a fresh exchange of lag ``lag``: (wall s, latencies ms,
+    slept s)."""
     predictor.exchange = ranks.make_exchange(lag, capacity, timeout)
     try:
-        return timed_block(predictor, batches, lag, hook)
+        return timed_block(predictor, batches, lag, delay)
     finally:
         if hasattr(predictor.exchange, "close"):
             predictor.exchange.close()
 
 
 def summarise(samples, rounds, iters, batch_size):
-    """{condition: iteration time, throughput, latency p50/p99} from every rank's
-    samples (a condition's wall time is the slowest rank's)."""
+    """{condition: iteration time, throughput, latency p50/p99, delay slept per rank and
+    iteration} from every rank's samples (a condition's wall time is the slowest
+    rank's)."""
     stats = {}
     for name in samples[0]:
         walls = [max(g[name][i][0] for g in samples) for i in range(rounds)]
@@ -134,7 +148,9 @@ def summarise(samples, rounds, iters, batch_size):
         stats[name] = {"iter_ms": round(wall / iters * 1e3, 3),
                        "samples_per_s": round(batch_size * iters / wall, 1),
                        "latency_p50_ms": round(float(np.percentile(lat, 50)), 3),
-                       "latency_p99_ms": round(float(np.percentile(lat, 99)), 3)}
+                       "latency_p99_ms": round(float(np.percentile(lat, 99)), 3),
+                       "slept_ms": round(float(np.mean([s[2] for g in samples for s in g[name]]))
+                                         / iters * 1e3, 3)}
     return stats
 
 
@@ -148,7 +164,8 @@ def run(args):
     capacity = predictor.capacity_bytes(args.batch_size)
     for _ in range(2):  # warm-up (traces the dense part); the second pass calibrates
         ranks.barrier()
-        wall, _ = run_block(predictor, batches, ranks, 0, None, capacity, args.timeout)
+        wall, _, _ = run_block(predictor, batches, ranks, 0, Delay("none", 0, 0, 1, ()),
+                               capacity, args.timeout)
     walls = ranks.gather(wall)
     max_delay_s = None
     if ranks.rank == 0:  # twice the no-delay iteration time, unless given
@@ -160,9 +177,9 @@ def run(args):
 
     def block(k, mode, r):
         def go():
-            hook = delay_fn(mode, max_delay_s, ranks.rank, ranks.size, [args.seed, r])
+            delay = Delay(mode, max_delay_s, ranks.rank, ranks.size, (args.seed, r))
             samples.setdefault(f"k{k}/{mode}", []).append(
-                run_block(predictor, batches, ranks, k, hook, capacity, args.timeout))
+                run_block(predictor, batches, ranks, k, delay, capacity, args.timeout))
         return go
     for r in range(args.rounds):
         interleaved_rounds({f"k{k}/{mode}": block(k, mode, r) for k in lags for mode in MODES},
