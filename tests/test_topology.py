@@ -1,5 +1,6 @@
 """Topology (nodes, rails, process sets), link-class counters and the flat/hierarchical
 cost model (issue 11, parts 1, 4 and 5), against values computed by hand or in numpy."""
+import dataclasses
 import json
 
 import numpy as np
@@ -9,7 +10,8 @@ import tf_keras
 
 from horovod_launch import horovodrun
 from tf_fusedemb.comm import CommCounters, LocalCommunicator
-from tf_fusedemb.comm.cost_model import LinkCosts, TrafficHints, estimate, node_dedup_ratio
+from tf_fusedemb.comm.cost_model import (LinkCosts, TrafficHints, estimate,
+                                         measure_node_stage_s_per_key, node_dedup_ratio)
 from tf_fusedemb.comm.topology import Topology
 from tf_fusedemb.layers import FusedEmbedding
 from tf_fusedemb.ops import hashing
@@ -76,6 +78,23 @@ def test_cost_model_prefers_hierarchical_on_slow_inter_node_links():
     assert one_host.kind == "flat" and one_host.hierarchical_s is None
     with pytest.raises(ValueError, match="several nodes"):
         estimate("g", 16, Topology(0, 4, 1), hints, forced="hierarchical")
+
+
+def test_node_stage_cost_is_measured_per_key_and_moves_the_choice():
+    """The node stage's compute per key is a measured, plausible figure (a CPU does the
+    dedup, sort and fan-out of a key in well under 100 us and in more than 1 ns), and a
+    costly node stage turns the planner to flat where the bytes alone favour
+    hierarchical."""
+    per_key = measure_node_stage_s_per_key(2000, 16, repeats=2)
+    assert 1e-9 < per_key < 1e-4, per_key
+    two_by_four = Topology(0, 4, 2)
+    links = LinkCosts(intra_mbit=40000, inter_mbit=300)
+    cheap = estimate("g", 16, two_by_four, TrafficHints(50000, 0.64, links))
+    costly = estimate("g", 16, two_by_four, TrafficHints(50000, 0.64, dataclasses.replace(
+        links, dedup_s_per_key=cheap.flat_s / 50000)))
+    assert cheap.kind == "hierarchical" and costly.kind == "flat"
+    assert costly.hierarchical_s == pytest.approx(cheap.hierarchical_s + cheap.flat_s - 50000
+                                                  * links.dedup_s_per_key)
 
 
 def test_node_dedup_ratio_matches_a_set_count():

@@ -173,9 +173,11 @@ def run(args):
         return result if rank == 0 else None
 
     rates = args.sweep_mbit if args.sweep else [args.link_mbit]
-    measured = measure_link_costs(comm, args.link_mbit)
+    measured = measure_link_costs(comm, args.link_mbit, keys_per_rank=int(unique_per_rank),
+                                  dim=DIM)
     log(f"measured: intra-node {measured.intra_mbit:.0f} Mbit/s per node, round latency "
-        f"{measured.round_latency_s * 1e3:.2f} ms")
+        f"{measured.round_latency_s * 1e3:.2f} ms, node stage "
+        f"{measured.dedup_s_per_key * 1e9:.0f} ns per key")
     points, cursor = {}, [0]
     for mbit in rates:
         if args.sweep:

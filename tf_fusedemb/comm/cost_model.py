@@ -142,10 +142,50 @@ def node_dedup_ratio(ids_per_rank: Sequence[np.ndarray], tables_per_rank: Sequen
     return hier / flat if flat else 1.0
 
 
+def measure_node_stage_s_per_key(num_keys: int, dim: int, repeats: int = 5,
+                                 seed: int = 0) -> float:
+    """Seconds per key of the local work a hierarchical exchange adds to a flat one,
+    measured on this rank (median of ``repeats``): on ``num_keys`` key messages from the
+    node mates (a fifth of them repeated, as node dedup finds on Criteo-like keys), the
+    node-level dedup (``segment_unique``, the counts' segment sum), the second owner sort
+    (``rankwise_sort``), and the rows' fan-out (``recovery_gather``, float32[num_keys, dim])
+    with its gradient (the node-level reduction). On shared cores this, not the bytes,
+    can decide the choice: the model's ``dedup_s_per_key``."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    from tf_fusedemb import ops  # pylint: disable=import-outside-toplevel
+    n = max(int(num_keys), 1)
+    rng = np.random.default_rng(seed)
+    ids = tf.constant(rng.integers(0, max(int(n * 0.8), 1), n), tf.int64)
+    splits = tf.constant([0, n], tf.int64)
+
+    @tf.function
+    def node_stage(ids):
+        uniq = ops.segment_unique(ids, splits)
+        counts = tf.math.unsorted_segment_sum(tf.ones_like(ids), uniq.inverse,
+                                              tf.size(uniq.unique_keys))
+        owner = ops.rankwise_sort(uniq.unique_keys, uniq.unique_segment_splits, 8)
+        rows = tf.ones([tf.size(uniq.unique_keys), dim], tf.float32)
+        with tf.GradientTape() as tape:
+            tape.watch(rows)
+            fanned, _ = ops.recovery_gather(rows, owner.indices, uniq.inverse)
+        return tf.reduce_sum(tape.gradient(fanned, rows)) + tf.cast(tf.reduce_sum(counts),
+                                                                      tf.float32)
+    node_stage(ids).numpy()  # trace and warm
+    times = []
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        node_stage(ids).numpy()
+        times.append(time.perf_counter() - begin)
+    return float(np.median(times)) / n
+
+
 def measure_link_costs(comm, inter_mbit: float, nbytes: float = 4e6, repeats: int = 5,
-                       dedup_s_per_key: float = LinkCosts.dedup_s_per_key) -> LinkCosts:
-    """LinkCosts with the intra-node bandwidth and the round latency MEASURED on ``comm``
-    (every rank calls it; collectives), the inter-node bandwidth declared.
+                       dedup_s_per_key: Optional[float] = None,
+                       keys_per_rank: int = 4096, dim: int = 16) -> LinkCosts:
+    """LinkCosts with the intra-node bandwidth, the round latency and the node stage's
+    compute per key MEASURED on ``comm`` (every rank calls it; collectives), the
+    inter-node bandwidth declared. ``dedup_s_per_key`` given: used instead of measuring
+    it (:func:`measure_node_stage_s_per_key` on ``keys_per_rank`` keys of ``dim``).
 
     The node's bandwidth: an AlltoAll inside the node in which every rank sends
     ``nbytes / (L - 1)`` to each node mate (median of ``repeats``); the latency: an
@@ -178,7 +218,11 @@ def measure_link_costs(comm, inter_mbit: float, nbytes: float = 4e6, repeats: in
         # Latency not subtracted: on loaded cores the two are alike and the difference
         # can vanish (an absurd bandwidth); the whole round is the conservative figure.
         intra = node_bytes * 8 / max(seconds, 1e-6) / 1e6
+    if dedup_s_per_key is None:
+        comm.allgather_object(None)  # every rank computes at once, as in a step
+        dedup_s_per_key = measure_node_stage_s_per_key(keys_per_rank, dim, repeats)
     # Every rank must plan alike: rank 0's figures for all.
-    intra, latency = comm.allgather_object((intra, latency))[0]
+    intra, latency, dedup_s_per_key = comm.allgather_object(
+        (intra, latency, dedup_s_per_key))[0]
     return LinkCosts(intra_mbit=intra, inter_mbit=inter_mbit, round_latency_s=latency,
                      dedup_s_per_key=dedup_s_per_key)
