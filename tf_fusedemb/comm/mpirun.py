@@ -108,13 +108,15 @@ def _run_bounded(command, timeout, env, cwd, capture=True):
                             text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
-    except BaseException:  # the timeout, or an interrupt of the caller
+    except BaseException as error:  # the timeout, or an interrupt of the caller
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.communicate(timeout=10)
+            out, err = proc.communicate(timeout=10)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+            out, err = proc.communicate()
+        if isinstance(error, subprocess.TimeoutExpired):  # what the job printed says where
+            error.stdout, error.stderr = out, err
         raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
