@@ -170,13 +170,20 @@ def measure_node_stage_s_per_key(num_keys: int, dim: int, repeats: int = 5,
             fanned, _ = ops.recovery_gather(rows, owner.indices, uniq.inverse)
         return tf.reduce_sum(tape.gradient(fanned, rows)) + tf.cast(tf.reduce_sum(counts),
                                                                       tf.float32)
-    node_stage(ids).numpy()  # trace and warm
+    return _median_seconds(lambda: node_stage(ids).numpy(), repeats) / n
+
+
+def _median_seconds(run, repeats, before=lambda: None) -> float:
+    """Median wall time of ``run()`` over ``repeats`` calls after a first (trace and warm)
+    one; ``before()`` runs untimed ahead of each."""
+    run()
     times = []
     for _ in range(repeats):
+        before()
         begin = time.perf_counter()
-        node_stage(ids).numpy()
+        run()
         times.append(time.perf_counter() - begin)
-    return float(np.median(times)) / n
+    return float(np.median(times))
 
 
 def measure_link_costs(comm, inter_mbit: float, nbytes: float = 4e6, repeats: int = 5,
@@ -199,14 +206,8 @@ def measure_link_costs(comm, inter_mbit: float, nbytes: float = 4e6, repeats: in
         x = tf.ones([int(sum(splits)), 16], tf.float32)
         fn = tf.function(lambda x: comm.alltoall(x, tf.constant(splits, tf.int32), name,
                                                  None, members)[0][:1])
-        fn(x)  # trace and warm
-        times = []
-        for _ in range(repeats):
-            comm.allgather_object(None)  # start together
-            begin = time.perf_counter()
-            fn(x).numpy()
-            times.append(time.perf_counter() - begin)
-        return float(np.median(times))
+        return _median_seconds(lambda: fn(x).numpy(), repeats,
+                               before=lambda: comm.allgather_object(None))  # start together
     latency = timed([1] * comm.size, None, "fusedemb/calibrate/latency")
     intra = LinkCosts.intra_mbit
     if topo.local_size > 1:

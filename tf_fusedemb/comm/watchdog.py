@@ -349,12 +349,10 @@ class PeerWatchdog:
             self._gone.add(peer)
             if len(self._gone) == self.size - 1:
                 self._all_gone.set()
-        if self._closing and message.startswith(_BYE):
-            return  # this rank is exiting normally: a peer's goodbye is no news
-        if self._closing:  # lost while this rank waits at its exit: recorded, not announced
-            with self._lock:
-                self._lost[peer] = time.monotonic()
-            return
+            if self._closing:  # this rank is exiting: a goodbye is no news, and a loss
+                if not message.startswith(_BYE):  # is recorded, not announced
+                    self._lost[peer] = time.monotonic()
+                return
         if message.startswith(_BYE):
             reason = message[1:].decode("utf-8", "replace")
             with self._lock:
