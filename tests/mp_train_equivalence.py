@@ -120,13 +120,14 @@ def main(argv=None):
 
     if args.pipeline:
         import dataclasses
-        from tf_fusedemb.pipeline import NestedPipeline, PipelineOptions
+        from tf_fusedemb.pipeline import PipelineOptions, make_pipeline
         options = PipelineOptions.parse(args.pipeline)
         if args.stale:
             options = dataclasses.replace(options, sync_buffers=False)
-        pipeline = NestedPipeline(model, em.bce, dense_opt, options, communicator=comm)
+        pipeline = make_pipeline(model, em.bce, dense_opt, options, communicator=comm)
         losses = [float(loss) for loss, _ in pipeline.run(batches())]
     else:
+        pipeline = None
         losses = [float(step(x, y)) for x, y in batches()]
     if args.save_dir:
         CheckpointManager(args.save_dir, model, dense_opt, communicator=comm).save(
@@ -145,6 +146,7 @@ def main(argv=None):
             "table_sizes": {k: sum(s[k] for s in sizes) for k in sizes[0]},
             "groups": [g.group.feature_names for g in layer.groups],
             "access": {g.group.name: g.stats.category_totals() for g in layer.groups},
+            "pipeline_chosen": getattr(pipeline, "chosen", None),  # an AutoPipeline's
         }
         print("RESULT " + json.dumps(result), flush=True)
 

@@ -6,7 +6,9 @@ local/cross topology and static process sets per node and rail:
     reference (1e-5), six AlltoAll rounds per step and group (keys, rows, gradients, each
     inside the node and along the rail), and the owners' access statistics are the exact
     counts of the keys (numpy), although the node merged its ranks' requests;
-  * DBP prefetch + FWP (2 micro-batches): the same.
+  * DBP prefetch + FWP (2 micro-batches): the same;
+  * the measured choice of the exchange (``PipelineOptions(exchange="auto")``): both
+    exchanges on the same tables in turn, then the faster: the same.
 
 Where the machine cannot build the cluster (not root, no namespaces), the same runs go to
 4 local ranks seen as 2 nodes x 2 (``TF_FUSEDEMB_TOPOLOGY=2x2``): the same process sets
@@ -35,6 +37,7 @@ from tf_fusedemb.ops import hashing
 from tf_fusedemb.testing.cluster import ClusterTimeout, ClusterUnavailable, EmulatedCluster
 
 HOSTS, RANKS_PER_HOST, WORLD = 2, 2, 4
+FLAT_ROUNDS, HIER_ROUNDS = 3, 6  # AlltoAll rounds per step and group: (keys, rows, grads) x stages
 RUN_TIMEOUT_S = 420
 ENV = {"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
        "TF_FUSEDEMB_EXCHANGE": "hierarchical"}
@@ -106,7 +109,7 @@ def test_hierarchical_sync_equals_reference(run_job):
     result = parse_result(run_job([SCRIPT, "--steps", str(steps), "--empty-step", "3"]))
     check(result, steps)
     for group, c in result["counters"].items():  # 2 stages x (keys, rows, gradients)
-        assert c["rounds"] == 6 * steps and c["inter_rounds"] == 3 * steps, (group, c)
+        assert c["rounds"] == HIER_ROUNDS * steps and c["inter_rounds"] == 3 * steps, (group, c)
 
 
 @pytest.mark.timeout(900)
@@ -115,6 +118,22 @@ def test_hierarchical_dbp_fwp_equals_reference(run_job):
     result = parse_result(run_job([SCRIPT, "--steps", str(steps), "--pipeline", "dbp,fwp=2",
                                    "--empty-step", "3"]))
     check(result, steps)
+
+
+@pytest.mark.timeout(900)
+def test_measured_exchange_choice_equals_reference(run_job):
+    """PipelineOptions(exchange="auto"): 5 steps with the flat exchange, 5 with the
+    hierarchical one (2 untimed + 3 timed each, on the same tables), then the faster; the
+    counters show which exchange each step used, and training is exact throughout."""
+    steps = 12
+    result = parse_result(run_job([SCRIPT, "--steps", str(steps), "--pipeline", "exchange=auto",
+                                   "--empty-step", "3"]))
+    check(result, steps)
+    chosen = result["pipeline_chosen"]
+    assert chosen in ("exchange=flat", "exchange=hierarchical"), chosen
+    rounds_after = FLAT_ROUNDS if chosen == "exchange=flat" else HIER_ROUNDS
+    for group, c in result["counters"].items():
+        assert c["rounds"] == 5 * FLAT_ROUNDS + 5 * HIER_ROUNDS + 2 * rounds_after, (group, c)
 
 
 @pytest.mark.timeout(900)
@@ -132,7 +151,7 @@ def test_three_hosts_of_two_ranks_hierarchical_equals_reference(monkeypatch):
                                      timeout=840))
     check(result, steps, world=6)
     for group, c in result["counters"].items():
-        assert c["rounds"] == 6 * steps and c["inter_rounds"] == 3 * steps, (group, c)
+        assert c["rounds"] == HIER_ROUNDS * steps and c["inter_rounds"] == 3 * steps, (group, c)
 
 
 EARLY_EXIT_SCRIPT = r"""

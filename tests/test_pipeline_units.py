@@ -8,7 +8,8 @@ import tf_keras
 
 from tf_fusedemb.layers import FusedEmbedding
 from tf_fusedemb.models import train_step
-from tf_fusedemb.pipeline import NestedPipeline, PipelineOptions
+from tf_fusedemb.pipeline import NestedPipeline, PipelineOptions, make_pipeline
+from tf_fusedemb.pipeline.auto import candidate_options
 from tf_fusedemb.training import keysets
 from tf_fusedemb.training.micro_batches import micro_batch_slices, slice_rows
 from tf_fusedemb.training.tracing import RankInvariantFunction, relaxed_spec
@@ -75,6 +76,46 @@ def test_options_validation_and_parse():
         PipelineOptions(vertical=True)
     with pytest.raises(ValueError, match="unknown pipeline option 'fast'"):
         PipelineOptions.parse("dbp,fast")
+    measured = PipelineOptions.parse("dbp,fwp=2,exchange=auto")
+    assert measured == PipelineOptions(prefetch=True, micro_batches=2, exchange="auto")
+    assert measured.label == "dbp,fwp=2,exchange=auto" and measured.is_measured
+    assert not PipelineOptions(exchange="flat").is_measured
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        PipelineOptions.parse("exchange=ring")
+
+
+def test_auto_candidates_cover_schedules_and_exchanges():
+    labels = [o.label for o in candidate_options(PipelineOptions(prefetch=True,
+                                                                 micro_batches="auto"))]
+    assert labels == ["sync", "dbp", "dbp,fwp=2", "dbp,fwp=4"]
+    labels = [o.label for o in candidate_options(PipelineOptions(micro_batches="auto",
+                                                                 exchange="auto"), (1, 2))]
+    assert labels == ["exchange=flat", "exchange=hierarchical", "fwp=2,exchange=flat",
+                      "fwp=2,exchange=hierarchical"]
+    labels = [o.label for o in candidate_options(PipelineOptions(prefetch=True, exchange="auto"),
+                                                 exchanges=("flat",))]
+    assert labels == ["dbp,exchange=flat"]  # one node: nothing to choose
+
+
+def test_measured_exchange_on_one_node_keeps_flat_and_trains_like_train_step():
+    """exchange="auto" on one rank: the one candidate (flat) is measured and kept, and
+    the steps equal plain train_step's; a hierarchical request names the topology."""
+    data = _batches(7)
+    ref, ref_opt = _Net(), tf_keras.optimizers.SGD(0.1)
+    ref_losses = [float(train_step(ref, x, y, _loss, ref_opt).loss) for x, y in data]
+    net = _Net()
+    pipe = make_pipeline(net, _loss, tf_keras.optimizers.SGD(0.1), PipelineOptions(exchange="auto"))
+    losses = [float(loss) for loss, _ in pipe.run(data)]
+    assert pipe.chosen == "exchange=flat" and list(pipe.timings) == ["exchange=flat"]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for k, want in _rows(ref).items():
+        np.testing.assert_allclose(_rows(net)[k], want, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="'hierarchical' exchange; this topology"):
+        NestedPipeline(_Net(), _loss, tf_keras.optimizers.SGD(0.1),
+                       PipelineOptions(exchange="hierarchical")).step(*_batches(1)[0])
+    with pytest.raises(ValueError, match="use tf_fusedemb.pipeline.make_pipeline"):
+        NestedPipeline(_Net(), _loss, tf_keras.optimizers.SGD(0.1),
+                       PipelineOptions(exchange="auto"))
 
 
 def test_relaxed_spec_and_single_trace_per_structure():

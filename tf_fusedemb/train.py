@@ -56,7 +56,9 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--pipeline", default=None,
                    help="NestPipe/EmbRace pipelining, e.g. 'dbp,fwp=4' (dual-buffer prefetch "
-                        "with vertical scheduling, 4 micro-batches); default synchronous")
+                        "with vertical scheduling, 4 micro-batches), 'fwp=auto' (measured), "
+                        "'exchange=auto' (flat or hierarchical exchange, measured on several "
+                        "hosts); default synchronous")
     p.add_argument("--cluster-samples", action="store_true",
                    help="key-centric sample clustering of each batch for the pipeline's "
                         "micro-batches (tf.data, asynchronous)")

@@ -17,6 +17,7 @@ from tf_fusedemb.comm import cost_model
 from tf_fusedemb.comm.cost_model import TrafficHints, measure_link_costs, node_dedup_ratio
 from tf_fusedemb.layers import FusedEmbedding
 from tf_fusedemb.models import train_step
+from tf_fusedemb.pipeline import PipelineOptions, make_pipeline
 from tf_fusedemb.training.tracing import RankInvariantFunction
 
 CAT = lookup_data.CATEGORICAL
@@ -24,17 +25,36 @@ KINDS = ("flat", "hierarchical")
 COUNTED_STEPS = 2  # steps whose counters give the bytes per step
 
 
-def _model(comm, args, exchange, traffic=None):
-    """(step function, model) of the benchmark's CriteoNet with ``exchange``."""
-    layer = FusedEmbedding(feature_specs(args.lr), communicator=comm, exchange=exchange,
-                           traffic=traffic)
+def _build(comm, args, exchange):
+    """(model, loss, optimizer) of the benchmark's CriteoNet with ``exchange``."""
+    layer = FusedEmbedding(feature_specs(args.lr), communicator=comm, exchange=exchange)
     model = CriteoNet(layer, seed=args.seed, hidden=args.hidden)
     optimizer = tf_keras.optimizers.Adagrad(args.lr)
     model.build_variables(optimizer)
-    loss_fn = tf_keras.losses.BinaryCrossentropy(from_logits=True)
+    return model, tf_keras.losses.BinaryCrossentropy(from_logits=True), optimizer
+
+
+def _model(comm, args, exchange):
+    """(step function, model) of the benchmark's CriteoNet with ``exchange``."""
+    model, loss_fn, optimizer = _build(comm, args, exchange)
     step = RankInvariantFunction(lambda x, y: train_step(model, x, y, loss_fn, optimizer,
                                                          communicator=comm).loss)
     return step, model
+
+
+def _measured_choice(comm, pieces, batches, cursor):
+    """The exchange ``PipelineOptions(exchange="auto")`` keeps, trained on ``pieces``
+    (model, loss, optimizer) from the next batches: (kind, {kind: its probe's ms per step,
+    the slowest rank's})."""
+    auto = make_pipeline(*pieces, PipelineOptions(exchange="auto"), comm)
+    while auto.chosen is None:
+        x, y = batches[cursor[0] % len(batches)]
+        cursor[0] += 1
+        float(auto.step(x, y).loss)
+    auto.flush()
+    timings = {auto_options.exchange: round(auto.timings[label] * 1e3, 3)
+               for label, auto_options in auto.schedules.items()}
+    return auto.chosen_options.exchange, timings
 
 
 def _tensors(batches):
@@ -110,14 +130,16 @@ def _byte_figures(comm, args, steps, batches, bound, unique_per_rank):
     return result
 
 
-def _point(times, diffs, planner_kind):
+def _point(times, diffs, planner_kind, measured_kind):
     step = {n: median_ms(t) for n, t in times.items()}
     flat, hier = step["flat"], step["hierarchical"]
     comm_ms = median_ms(diffs)
     return {"step_ms": step, "flat_comm_ms": round(comm_ms, 3),
             "hier_comm_share": round(min(max(comm_ms / flat, 0.0), 1.0), 4),
             "speedup_hier_vs_flat": round(flat / hier, 3), "planner_choice": planner_kind,
-            "planner_vs_best": round(step[planner_kind] / min(flat, hier), 3)}
+            "planner_vs_best": round(step[planner_kind] / min(flat, hier), 3),
+            "measured_choice": measured_kind,
+            "measured_vs_best": round(step[measured_kind] / min(flat, hier), 3)}
 
 
 def _time_rounds(comm, fns, batches, args, cursor, label, log):
@@ -179,6 +201,7 @@ def run(args):
         f"{measured.round_latency_s * 1e3:.2f} ms, node stage "
         f"{measured.dedup_s_per_key * 1e9:.0f} ns per key")
     points, cursor = {}, [0]
+    measured_model = _build(comm, args, "flat")  # trained with either exchange in turn
     for mbit in rates:
         if args.sweep:
             request_link_rate(comm, mbit)
@@ -188,10 +211,14 @@ def run(args):
             unique_per_rank, bound, dataclasses.replace(measured, inter_mbit=mbit)))
         fns = {"flat": steps["flat"][0], "hierarchical": steps["hierarchical"][0],
                "twin": twin[0]}
+        measured_kind, probe = _measured_choice(comm, measured_model, batches, cursor)
+        log(f"{mbit:g} Mbit/s: exchange='auto' measured {probe}, kept {measured_kind}")
         times, diffs = _time_rounds(comm, fns, batches, args, cursor, f"{mbit:g} Mbit/s", log)
-        points[f"{mbit:g}"] = dict(_point(times, diffs, estimate.kind), planner_predicted_ms={
-            "flat": round(estimate.flat_s * 1e3, 3),
-            "hierarchical": round(estimate.hierarchical_s * 1e3, 3)})
+        points[f"{mbit:g}"] = dict(_point(times, diffs, estimate.kind, measured_kind),
+                                   planner_predicted_ms={
+                                       "flat": round(estimate.flat_s * 1e3, 3),
+                                       "hierarchical": round(estimate.hierarchical_s * 1e3, 3)},
+                                   measured_probe_ms=probe)
     if rank != 0:
         return None
     chosen = _pick(points)
@@ -199,7 +226,8 @@ def run(args):
                    "hidden": list(args.hidden), "rounds": args.rounds,
                    "steps_per_block": args.steps, "link_mbit": float(chosen), "sweep": points})
     result.update({k: points[chosen][k] for k in ("speedup_hier_vs_flat", "hier_comm_share",
-                                                  "planner_vs_best", "planner_choice")})
+                                                  "planner_vs_best", "planner_choice",
+                                                  "measured_choice", "measured_vs_best")})
     return result
 
 

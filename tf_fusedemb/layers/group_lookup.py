@@ -55,10 +55,13 @@ class GroupLookup(tf.Module):
         self._tags = tf.constant(hashing.category_tags(self.table_names))
         self.counters = CommCounters(group.name,
                                      link_classes=communicator.topology.cross_size > 1)
-        self.exchange = (HierarchicalExchange(communicator, group.name, self.counters,
-                                              len(self.table_names))
-                         if exchange == "hierarchical"
-                         else FlatExchange(communicator, group.name, self.counters))
+        # Both exchanges where the topology allows (same tables and owners: a step may
+        # use either, see LookupContext.exchange); ``exchange`` is the group's own.
+        self.exchanges = {"flat": FlatExchange(communicator, group.name, self.counters)}
+        if exchange == "hierarchical" or communicator.topology.is_hierarchical:
+            self.exchanges["hierarchical"] = HierarchicalExchange(
+                communicator, group.name, self.counters, len(self.table_names))
+        self.exchange = self.exchanges[exchange]
         self.stats = AccessStatistics(group.name, self.table_names)
         self.table = self._make_table()
         # Admission and eviction per table (TableSpec.admission / .eviction), decided on
@@ -221,7 +224,8 @@ class GroupLookup(tf.Module):
         splits = tf.concat([tf.zeros([1], tf.int64), tf.cumsum(lengths)], 0)
         ids = tf.concat([f.ids for f in flats], 0)
         uniq = ops.segment_unique(ids, splits)
-        recv, state = self.exchange.send_keys(uniq, self._feature_table, context.suffix)
+        recv, state = self.exchange_for(context).send_keys(uniq, self._feature_table,
+                                                           context.suffix)
         recv_ids, accesses, category = decode_keys(recv)
         hashed = ops.category_hash(recv_ids, category, self.table_names, mode=self.key_mode)
         if self.group.is_static:
@@ -236,6 +240,16 @@ class GroupLookup(tf.Module):
         return dict(state, ids=ids, unique_inverse=uniq.inverse, keys=keys,
                     init_keys=init_keys, inverse=hashed.inverse)
 
+    def exchange_for(self, context: LookupContext):
+        """The exchange of ``context.exchange``, or the group's own."""
+        if context.exchange is None:
+            return self.exchange
+        if context.exchange not in self.exchanges:
+            raise ValueError(f"group '{self.group.name}': the step asks for the "
+                             f"{context.exchange!r} exchange; this topology "
+                             f"({self.comm.topology.describe()}) allows {sorted(self.exchanges)}")
+        return self.exchanges[context.exchange]
+
     def retrieve(self, routed):
         """Step 6: the owner's rows of ``routed["keys"]``: float32[u_l, dim]."""
         rows = self.table.lookup(routed["keys"], routed["init_keys"])
@@ -247,7 +261,7 @@ class GroupLookup(tf.Module):
         With a tape in ``context`` the owner's ``rows`` are watched and recorded."""
         context.record(rows, routed["keys"], routed["init_keys"], self.table, self.group.name)
         served = tf.gather(rows, routed["inverse"])
-        back = self.exchange.send_rows(served, routed, context.suffix)
+        back = self.exchange_for(context).send_rows(served, routed, context.suffix)
         back.set_shape([None, self.group.dim])
         return ops.recover_features(back, routed["sort_indices"], routed["unique_inverse"],
                                     [f.row_splits for f in flats], combiners)

@@ -8,6 +8,8 @@ installs it on the model's FusedEmbedding layers for the duration of one forward
 * takes its *prepared* lookup, routed and retrieved ahead of the forward pass (NestPipe's
   DBP prefetch), instead of routing anew;
 * appends ``suffix`` to its collective names (micro-batches need distinct names: FWP);
+* uses the ``exchange`` the step asks for ("flat" | "hierarchical"), else its own, so one
+  model can be trained with either (a measured choice, ``PipelineOptions(exchange="auto")``);
 * with a ``tape``, watches the owner-side rows it looked up and appends a
   :class:`LookupRecord`, so the step can differentiate them and apply the row update.
 
@@ -44,11 +46,14 @@ class LookupContext:
         float32[u_l, dim]}, lookups done ahead of the forward pass.
       suffix: appended to collective names, e.g. "/mb2" for micro-batch 2.
       records: filled with one LookupRecord per group lookup when ``tape`` is set.
+      exchange: "flat" or "hierarchical" for every group lookup; None: each group's own
+        (``FusedEmbedding(exchange=...)``).
     """
     tape: Optional[tf.GradientTape] = None
     prepared: Dict[int, dict] = dataclasses.field(default_factory=dict)
     suffix: str = ""
     records: List[LookupRecord] = dataclasses.field(default_factory=list)
+    exchange: Optional[str] = None
 
     def prepared_for(self, lookup) -> Optional[dict]:
         """The prepared lookup of ``lookup``, or None."""

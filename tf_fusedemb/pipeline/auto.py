@@ -1,4 +1,5 @@
-"""``micro_batches="auto"``: the schedule chosen by measuring it.
+"""``micro_batches="auto"`` and ``exchange="auto"``: the schedule and the exchange chosen by
+measuring them.
 
 FWP helps only when a micro-batch's communication can hide behind another's compute;
 with fast links or small batches its extra collectives and smaller kernels make the step
@@ -12,6 +13,13 @@ shared machine are noisy, so a more pipelined candidate must win by ``margin`` (
 3%): the first candidate (sync first, then fewer micro-batches) within that margin of
 the fastest is kept. Every rank takes the same decision (the slowest rank's time per
 candidate decides), so all ranks keep running the same graph.
+
+With ``exchange="auto"`` each schedule is tried with the flat and the hierarchical
+exchange (TawPipe), flat first: on a cluster of several nodes of several ranks the cost
+model (``tf_fusedemb.comm.cost_model``) predicts from bytes and link speeds, but ranks
+waiting for each other at the hierarchical exchange's extra stages can cost more than
+its saved bytes (seen with 8 ranks on 2 cores); measuring sees that. On one node, or one
+rank per node, there is nothing to choose and the flat exchange is used.
 """
 import dataclasses
 import time
@@ -24,22 +32,34 @@ from tf_fusedemb.pipeline.nested import NestedPipeline
 from tf_fusedemb.pipeline.options import PipelineOptions
 
 CANDIDATES = (1, 2, 4)
+EXCHANGE_CANDIDATES = ("flat", "hierarchical")
 MARGIN = 0.03  # how much faster a more pipelined schedule must measure to be chosen
 
 
-def candidate_options(options: PipelineOptions,
-                      micro_batches: Sequence[int] = CANDIDATES) -> List[PipelineOptions]:
-    """The schedules an auto pipeline measures, simplest first: the synchronous step
-    (when ``options`` asks for prefetch; without it N = 1 is the synchronous step), then
-    ``options`` with each N of ``micro_batches``."""
-    tried = [dataclasses.replace(options, micro_batches=n) for n in micro_batches]
-    return ([PipelineOptions()] if options.prefetch else []) + tried
+def candidate_options(options: PipelineOptions, micro_batches: Sequence[int] = CANDIDATES,
+                      exchanges: Sequence[str] = EXCHANGE_CANDIDATES) -> List[PipelineOptions]:
+    """The schedules an auto pipeline measures, simplest first.
+
+    With ``micro_batches="auto"``: the synchronous step (when ``options`` asks for
+    prefetch; without it N = 1 is the synchronous step), then ``options`` with each N of
+    ``micro_batches``; otherwise ``options``' own N. With ``exchange="auto"`` each of
+    them with every kind of ``exchanges`` (flat first); pass ``exchanges=("flat",)``
+    where the topology has no hierarchy."""
+    if options.micro_batches == "auto":
+        tried = [dataclasses.replace(options, micro_batches=n) for n in micro_batches]
+        schedules = ([PipelineOptions(exchange=options.exchange)] if options.prefetch
+                     else []) + tried
+    else:
+        schedules = [options]
+    if options.exchange != "auto":
+        return schedules
+    return [dataclasses.replace(s, exchange=kind) for s in schedules for kind in exchanges]
 
 
 class AutoPipeline:
     """A NestedPipeline whose schedule is measured (see module doc).
 
-    Args: as NestedPipeline; ``options.micro_batches`` is "auto".
+    Args: as NestedPipeline; ``options.micro_batches`` or ``options.exchange`` is "auto".
       candidates: the N tried. warmup, timed: steps per candidate (the first ``warmup``
         include tracing and are not timed). margin: the first candidate whose time is
         within ``(1 + margin)`` of the fastest is chosen.
@@ -47,6 +67,7 @@ class AutoPipeline:
       chosen: the chosen schedule's label (``PipelineOptions.label``, e.g. "sync" or
         "dbp,fwp=4"), None while measuring; ``chosen_options`` its PipelineOptions.
       timings: {label: seconds per step}.
+      schedules: {label: PipelineOptions} of the candidates measured, in order.
     """
 
     def __init__(self, model, loss, optimizer, options: PipelineOptions, communicator=None,
@@ -56,12 +77,13 @@ class AutoPipeline:
             raise ValueError(f"AutoPipeline: margin must be >= 0, got {margin}")
         self.comm = communicator or get_communicator()
         self.options, self.margin = options, margin
-        self._options = {o.label: o for o in candidate_options(options, candidates)}
+        exchanges = EXCHANGE_CANDIDATES if self.comm.topology.is_hierarchical else ("flat",)
+        self.schedules = {o.label: o for o in candidate_options(options, candidates, exchanges)}
         self._pipelines = {label: NestedPipeline(model, loss, optimizer, o, self.comm)
-                           for label, o in self._options.items()}
-        self._plan = [(label, i) for label in self._options for i in range(warmup + timed)]
+                           for label, o in self.schedules.items()}
+        self._plan = [(label, i) for label in self.schedules for i in range(warmup + timed)]
         self._warmup = warmup
-        self._times = {label: [] for label in self._options}
+        self._times = {label: [] for label in self.schedules}
         self.chosen: Optional[str] = None
         self.chosen_options: Optional[PipelineOptions] = None
         self.timings = {}
@@ -95,16 +117,20 @@ class AutoPipeline:
         fastest = min(self.timings.values())
         self.chosen = next(label for label, t in self.timings.items()
                            if t <= fastest * (1 + self.margin))
-        self.chosen_options = self._options[self.chosen]
+        self.chosen_options = self.schedules[self.chosen]
 
     def flush(self):
         """Applies pending delayed row updates of the pipeline in use."""
         for pipeline in self._pipelines.values():
             pipeline.flush()
 
+    # The same loop over (x, y) batches: it only calls step and flush.
+    run = NestedPipeline.run
+
 
 def make_pipeline(model, loss, optimizer, options: PipelineOptions, communicator=None):
-    """A NestedPipeline, or an AutoPipeline for ``micro_batches="auto"``."""
-    if options.micro_batches == "auto":
+    """A NestedPipeline, or an AutoPipeline for ``micro_batches="auto"`` or
+    ``exchange="auto"``."""
+    if options.is_measured:
         return AutoPipeline(model, loss, optimizer, options, communicator)
     return NestedPipeline(model, loss, optimizer, options, communicator)

@@ -42,7 +42,6 @@ import tensorflow as tf
 
 from tf_fusedemb.comm import get_communicator
 from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
-from tf_fusedemb.layers.lookup_context import LookupContext
 from tf_fusedemb.pipeline.options import PipelineOptions
 from tf_fusedemb.training import keysets
 from tf_fusedemb.training.micro_batches import micro_batch_slices, slice_rows
@@ -74,6 +73,10 @@ class NestedPipeline:
         self.model, self.optimizer = model, optimizer
         self.loss = as_keras_loss(loss, model)
         self.options = options or PipelineOptions()
+        if self.options.is_measured:
+            raise ValueError(f"NestedPipeline runs one schedule; {self.options.label!r} leaves a "
+                             "choice to measurement: use tf_fusedemb.pipeline.make_pipeline "
+                             "(an AutoPipeline)")
         self.comm = communicator or get_communicator()
         self.layers = fused_embedding_layers(model)
         if not self.layers:
@@ -169,12 +172,12 @@ class NestedPipeline:
     def _route(self, x):
         """Per micro-batch, per lookup: the route() dict of ``x``'s slice (DBP stage 3)."""
         routed = []
-        schedule = Schedule(self.options.micro_batches)
+        schedule = Schedule(self.options.micro_batches, self.options.exchange)
         bounds = micro_batch_slices(_features_batch_size(x, self.layers),
                                     self.options.micro_batches)
         for i, (lo, hi) in enumerate(bounds):
             xi = slice_rows(x, lo, hi)
-            context = LookupContext(suffix=schedule.suffix(i))
+            context = schedule.context(i)
             routed.append([r for layer in self.layers
                            for r in layer.route({f.name: _feature(xi, f.name, layer)
                                                  for f in layer.features}, context)])
@@ -208,7 +211,7 @@ class PrefetchSchedule(Schedule):
     ``new_pending`` (the delayed updates)."""
 
     def __init__(self, pipeline: NestedPipeline, prepared, pending, next_x):
-        super().__init__(pipeline.options.micro_batches)
+        super().__init__(pipeline.options.micro_batches, pipeline.options.exchange)
         self.pipeline, self.options = pipeline, pipeline.options
         self._prepared, self._pending, self._next_x = prepared, pending, next_x
         self._routed_next = None

@@ -1,6 +1,10 @@
-"""PipelineOptions: which of NestPipe's and EmbRace's schedules a training loop uses."""
+"""PipelineOptions: which of NestPipe's and EmbRace's schedules, and which exchange, a training
+loop uses."""
 import dataclasses
 from typing import Optional
+
+
+EXCHANGES = (None, "flat", "hierarchical", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +29,11 @@ class PipelineOptions:
         row gradients of K(B_t) ∩ K(B_t+1) are applied first (they feed the next
         forward); the others are applied during the next step, overlapped with its
         forward. Default: on with ``prefetch``.
+      exchange: the key/row exchange of every fused group: "flat", "hierarchical"
+        (TawPipe; several nodes of several ranks), or "auto": both measured on the first
+        training steps and the faster kept (``tf_fusedemb.pipeline.auto``), where the
+        cost model of ``FusedEmbedding(exchange="auto")`` only predicts. Default None:
+        each group's own choice. Either computes the same values.
       sync_buffers: keep True. False drops DBP's synchronisation and makes batch t+1
         use rows read before t's update: the stale pipeline the synchronisation
         prevents, kept only so tests can show that it differs.
@@ -33,17 +42,27 @@ class PipelineOptions:
     micro_batches: object = 1  # int >= 1 or "auto"
     vertical: Optional[bool] = None
     sync_buffers: bool = True
+    exchange: Optional[str] = None  # None, "flat", "hierarchical" or "auto"
 
     def __post_init__(self):
         n = self.micro_batches
         if n != "auto" and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ValueError(f"PipelineOptions: micro_batches must be an int >= 1 or 'auto', "
                              f"got {n!r}")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"PipelineOptions: exchange must be one of {EXCHANGES[1:]} or "
+                             f"None, got {self.exchange!r}")
         if self.vertical and not self.prefetch:
             raise ValueError("PipelineOptions: vertical scheduling needs prefetch=True (the "
                              "prior rows are those the prefetched next batch uses)")
         if not self.sync_buffers and not self.prefetch:
             raise ValueError("PipelineOptions: sync_buffers=False only applies with prefetch")
+
+    @property
+    def is_measured(self) -> bool:
+        """Whether a choice is left to measurement (``micro_batches`` or ``exchange``
+        "auto"): ``tf_fusedemb.pipeline.AutoPipeline`` runs these options."""
+        return self.micro_batches == "auto" or self.exchange == "auto"
 
     @property
     def uses_vertical(self) -> bool:
@@ -54,13 +73,14 @@ class PipelineOptions:
         """The options as :meth:`parse` reads them, e.g. "sync", "dbp,fwp=4"."""
         parts = (["dbp"] if self.prefetch else []) + \
             ([f"fwp={self.micro_batches}"] if self.micro_batches != 1 else []) + \
-            (["novertical"] if self.prefetch and not self.uses_vertical else [])
+            (["novertical"] if self.prefetch and not self.uses_vertical else []) + \
+            ([f"exchange={self.exchange}"] if self.exchange else [])
         return ",".join(parts) or "sync"
 
     @classmethod
     def parse(cls, text: str) -> "PipelineOptions":
         """From a command-line string: "sync", or comma-separated "dbp", "fwp=N" (or "fwp=auto"),
-        "novertical", e.g. "dbp,fwp=4"."""
+        "novertical", "exchange=KIND" (flat, hierarchical, auto), e.g. "dbp,fwp=4"."""
         kwargs = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             if part == "sync":
@@ -71,7 +91,9 @@ class PipelineOptions:
                 kwargs["micro_batches"] = "auto" if part[4:] == "auto" else int(part[4:])
             elif part == "novertical":
                 kwargs["vertical"] = False
+            elif part.startswith("exchange="):
+                kwargs["exchange"] = part[len("exchange="):]
             else:
                 raise ValueError(f"unknown pipeline option {part!r}; use sync, dbp, fwp=N, "
-                                 "novertical (comma-separated)")
+                                 "novertical, exchange=KIND (comma-separated)")
         return cls(**kwargs)

@@ -64,10 +64,17 @@ class Schedule:
     Args:
       micro_batches: N, the rank's batch is split into N micro-batches whose forward and
         backward (and collectives) are independent; gradients are applied once.
+      exchange: "flat" or "hierarchical" for every group lookup of the step; None: each
+        group's own (see ``LookupContext.exchange``).
     """
 
-    def __init__(self, micro_batches: int = 1):
+    def __init__(self, micro_batches: int = 1, exchange: Optional[str] = None):
         self.micro_batches = micro_batches
+        self.exchange = exchange
+
+    def context(self, i: int) -> LookupContext:
+        """The LookupContext of micro-batch ``i``'s lookups (no tape yet)."""
+        return LookupContext(None, self.prepared(i), self.suffix(i), exchange=self.exchange)
 
     def suffix(self, i: int) -> str:
         """Collective-name suffix of micro-batch ``i`` (names must differ per micro-batch)."""
@@ -156,7 +163,7 @@ def train_step(model, x, y, loss, optimizer, sample_weight=None, communicator=No
     tapes, partials, preds, records, reg = [], [], [], [], None
     lookup_inputs = {f.name for layer in fused_embedding_layers(model) for f in layer.features}
     for i, (lo, hi) in enumerate(micro_batch_slices(batch_size_of(y), schedule.micro_batches)):
-        context = LookupContext(None, schedule.prepared(i), schedule.suffix(i))
+        context = schedule.context(i)
         x_i = slice_rows(x, lo, hi)
         if preds and isinstance(x_i, dict):  # x not a dict: which part feeds the lookups
             # is unknown. Dense compute after the previous micro-batch's; the lookups once
