@@ -16,12 +16,12 @@ from tf_fusedemb.comm import LocalCommunicator, get_communicator
 from tf_fusedemb.comm import cost_model
 from tf_fusedemb.comm.cost_model import TrafficHints, measure_link_costs, node_dedup_ratio
 from tf_fusedemb.layers import FusedEmbedding
+from tf_fusedemb.layers.exchange import EXCHANGES
 from tf_fusedemb.models import train_step
 from tf_fusedemb.pipeline import PipelineOptions, make_pipeline
 from tf_fusedemb.training.tracing import RankInvariantFunction
 
 CAT = lookup_data.CATEGORICAL
-KINDS = ("flat", "hierarchical")
 COUNTED_STEPS = 2  # steps whose counters give the bytes per step
 
 
@@ -108,7 +108,7 @@ def _real_ratio(comm, args, steps):
     raw = lookup_data.make_batches(columns, args.real_batch_size, comm.size, comm.rank,
                                    COUNTED_STEPS)
     batches = _tensors(raw)
-    got = {k: _bytes_per_step(comm, *steps[k], batches) for k in KINDS}
+    got = {k: _bytes_per_step(comm, *steps[k], batches) for k in EXCHANGES}
     bound, _ = _dedup_bound(comm, raw)
     return {"inter_node_bytes_ratio_real": round(got["hierarchical"]["inter_bytes_sent"] /
                                                  got["flat"]["inter_bytes_sent"], 4),
@@ -119,8 +119,8 @@ def _real_ratio(comm, args, steps):
 
 def _byte_figures(comm, args, steps, batches, bound, unique_per_rank):
     """The byte figures of the result (synthetic batches, and the real sample)."""
-    counted = {k: _bytes_per_step(comm, *steps[k], batches) for k in KINDS}
-    flat, hier = (counted[k]["inter_bytes_sent"] for k in KINDS)
+    counted = {k: _bytes_per_step(comm, *steps[k], batches) for k in EXCHANGES}
+    flat, hier = (counted[k]["inter_bytes_sent"] for k in EXCHANGES)
     result = {"benchmark": "topology", "world_size": comm.size,
               "network": network_description(args), "topology": comm.topology.describe(),
               "batch_size_per_rank": args.batch_size,
@@ -182,7 +182,7 @@ def run(args):
     raw = lookup_data.make_batches(columns, args.batch_size, size, rank, args.num_batches)
     batches = _tensors(raw)
     bound, unique_per_rank = _dedup_bound(comm, raw)
-    steps = {k: _model(comm, args, k) for k in KINDS}
+    steps = {k: _model(comm, args, k) for k in EXCHANGES}
     twin = _model(LocalCommunicator(), args, "flat")
     t0 = time.perf_counter()
     for name, (step, _) in list(steps.items()) + [("twin", twin)]:

@@ -28,16 +28,16 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from tf_fusedemb.comm import get_communicator
+from tf_fusedemb.layers.exchange import EXCHANGES
 from tf_fusedemb.pipeline.nested import NestedPipeline
 from tf_fusedemb.pipeline.options import PipelineOptions
 
 CANDIDATES = (1, 2, 4)
-EXCHANGE_CANDIDATES = ("flat", "hierarchical")
 MARGIN = 0.03  # how much faster a more pipelined schedule must measure to be chosen
 
 
 def candidate_options(options: PipelineOptions, micro_batches: Sequence[int] = CANDIDATES,
-                      exchanges: Sequence[str] = EXCHANGE_CANDIDATES) -> List[PipelineOptions]:
+                      exchanges: Sequence[str] = EXCHANGES) -> List[PipelineOptions]:
     """The schedules an auto pipeline measures, simplest first.
 
     With ``micro_batches="auto"``: the synchronous step (when ``options`` asks for
@@ -77,7 +77,7 @@ class AutoPipeline:
             raise ValueError(f"AutoPipeline: margin must be >= 0, got {margin}")
         self.comm = communicator or get_communicator()
         self.options, self.margin = options, margin
-        exchanges = EXCHANGE_CANDIDATES if self.comm.topology.is_hierarchical else ("flat",)
+        exchanges = EXCHANGES if self.comm.topology.is_hierarchical else ("flat",)
         self.schedules = {o.label: o for o in candidate_options(options, candidates, exchanges)}
         self._pipelines = {label: NestedPipeline(model, loss, optimizer, o, self.comm)
                            for label, o in self.schedules.items()}

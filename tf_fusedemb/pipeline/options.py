@@ -3,8 +3,9 @@ loop uses."""
 import dataclasses
 from typing import Optional
 
+from tf_fusedemb.layers.exchange import EXCHANGES
 
-EXCHANGES = (None, "flat", "hierarchical", "auto")
+EXCHANGE_OPTIONS = (None, *EXCHANGES, "auto")  # None: each group's own exchange
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,9 +50,9 @@ class PipelineOptions:
         if n != "auto" and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ValueError(f"PipelineOptions: micro_batches must be an int >= 1 or 'auto', "
                              f"got {n!r}")
-        if self.exchange not in EXCHANGES:
-            raise ValueError(f"PipelineOptions: exchange must be one of {EXCHANGES[1:]} or "
-                             f"None, got {self.exchange!r}")
+        if self.exchange not in EXCHANGE_OPTIONS:
+            raise ValueError(f"PipelineOptions: exchange must be one of "
+                             f"{EXCHANGE_OPTIONS[1:]} or None, got {self.exchange!r}")
         if self.vertical and not self.prefetch:
             raise ValueError("PipelineOptions: vertical scheduling needs prefetch=True (the "
                              "prior rows are those the prefetched next batch uses)")
