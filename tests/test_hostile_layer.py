@@ -334,15 +334,18 @@ class TwoRankComm(LocalCommunicator):
     def __init__(self, other_plan):
         self.other = other_plan
         self.rank = 0
+        self.gathers = 0
 
     def allgather_object(self, obj):
-        return [obj, self.other]
+        self.gathers += 1
+        return [obj, dict(obj, plan=self.other)]
 
 
 @pytest.mark.parametrize("change", ["drop", "add", "rename", "combiner", "dim", "order"])
 def test_different_feature_sets_on_ranks_are_named(change):
-    """The cross-rank check of __init__ (the real 2-process case is in the multi-rank
-    tests): every rank raises, naming the features that differ, instead of hanging."""
+    """The cross-rank check of the first call (the real 2-process case is in the
+    multi-rank tests): every rank raises, naming the features that differ, instead of
+    hanging; constructing the layer runs no collective."""
     mine = FEATURES[:3]
     theirs = {
         "drop": mine[:2],
@@ -353,8 +356,11 @@ def test_different_feature_sets_on_ranks_are_named(change):
         "order": [mine[1], mine[0], mine[2]],
     }[change]
     other = FusedEmbedding(theirs).plan.to_dict()
+    comm = TwoRankComm(other)
+    layer = FusedEmbedding(mine, communicator=comm)
+    assert comm.gathers == 0
     with pytest.raises(ValueError, match="rank 1 has a different feature set") as info:
-        FusedEmbedding(mine, communicator=TwoRankComm(other))
+        layer({f.name: tf.constant([1], tf.int64) for f in mine})
     text = str(info.value)
     expected = {"drop": "shared", "add": "seq", "rename": "renamed", "combiner": "one",
                 "dim": "one", "order": "feature order"}[change]

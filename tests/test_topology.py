@@ -160,35 +160,35 @@ class _DisagreeingWorld(_FakeWorld):
     """A 2 x 2 world whose rank 2 chose the flat exchange for ``g0_d8_sgd`` (e.g. other
     hints or another TF_FUSEDEMB_EXCHANGE there)."""
 
-    def allgather_object(self, obj):
-        everyone = [obj] * self.size
-        if isinstance(obj, dict) and "exchanges" in obj:
-            everyone[2] = {"exchanges": dict(obj["exchanges"], g0_d8_sgd="flat"), "error": None}
-        return everyone
-
-
-class _FailingRankWorld(_FakeWorld):
-    """A 2 x 2 world whose rank 3 could not choose (it raised before comparing)."""
+    def __init__(self):
+        self.gathers = 0
 
     def allgather_object(self, obj):
+        self.gathers += 1
         everyone = [obj] * self.size
         if isinstance(obj, dict) and "exchanges" in obj:
-            everyone[3] = {"exchanges": None, "error": "group 'g0_d8_sgd': exchange must be"}
+            everyone[2] = dict(obj, exchanges=dict(obj["exchanges"], g0_d8_sgd="flat"))
         return everyone
 
 
 def test_ranks_that_choose_different_exchanges_fail_naming_the_group():
-    """The per-group flat/hierarchical choice is compared across ranks at build: where the
-    ranks differ, each raises (instead of hanging in mismatched collectives)."""
+    """The per-group flat/hierarchical choice is made locally at construction (no
+    collective) and compared across ranks at the first call all ranks make
+    (``agree_across_ranks``): where the ranks differ, each raises (instead of hanging in
+    mismatched collectives). The real 2-process case is in test_fused_embedding_layer."""
     feats = [FeatureSpec("a", TableSpec("t8", 8, OptimizerSpec.sgd(0.1))),
              FeatureSpec("b", TableSpec("t4", 4, OptimizerSpec.sgd(0.1)))]
+    world = _DisagreeingWorld()
+    layer = FusedEmbedding(feats, communicator=world, exchange="hierarchical")
+    assert world.gathers == 0  # the constructor ran no collective
     with pytest.raises(ValueError, match=r"group 'g0_d8_sgd': the ranks chose different "
                                          r"exchanges \(rank 0: hierarchical, rank 1: "
                                          r"hierarchical, rank 2: flat"):
-        FusedEmbedding(feats, communicator=_DisagreeingWorld(), exchange="hierarchical")
-    with pytest.raises(ValueError, match="rank 3 could not choose the exchanges"):
-        FusedEmbedding(feats, communicator=_FailingRankWorld(), exchange="hierarchical")
+        layer.agree_across_ranks()
+    with pytest.raises(ValueError, match="exchange must be"):  # a local error stays local
+        FusedEmbedding(feats, communicator=_FakeWorld(), exchange="ring")
     agreed = FusedEmbedding(feats, communicator=_FakeWorld(), exchange="hierarchical")
+    agreed.agree_across_ranks()
     assert {g.exchange.kind for g in agreed.groups} == {"hierarchical"}
 
 

@@ -63,51 +63,47 @@ class FusedEmbedding(tf_keras.layers.Layer):
                              f"features are {sorted(f.name for f in self.features)}")
         self.key_mode = key_mode
         self._comm = communicator or get_communicator()
-        self._check_same_plan_on_all_ranks()
         self.exchange, self.traffic = exchange, traffic
-        self.exchanges = self._choose_exchanges_on_all_ranks(exchange, traffic or TrafficHints())
+        # Chosen locally (a function of the plan, topology, environment and arguments);
+        # the ranks compare plans and choices at the first call they make together
+        # (``agree_across_ranks``): a constructor runs no collective, so a model can be
+        # built, cloned or rebuilt from its config on one rank alone.
+        self.exchanges = _choose_exchanges(self.plan, self._comm.topology, exchange,
+                                           traffic or TrafficHints())
         self.groups = [GroupLookup(g, self._comm, key_mode, self.exchanges[g.name].kind)
                        for g in self.plan.groups]
+        self._agreed = self._comm.size == 1
         # Installed by a training step for one forward pass (see lookup_context).
         self.lookup_context = NO_CONTEXT
 
-    def _check_same_plan_on_all_ranks(self):
-        """Raises on every rank (no hang) when ranks were given different features/specs."""
-        if self._comm.size == 1:
+    def agree_across_ranks(self):
+        """Checks (once) that every rank built this layer with the same features, specs and
+        fusion plan, and chose the same exchange per group: one ``allgather_object``, run
+        eagerly even while a step is being traced. Collective: every rank calls it at the
+        same point; the layer's first call (or ``route``) with real tensors does, so a
+        training loop need not, unless it runs a collective of its own first (e.g. a
+        broadcast of dense weights whose shapes follow from the embeddings). Where ranks
+        differ, every rank raises the same ValueError naming the features or the group
+        (instead of hanging in, or failing inside, mismatched collectives).
+
+        Skipped in one process and once the ranks agreed; not needed while the layer's
+        lookups are replaced (serving, sharded inference: no collective lookup)."""
+        if self._agreed:
             return
-        plans = self._comm.allgather_object(self.plan.to_dict())
-        mine = self.plan.to_dict()
-        for rank, other in enumerate(plans):
-            if other != mine:
+        if not any(isinstance(g, GroupLookup) for g in self.groups):
+            return  # serving or sharded inference: this layer runs no collective lookup
+        mine = {"plan": self.plan.to_dict(),
+                "exchanges": {name: c.kind for name, c in self.exchanges.items()}}
+        with tf.init_scope():  # eager, also when the first call is being traced
+            everyone = self._comm.allgather_object(mine)
+        for rank, other in enumerate(everyone):
+            if other["plan"] != mine["plan"]:
                 raise ValueError(
                     f"FusedEmbedding '{self.name}': rank {rank} has a different feature set "
-                    f"or specs than rank {self._comm.rank}: {_plan_diff(mine, other)}. Every "
-                    "rank must build the layer with identical FeatureSpecs.")
-
-    def _choose_exchanges_on_all_ranks(self, exchange, traffic):
-        """{group name: ExchangeEstimate}, the same kinds on every rank: the ranks compare
-        their choices (one allgather) and each raises, naming the group, where they differ
-        (the node and rail collectives of one rank would otherwise wait forever for the
-        world AlltoAll of another)."""
-        try:
-            choices, error = _choose_exchanges(self.plan, self._comm.topology, exchange,
-                                               traffic), None
-        except ValueError as e:  # raised after the allgather: no rank is left waiting
-            choices, error = None, e
-        if self._comm.size == 1:
-            if error:
-                raise error
-            return choices
-        mine = {"exchanges": None if error else {g: c.kind for g, c in choices.items()},
-                "error": str(error) if error else None}
-        everyone = self._comm.allgather_object(mine)
-        if error:
-            raise error
-        for rank, other in enumerate(everyone):
-            if other["error"]:
-                raise ValueError(f"FusedEmbedding '{self.name}': rank {rank} could not choose "
-                                 f"the exchanges: {other['error']}")
-        for name, choice in choices.items():
+                    f"or specs than rank {self._comm.rank}: "
+                    f"{_plan_diff(mine['plan'], other['plan'])}. Every rank must build the "
+                    "layer with identical FeatureSpecs.")
+        for name in mine["exchanges"]:
             kinds = [other["exchanges"][name] for other in everyone]
             if len(set(kinds)) > 1:
                 raise ValueError(
@@ -116,7 +112,7 @@ class FusedEmbedding(tf_keras.layers.Layer):
                     f"this is rank {self._comm.rank}, {self._comm.topology.describe()}). "
                     f"Every rank must see the same topology, {EXCHANGE_ENV}, exchange= and "
                     "traffic= (e.g. link costs measured on one rank and shared).")
-        return choices
+        self._agreed = True
 
     def __call__(self, inputs, *args, **kwargs):
         # Keras converts Python/numpy leaves of the input dict one element at a time before
@@ -125,11 +121,13 @@ class FusedEmbedding(tf_keras.layers.Layer):
         if isinstance(inputs, Mapping):
             inputs = {k: to_tensor(k, v) if isinstance(v, (list, tuple, np.ndarray, int))
                       else v for k, v in inputs.items()}
+        if not _symbolic(inputs):  # building a functional model (or cloning it) is local
+            self.agree_across_ranks()
         return super().__call__(inputs, *args, **kwargs)
 
     def _check_inputs(self, inputs):
         """The input must be a dict with exactly the layer's features (same on every rank,
-        see ``_check_same_plan_on_all_ranks``): a missing or unknown feature is an error."""
+        see ``agree_across_ranks``): a missing or unknown feature is an error."""
         if not isinstance(inputs, Mapping):
             raise ValueError(f"FusedEmbedding '{self.name}': expected a dict {{feature name: "
                              f"IDs}} of the features {sorted(f.name for f in self.features)}, "
@@ -153,6 +151,7 @@ class FusedEmbedding(tf_keras.layers.Layer):
         ``GroupLookup.route`` dict per group, in ``self.groups`` order; collective names
         take ``context.suffix``."""
         self._check_inputs(inputs)
+        self.agree_across_ranks()
         return [lookup.route(self._flat_features(lookup, inputs), context)
                 for lookup in self.groups]
 
@@ -267,6 +266,18 @@ def _choose_exchanges(plan, topology, exchange, traffic):
         choices[g.name] = estimate(g.name, g.dim, topology, traffic,
                                    None if kind == "auto" else kind)
     return choices
+
+
+def _symbolic(inputs) -> bool:
+    """Whether ``inputs`` hold Keras symbolic tensors (a functional model being built,
+    cloned or rebuilt from its config): no lookup runs, nothing to agree on yet."""
+    for leaf in tf.nest.flatten(inputs):
+        try:
+            if tf_keras.backend.is_keras_tensor(leaf):
+                return True
+        except ValueError:  # not a tensor at all: the layer's input checks name it
+            pass
+    return False
 
 
 def _shape_output(spec, flat, emb):
