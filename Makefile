@@ -64,7 +64,9 @@ test: setup
 	$(PY) -m pytest -q -rs --timeout=900 tests
 
 # The main job: DLRM on Criteo-profile synthetic data (teacher labels), NP workers;
-# trains, evaluates, checkpoints and exports under runs/main (started afresh each time).
+# trains, evaluates, checkpoints and exports under runs/main. Rerunning it resumes from
+# the last complete checkpoint there (e.g. after a lost worker: the message says so);
+# FRESH=1 starts afresh (removes RUN_DIR first), e.g. after changing the model.
 # HOSTS=2 (or more) runs the NP workers on emulated hosts instead (tf_fusedemb.testing.cluster,
 # needs root): HOSTS hosts x NP/HOSTS ranks, each host's link LINK_MBIT Mbit/s, e.g.
 # `make train HOSTS=2` (2 x 1) or `make train HOSTS=2 NP=4 LINK_MBIT=300` (2 x 2).
@@ -83,8 +85,9 @@ TRAIN_LAUNCH = $(if $(filter 0,$(shell echo $$(( $(NP) % $(HOSTS) )))),,$(error 
 	not a multiple of HOSTS=$(HOSTS)))$(PY) -m tf_fusedemb.testing.cluster --hosts $(HOSTS) \
 	--ranks-per-host $(RANKS_PER_HOST) --link-mbit $(LINK_MBIT) --
 endif
+FRESH ?= 0
 train: setup
-	rm -rf $(RUN_DIR)
+	$(if $(filter 1 yes true,$(FRESH)),rm -rf $(RUN_DIR))
 	$(TRAIN_LAUNCH) $(PY) -m tf_fusedemb.train \
 		$(TRAIN_ARGS) --checkpoint-dir $(RUN_DIR)/ckpt --export-dir $(RUN_DIR)/export \
 		--log-dir $(RUN_DIR)/tensorboard

@@ -136,7 +136,15 @@ def train(args):
                                 extra={"train_auc": auc}) if args.checkpoint_dir else None
     start = 0
     if manager is not None and manager.latest():
-        start = manager.restore()["state"]["data_position"]
+        try:  # the same command again resumes; another model cannot (named in one line)
+            meta = manager.restore()
+        except ValueError as e:
+            raise SystemExit(f"tf_fusedemb.train: cannot resume from {args.checkpoint_dir}: {e} "
+                             "(`make train FRESH=1` starts afresh)") from None
+        start = meta["state"]["data_position"]
+        if comm.rank == 0:
+            print(f"resuming from {manager.latest()} at step {start} of {args.steps}",
+                  flush=True)
     batches = iter(train_ds.skip(start))  # resume where the data stopped
     # No AutoGraph: the step has no tensor-dependent Python control flow, and converting
     # all of tf_keras under it makes the first trace ~10x slower.
@@ -191,7 +199,8 @@ def train(args):
     counters = [layer.comm_counters() for layer in layers]
     result = {"model": args.model, "data": args.data, "world_size": comm.size,
               "pipeline": str(args.pipeline) if args.pipeline else "sync",
-              "steps": args.steps, "batch_size_per_rank": args.batch_size,
+              "steps": args.steps, "resumed_from_step": start,
+              "batch_size_per_rank": args.batch_size,
               "train_samples_per_s": round(timed_samples / timed, 1) if timed else None,
               "train_auc": float(auc.result()), "final_loss": loss if args.steps > start else None,
               "alltoall_rounds_per_step": {
