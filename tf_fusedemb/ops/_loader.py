@@ -14,8 +14,12 @@ import tensorflow as tf
 LIBRARY_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                             "_fusedemb_ops.so")
 LIBRARY_ENV = "TF_FUSEDEMB_OPS_LIBRARY"
+# The embedding storage engine's ops (custom_ops/embedding_engine_ops.cc).
+ENGINE_OP_NAMES = ("EngineHandle", "EngineLookup", "EngineApplyGradients", "EngineRecord",
+                   "EngineFind", "EngineGatherRows", "EngineWriteRows", "EngineRemoveRows",
+                   "EngineForget", "EngineExport", "EngineSize")
 OP_NAMES = ("SegmentUnique", "RankwiseSort", "OwnerRank", "CategoryHash",
-            "RecoveryGather", "RecoveryPool", "RecoveryPoolGrad")
+            "RecoveryGather", "RecoveryPool", "RecoveryPoolGrad") + ENGINE_OP_NAMES
 
 _lock = threading.Lock()
 _library = None

@@ -127,6 +127,22 @@ class GroupTable(tf.Module):
             The update op in graph mode (None when executing eagerly); with
             ``return_rows``, the pair (op, updated rows).
         """
+        keys, init_keys, grads = self._update_inputs(keys, grads, init_keys)
+        step = self.advance_step() if step is None else tf.cast(step, tf.int64)
+        rows, slots = self._read(keys, init_keys)
+        new_rows, new_slots = self.optimizer.apply(rows, slots, grads, step)
+        if self.admission is None:
+            op = self._write(keys, new_rows, new_slots)
+        else:  # keys not admitted yet: nothing stored, they keep reading their initial row
+            admitted = tf.reshape(self.admission(keys), [-1])  # hash lookups lose the rank
+            op = self._write(tf.boolean_mask(keys, admitted), tf.boolean_mask(new_rows, admitted),
+                             {n: tf.boolean_mask(v, admitted) for n, v in new_slots.items()})
+            new_rows = tf.where(admitted[:, None], new_rows, rows)
+        return (op, new_rows) if return_rows else op
+
+    def _update_inputs(self, keys, grads, init_keys):
+        """apply_gradients' arguments checked: (keys int64[u], init_keys int64[u], grads
+        float32[u, dim]); with ``validate_unique`` the keys carry a uniqueness check."""
         keys = self._check_keys(self._as_keys(keys, "keys"))
         init_keys = self._init_keys(keys, init_keys)
         grads = tf.convert_to_tensor(grads)
@@ -140,17 +156,7 @@ class GroupTable(tf.Module):
                 message=f"{self._op_kind}: apply_gradients needs unique keys")
             with tf.control_dependencies([check]):
                 keys = tf.identity(keys)
-        step = self.advance_step() if step is None else tf.cast(step, tf.int64)
-        rows, slots = self._read(keys, init_keys)
-        new_rows, new_slots = self.optimizer.apply(rows, slots, grads, step)
-        if self.admission is None:
-            op = self._write(keys, new_rows, new_slots)
-        else:  # keys not admitted yet: nothing stored, they keep reading their initial row
-            admitted = tf.reshape(self.admission(keys), [-1])  # hash lookups lose the rank
-            op = self._write(tf.boolean_mask(keys, admitted), tf.boolean_mask(new_rows, admitted),
-                             {n: tf.boolean_mask(v, admitted) for n, v in new_slots.items()})
-            new_rows = tf.where(admitted[:, None], new_rows, rows)
-        return (op, new_rows) if return_rows else op
+        return keys, init_keys, grads
 
     def advance_step(self) -> tf.Tensor:
         """Adds 1 to ``step`` and returns the new value (int64 scalar)."""

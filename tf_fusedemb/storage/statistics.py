@@ -29,12 +29,17 @@ class AccessStatistics(tf.Module):
                                                   name=f"{group_name}_last_received")
             self.collisions = tf.Variable(tf.constant(0, tf.int64), trainable=False,
                                           name=f"{group_name}_collisions")
-            # unified key -> count, and -> the (category, id) pair behind it.
-            self._counts = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, 0)
-            self._ids = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, 0)
-            self._cats = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, -1)
-            # unified key -> the last (training) step it was seen: TTL eviction's clock.
-            self._last = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, 0)
+            self._make_key_storage()
+
+    def _make_key_storage(self):
+        """The per-key storage: four core-TF hash tables here (EngineStatistics keeps the
+        same fields in the blocks of the group's storage engine instead)."""
+        # unified key -> count, and -> the (category, id) pair behind it.
+        self._counts = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, 0)
+        self._ids = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, 0)
+        self._cats = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, -1)
+        # unified key -> the last (training) step it was seen: TTL eviction's clock.
+        self._last = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, 0)
 
     def record(self, hashed, accesses, step=None):
         """Adds one step's owner-side lookups; returns an op.
@@ -48,15 +53,21 @@ class AccessStatistics(tf.Module):
         """
         keys = hashed.lookup_keys
         counts = tf.math.unsorted_segment_sum(accesses, hashed.inverse, tf.size(keys))
-        new_counts = self._counts.lookup(keys) + counts
-        last = [] if step is None else [self._last.insert(
-            keys, tf.fill(tf.shape(keys), tf.cast(step, tf.int64)))]
-        return tf.group(*last,
+        return tf.group(
+            self._record_keys(keys, hashed, counts, step),
             self.category_counts.assign_add(tf.math.unsorted_segment_sum(
                 counts, hashed.lookup_segment_ids, len(self.categories))),
             self.last_unique_keys.assign(tf.size(keys, out_type=tf.int64)),
             self.last_received_keys.assign(tf.size(accesses, out_type=tf.int64)),
-            self.collisions.assign_add(hashed.num_collisions),
+            self.collisions.assign_add(hashed.num_collisions))
+
+    def _record_keys(self, keys, hashed, counts, step):
+        """Adds ``counts`` int64[u] to the unique ``keys`` int64[u], records their (category,
+        ID) from ``hashed`` and, unless ``step`` is None, their last step; returns an op."""
+        new_counts = self._counts.lookup(keys) + counts
+        last = [] if step is None else [self._last.insert(
+            keys, tf.fill(tf.shape(keys), tf.cast(step, tf.int64)))]
+        return tf.group(*last,
             self._counts.insert(keys, new_counts),
             self._ids.insert(keys, tf.cast(hashed.lookup_ids, tf.int64)),
             self._cats.insert(keys, tf.cast(hashed.lookup_segment_ids, tf.int64)))
@@ -112,8 +123,12 @@ class AccessStatistics(tf.Module):
             return
         keys = tf.constant(keys, tf.int64)
         self.category_counts.assign_sub(tf.math.unsorted_segment_sum(
-            self._counts.lookup(keys), tf.cast(tf.maximum(self._cats.lookup(keys), 0), tf.int32),
+            self.counts_of(keys), tf.cast(tf.maximum(self.key_metadata(keys)[0], 0), tf.int32),
             len(self.categories)))
+        self._forget(keys)
+
+    def _forget(self, keys):
+        """Drops every per-key field of ``keys`` int64[u] (eager)."""
         for table in (self._counts, self._ids, self._cats, self._last):
             table.remove(keys)
 
@@ -124,14 +139,19 @@ class AccessStatistics(tf.Module):
         steps."""
         if len(keys) == 0:
             return
+        self._load_keys(keys, counts, categories, ids, last_steps)
+        self.category_counts.assign_add(tf.math.unsorted_segment_sum(
+            tf.constant(counts, tf.int64), tf.constant(categories, tf.int32),
+            len(self.categories)))
+
+    def _load_keys(self, keys, counts, categories, ids, last_steps):
+        """load's per-key part: identity registered, last steps set (when given), counts
+        added (eager)."""
         self.register(keys, categories, ids)
         keys = tf.constant(keys, tf.int64)
         if last_steps is not None:
             self._last.insert(keys, tf.constant(last_steps, tf.int64))
         self._counts.insert(keys, self._counts.lookup(keys) + tf.constant(counts, tf.int64))
-        self.category_counts.assign_add(tf.math.unsorted_segment_sum(
-            tf.constant(counts, tf.int64), tf.constant(categories, tf.int32),
-            len(self.categories)))
 
     def category_totals(self):
         """{category: accesses of its keys owned by this rank} (eager)."""
@@ -142,12 +162,11 @@ class AccessStatistics(tf.Module):
         [("category/ID", count), ...], most accessed first (eager)."""
         if category not in self.categories:
             raise ValueError(f"unknown category {category!r}; this group has {self.categories}")
-        keys, counts = (t.numpy() for t in self._counts.export())
-        cats = self._cats.lookup(tf.constant(keys)).numpy()
-        ids = self._ids.lookup(tf.constant(keys)).numpy()
-        mine = cats == self.categories.index(category)
-        order = np.lexsort((ids[mine], -counts[mine]))[:k]
-        return [(f"{category}/{ids[mine][i]}", int(counts[mine][i])) for i in order]
+        stats = self.export()
+        mine = stats["categories"] == self.categories.index(category)
+        ids, counts = stats["ids"][mine], stats["counts"][mine]
+        order = np.lexsort((ids, -counts))[:k]
+        return [(f"{category}/{ids[i]}", int(counts[i])) for i in order]
 
     def metrics(self):
         """Flat dict of scalar metrics for logging (eager)."""

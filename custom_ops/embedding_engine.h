@@ -1,0 +1,802 @@
+// The embedding storage engine of tf_fusedemb: per fused group and rank, ONE block per
+// key holding its identity and access statistics, its row and its optimizer slots.
+//
+// Plain C++17 + absl (the copy TensorFlow ships and exports from
+// libtensorflow_framework.so.2), no TensorFlow kernel headers, so it is unit- and
+// stress-tested standalone (tests/engine_stress_test.cc) and under the sanitizers.
+//
+// Layout (why: one probe and one cache-line run per key, at a few bytes over the payload):
+//  * A block is a 32-byte BlockHeader {key, id, last step, count:48|table:16}, followed
+//    in "full" blocks by the row float[dim] and the slots float[num_slots * dim].
+//    A key whose statistics are tracked but whose row is not stored (admission has not
+//    let it in yet) lives in a header-only "meta" block: tracking a rare key costs 32
+//    bytes, not a whole row. Whether a row is stored is which arena the block is in.
+//  * Blocks live in chunked arenas (Arena): chunks are never moved or reallocated, so
+//    growth never moves a row; removed blocks go on an intrusive free list.
+//  * The index from key to block is absl::flat_hash_set<uint32_t block ref> with
+//    transparent hash/eq that read the key from the block: 4-byte entries + 1 control
+//    byte, and no key stored twice. A ref's top bit says which arena.
+//  * Keys are split into num_shards shards by the top bits of Mix64(key); each shard has
+//    its own index, arenas and reader/writer lock, so a batch runs shard-parallel with
+//    one writer per shard and no resize race.
+//
+// The math mirrors tf_fusedemb.storage: initial rows are bit-equal to
+// initializers.init_rows (float64 math, one cast), the optimizers equal optimizers.py's
+// TF formulas operation for operation in float32.
+#ifndef TF_FUSEDEMB_EMBEDDING_ENGINE_H_
+#define TF_FUSEDEMB_EMBEDDING_ENGINE_H_
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <shared_mutex>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+
+namespace tensorflow {
+namespace fusedemb {
+namespace engine {
+
+// fmix64, the library's one hash (fusedemb_common.h's Mix64, tf_fusedemb.ops.hashing.mix64);
+// restated here so this header needs no TensorFlow header. Initial rows depend on it bit
+// for bit, which the tests check against the Python mirrors.
+inline uint64_t Fmix64(uint64_t x) {
+  x = (x ^ (x >> 33)) * 0xff51afd7ed558ccdULL;
+  x = (x ^ (x >> 33)) * 0xc4ceb9fe1a85ec53ULL;
+  return x ^ (x >> 33);
+}
+
+// ------------------------------------------------------------------ configuration
+enum class Optimizer { kSgd, kAdagrad, kFtrl, kAdam };
+enum class Init { kZeros, kUniform, kNormal, kTruncatedNormal };
+
+constexpr uint64_t kInitSalt = 0x9E3779B97F4A7C15ULL;  // initializers.SALT
+constexpr int kTruncatedDraws = 8;                     // initializers.TRUNCATED_DRAWS
+constexpr float kAdagradEpsilon = 1e-7f;               // optimizers.ADAGRAD_EPSILON
+
+struct Config {
+  int dim = 0;
+  Optimizer optimizer = Optimizer::kSgd;
+  float learning_rate = 0.0f;
+  float initial_accumulator = 0.1f;  // adagrad, ftrl
+  float beta1 = 0.9f, beta2 = 0.999f, epsilon = 1e-7f;  // adam
+  float lr_power = -0.5f, l1 = 0.0f, l2 = 0.0f;         // ftrl
+  Init init = Init::kUniform;
+  double init_loc = 0.0, init_scale = 0.0;  // uniform: (minval, maxval - minval); normal: (mean, stddev)
+  int num_shards = 16;                      // a power of two
+};
+
+// The value named `name` in a table of (name, value) pairs; false if none is.
+template <typename T, size_t N>
+bool ParseName(const std::pair<const char*, T> (&names)[N], const std::string& name, T* out) {
+  for (const auto& p : names) {
+    if (name == p.first) return *out = p.second, true;
+  }
+  return false;
+}
+
+inline bool ParseOptimizer(const std::string& name, Optimizer* out) {
+  static const std::pair<const char*, Optimizer> kNames[] = {
+      {"sgd", Optimizer::kSgd}, {"adagrad", Optimizer::kAdagrad},
+      {"ftrl", Optimizer::kFtrl}, {"adam", Optimizer::kAdam}};
+  return ParseName(kNames, name, out);
+}
+
+inline bool ParseInit(const std::string& name, Init* out) {
+  static const std::pair<const char*, Init> kNames[] = {
+      {"zeros", Init::kZeros}, {"uniform", Init::kUniform},
+      {"normal", Init::kNormal}, {"truncated_normal", Init::kTruncatedNormal}};
+  return ParseName(kNames, name, out);
+}
+
+inline int NumSlots(Optimizer o) {
+  switch (o) {
+    case Optimizer::kSgd: return 0;
+    case Optimizer::kAdagrad: return 1;
+    default: return 2;  // ftrl (accumulator, linear), adam (m, v)
+  }
+}
+
+// "" when the config is usable, else what is wrong with it.
+inline std::string ValidateConfig(const Config& c) {
+  if (c.dim <= 0) return "dim must be > 0, got " + std::to_string(c.dim);
+  if (c.num_shards <= 0 || c.num_shards > 4096 || (c.num_shards & (c.num_shards - 1)) != 0) {
+    return "num_shards must be a power of two in [1, 4096], got " + std::to_string(c.num_shards);
+  }
+  if (!(c.learning_rate > 0.0f)) return "learning_rate must be > 0";
+  if (!std::isfinite(c.init_loc) || !std::isfinite(c.init_scale)) {
+    return "initializer parameters must be finite";
+  }
+  return "";
+}
+
+// ------------------------------------------------------------------ initial rows
+// Rows of never-stored keys: b[k, j] = Fmix64(uint64(k) ^ Fmix64(j + SALT)), turned into
+// a uniform / normal / truncated normal in float64 and cast to float32 once, exactly as
+// tf_fusedemb.storage.initializers does (see its docstring for the bit layout).
+class RowInitializer {
+ public:
+  explicit RowInitializer(const Config& c) : init_(c.init), loc_(c.init_loc), scale_(c.init_scale) {
+    seeds_.resize(c.dim);
+    for (int j = 0; j < c.dim; ++j) seeds_[j] = Fmix64(static_cast<uint64_t>(j) + kInitSalt);
+  }
+
+  void Fill(int64_t key, float* out) const {
+    const int dim = static_cast<int>(seeds_.size());
+    if (init_ == Init::kZeros) {
+      std::fill(out, out + dim, 0.0f);
+      return;
+    }
+    for (int j = 0; j < dim; ++j) {
+      const uint64_t b = Fmix64(static_cast<uint64_t>(key) ^ seeds_[j]);
+      // Two statements, so no compiler may contract them into an FMA (the mirrors round twice).
+      const double scaled = scale_ * Standard(b);
+      out[j] = static_cast<float>(loc_ + scaled);
+    }
+  }
+
+ private:
+  static double Uniform24(uint64_t bits24) { return static_cast<double>(bits24) * 0x1p-24; }
+
+  // Box-Muller on bits 63..40 (u1 in (0, 1]) and 39..16 (u2 in [0, 1)) of one word.
+  static double Normal(uint64_t b) {
+    const double u1 = Uniform24((b >> 40) + 1);
+    const double u2 = Uniform24((b >> 16) & 0xFFFFFF);
+    const double two_pi_u2 = (2.0 * M_PI) * u2;
+    return std::sqrt(-2.0 * std::log(u1)) * std::cos(two_pi_u2);
+  }
+
+  double Standard(uint64_t b) const {
+    if (init_ == Init::kUniform) return Uniform24(b >> 40);
+    double z = Normal(b);
+    if (init_ == Init::kNormal) return z;
+    // Truncated: redraw outside [-2, 2] from b_r = Fmix64(b_{r-1} + SALT), clip the last.
+    for (int r = 1; r < kTruncatedDraws && !(std::fabs(z) <= 2.0); ++r) {
+      b = Fmix64(b + kInitSalt);
+      z = Normal(b);
+    }
+    return std::min(2.0, std::max(-2.0, z));
+  }
+
+  Init init_;
+  double loc_, scale_;
+  std::vector<uint64_t> seeds_;
+};
+
+// ------------------------------------------------------------------ optimizers
+// Per-batch constants of the optimizer step (Adam's bias-corrected learning rate).
+struct StepConstants {
+  float lr_t = 0.0f;
+};
+
+inline StepConstants MakeStepConstants(const Config& c, int64_t step) {
+  StepConstants s;
+  if (c.optimizer == Optimizer::kAdam) {
+    // As TF computes it: float32 t, float32 pow (Eigen's pow is std::pow on floats).
+    const float t = static_cast<float>(step);
+    const float num = std::sqrt(1.0f - std::pow(c.beta2, t));
+    s.lr_t = c.learning_rate * num / (1.0f - std::pow(c.beta1, t));
+  }
+  return s;
+}
+
+// Initial value of every element of slot `k`.
+inline float InitialSlotValue(const Config& c, int k) {
+  if (c.optimizer == Optimizer::kAdagrad || c.optimizer == Optimizer::kFtrl) {
+    return k == 0 ? c.initial_accumulator : 0.0f;
+  }
+  return 0.0f;
+}
+
+// One optimizer step on one row, in place: row float[dim], slots float[num_slots*dim]
+// (slot k at slots + k*dim), grad float[dim]. Each expression keeps the operation order
+// of optimizers.py, so float32 results agree with TF's to rounding (usually exactly).
+inline void ApplyOptimizer(const Config& c, const StepConstants& s, float* row, float* slots,
+                           const float* g) {
+  const int d = c.dim;
+  const float lr = c.learning_rate;
+  switch (c.optimizer) {
+    case Optimizer::kSgd:
+      for (int j = 0; j < d; ++j) row[j] = row[j] + (-g[j]) * lr;
+      return;
+    case Optimizer::kAdagrad:
+      for (int j = 0; j < d; ++j) {
+        const float acc = slots[j] + g[j] * g[j];
+        slots[j] = acc;
+        row[j] = row[j] + (-lr * g[j]) / std::sqrt(acc + kAdagradEpsilon);
+      }
+      return;
+    case Optimizer::kFtrl: {
+      const float power = -c.lr_power;
+      float* acc = slots;
+      float* linear = slots + d;
+      for (int j = 0; j < d; ++j) {
+        const float new_acc = acc[j] + std::pow(g[j], 2.0f);
+        const float new_pow = std::pow(new_acc, power);
+        const float lin = linear[j] + (g[j] - (new_pow - std::pow(acc[j], power)) / lr * row[j]);
+        const float quadratic = new_pow / lr + 2.0f * c.l2;
+        row[j] = (std::min(c.l1, std::max(-c.l1, lin)) - lin) / quadratic;
+        acc[j] = new_acc;
+        linear[j] = lin;
+      }
+      return;
+    }
+    case Optimizer::kAdam: {
+      float* m = slots;
+      float* v = slots + d;
+      const float b1 = c.beta1, b2 = c.beta2;
+      for (int j = 0; j < d; ++j) {
+        const float gm = (1.0f - b1) * g[j];
+        m[j] = b1 * m[j] + gm;
+        const float gv = (1.0f - b2) * (g[j] * g[j]);
+        v[j] = b2 * v[j] + gv;
+        row[j] = row[j] - s.lr_t * m[j] / (std::sqrt(v[j]) + c.epsilon);
+      }
+      return;
+    }
+  }
+}
+
+// ------------------------------------------------------------------ blocks and arenas
+// The identity and statistics of a key; 32 bytes, followed by row and slots in full blocks.
+struct BlockHeader {
+  static constexpr uint64_t kCountBits = 48;
+  static constexpr uint64_t kMaxCount = (uint64_t{1} << kCountBits) - 1;
+  static constexpr uint32_t kNoTable = 0xFFFF;  // not tracked: no identity recorded
+
+  int64_t key;
+  int64_t id;         // original instance ID (statistics)
+  int64_t last_step;  // last step the key was seen (TTL eviction's clock)
+  uint64_t count_table;  // access count (low 48 bits) | table index (high 16 bits)
+
+  uint64_t count() const { return count_table & kMaxCount; }
+  uint32_t table() const { return static_cast<uint32_t>(count_table >> kCountBits); }
+  bool tracked() const { return table() != kNoTable; }
+  void Set(uint64_t count, uint32_t table) {
+    count_table = (static_cast<uint64_t>(table) << kCountBits) | count;
+  }
+  void Reset(int64_t k) {
+    key = k;
+    id = 0;
+    last_step = 0;
+    Set(0, kNoTable);
+  }
+};
+static_assert(sizeof(BlockHeader) == 32, "the block header must stay 32 bytes");
+
+// Fixed-size blocks in chunks that are never moved. Chunk c holds 64 << min(c, 8) blocks:
+// small tables stay small, large ones grow by 16384 blocks at a time (so at most one
+// partly used chunk per arena). Block i's chunk and offset come from i by bit arithmetic.
+class Arena {
+ public:
+  static constexpr int kFirstShift = 6;   // first chunk: 64 blocks
+  static constexpr int kDoublings = 8;    // then 128, ..., 16384 blocks per chunk
+  static constexpr uint32_t kNone = 0xFFFFFFFFu;
+  static constexpr uint32_t kMaxBlocks = 0x80000000u;  // refs keep one bit for the arena
+
+  explicit Arena(size_t block_bytes) : block_bytes_(block_bytes) {}
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+  ~Arena() {
+    for (char* c : chunks_) std::free(c);
+  }
+
+  size_t block_bytes() const { return block_bytes_; }
+  // Bytes of the chunks (address space; a chunk's untouched tail is not resident).
+  size_t bytes_allocated() const { return bytes_allocated_; }
+  // Bytes of the blocks ever handed out: blocks are used in address order, so this is
+  // what the process holds resident for the arena (freed blocks stay resident for reuse).
+  size_t bytes_used() const { return static_cast<size_t>(end_) * block_bytes_; }
+  int64_t live() const { return live_; }
+
+  char* At(uint32_t i) const {
+    int c;
+    uint64_t off;
+    Locate(i, &c, &off);
+    return chunks_[c] + off * block_bytes_;
+  }
+
+  // Makes the next Allocate() succeed without allocating memory: call it before any
+  // state changes, so running out of memory (std::bad_alloc) leaves everything intact.
+  void Reserve() {
+    if (free_head_ != kNone) return;
+    if (end_ == kMaxBlocks) throw std::bad_alloc();
+    int c;
+    uint64_t off;
+    Locate(end_, &c, &off);
+    if (c == static_cast<int>(chunks_.size())) AddChunk(c);
+  }
+
+  // A block index, from the free list or past the end; its contents are unspecified.
+  // Needs a Reserve() first.
+  uint32_t Allocate() {
+    ++live_;
+    if (free_head_ != kNone) {
+      const uint32_t i = free_head_;
+      std::memcpy(&free_head_, At(i), sizeof(free_head_));
+      return i;
+    }
+    return end_++;
+  }
+
+  // Puts block i on the free list; its first 4 bytes hold the next free block.
+  void Free(uint32_t i) {
+    --live_;
+    std::memcpy(At(i), &free_head_, sizeof(free_head_));
+    free_head_ = i;
+  }
+
+  static uint64_t ChunkBlocks(int c) {
+    return uint64_t{1} << (kFirstShift + std::min(c, kDoublings));
+  }
+
+  static void Locate(uint64_t i, int* chunk, uint64_t* offset) {
+    const uint64_t q = (i >> kFirstShift) + 1;
+    if (q < (uint64_t{1} << (kDoublings + 1))) {  // in the doubling chunks 0..kDoublings
+      const int c = 63 - __builtin_clzll(q);
+      *chunk = c;
+      *offset = i - (((uint64_t{1} << c) - 1) << kFirstShift);
+      return;
+    }
+    const uint64_t j = i - (((uint64_t{1} << kDoublings) - 1) << kFirstShift);
+    *chunk = kDoublings + static_cast<int>(j >> (kFirstShift + kDoublings));
+    *offset = j & ((uint64_t{1} << (kFirstShift + kDoublings)) - 1);
+  }
+
+ private:
+  void AddChunk(int c) {
+    const size_t bytes = ChunkBlocks(c) * block_bytes_;
+    // malloc, not zeroed: pages become resident only as blocks are used.
+    char* p = static_cast<char*>(std::malloc(bytes));
+    if (p == nullptr) throw std::bad_alloc();
+    chunks_.push_back(p);
+    bytes_allocated_ += bytes;
+  }
+
+  size_t block_bytes_;
+  std::vector<char*> chunks_;
+  uint32_t end_ = 0;          // blocks ever handed out past the free list
+  uint32_t free_head_ = kNone;
+  int64_t live_ = 0;
+  size_t bytes_allocated_ = 0;
+};
+
+// ------------------------------------------------------------------ shards
+// A position list: the batch positions of one shard's keys.
+struct Span {
+  const int32_t* data = nullptr;
+  int64_t size = 0;
+};
+
+// Keys grouped by shard: order[begin[s] .. begin[s+1]) are the positions of shard s.
+struct Partition {
+  std::vector<int32_t> order;
+  std::vector<int64_t> begin;
+  Span Of(int s) const { return {order.data() + begin[s], begin[s + 1] - begin[s]}; }
+};
+
+// Statistics to write for a key (Record).
+struct RecordArgs {
+  const int64_t* keys;
+  const int32_t* tables;
+  const int64_t* ids;
+  const int64_t* counts;      // added to the key's count
+  const int64_t* last_steps;  // per key (stride 1) or one value (stride 0)
+  int64_t last_step_stride;
+  // true: last_steps overwrite; false: they apply only to keys not tracked before.
+  bool overwrite_last_step;
+};
+
+// The fields of a key, as Find and Export return them.
+struct KeyFields {
+  bool stored;
+  int32_t table;  // -1: not tracked
+  int64_t id, count, last_step;
+};
+
+class Shard {
+ public:
+  static constexpr uint32_t kMetaBit = 0x80000000u;
+
+  Shard(size_t full_block_bytes)
+      : full_(full_block_bytes), meta_(sizeof(BlockHeader)), index_(0, RefHash{this}, RefEq{this}) {}
+  Shard(const Shard&) = delete;
+  Shard& operator=(const Shard&) = delete;
+
+  std::shared_mutex& mutex() const { return mu_; }
+
+  BlockHeader* Header(uint32_t ref) const {
+    return reinterpret_cast<BlockHeader*>((ref & kMetaBit) ? meta_.At(ref & ~kMetaBit)
+                                                           : full_.At(ref));
+  }
+  static bool IsStored(uint32_t ref) { return (ref & kMetaBit) == 0; }
+  static float* Row(BlockHeader* h) { return reinterpret_cast<float*>(h + 1); }
+
+  // The ref of `key`, or nullptr when it has no block.
+  const uint32_t* Find(int64_t key) const {
+    auto it = index_.find(KeyProbe{key});
+    return it == index_.end() ? nullptr : &*it;
+  }
+
+  // The ref of `key`'s block, creating a meta (header-only) block for a new key.
+  uint32_t* FindOrAddMeta(int64_t key) { return FindOrAdd(key, /*full=*/false, nullptr); }
+
+  // The ref of `key`'s block, creating a full block (header reset, row and slots
+  // unspecified) for a new key; *created says whether it did.
+  uint32_t* FindOrAddFull(int64_t key, bool* created) { return FindOrAdd(key, true, created); }
+
+  // Gives `*ref` a full block (row + slots, unspecified) keeping its header; returns it.
+  BlockHeader* Promote(uint32_t* ref) {
+    full_.Reserve();
+    const uint32_t i = full_.Allocate();
+    BlockHeader* h = reinterpret_cast<BlockHeader*>(full_.At(i));
+    *h = *Header(*ref);
+    meta_.Free(*ref & ~kMetaBit);
+    *ref = i;
+    return h;
+  }
+
+  // Moves a full block back to a meta block (row and slots dropped).
+  void Demote(uint32_t* ref) {
+    meta_.Reserve();
+    const uint32_t i = meta_.Allocate();
+    *reinterpret_cast<BlockHeader*>(meta_.At(i)) = *Header(*ref);
+    full_.Free(*ref);
+    *ref = i | kMetaBit;
+  }
+
+  // Removes `key`'s block entirely.
+  void Erase(int64_t key) {
+    auto it = index_.find(KeyProbe{key});
+    if (it == index_.end()) return;
+    const uint32_t ref = *it;
+    index_.erase(it);
+    if (IsStored(ref)) {
+      full_.Free(ref);
+    } else {
+      meta_.Free(ref & ~kMetaBit);
+    }
+  }
+
+  int64_t stored() const { return full_.live(); }
+  int64_t blocks() const { return full_.live() + meta_.live(); }
+  int64_t& tracked() { return tracked_; }
+  int64_t tracked() const { return tracked_; }
+
+  // Bytes this shard holds resident: the arenas' used blocks and the index's backing
+  // array (a control byte and a 4-byte ref per slot, plus absl's cloned control bytes,
+  // all written when the array is made). Chunk tails never touched are left out: they
+  // cost address space, not memory, so the figure follows the process's RSS.
+  size_t bytes_held() const {
+    const size_t cap = index_.capacity();
+    const size_t index_bytes = cap == 0 ? 0 : cap * (1 + sizeof(uint32_t)) + 16;
+    return full_.bytes_used() + meta_.bytes_used() + index_bytes;
+  }
+
+  template <typename F>
+  void ForEach(F&& f) const {
+    for (uint32_t ref : index_) f(ref);
+  }
+
+ private:
+  uint32_t* FindOrAdd(int64_t key, bool full, bool* created) {
+    Arena& arena = full ? full_ : meta_;
+    arena.Reserve();  // before the index changes: a throw must leave no half-made entry
+    if (created != nullptr) *created = false;
+    auto it = index_.lazy_emplace(KeyProbe{key}, [&](const auto& construct) {
+      const uint32_t i = arena.Allocate();
+      reinterpret_cast<BlockHeader*>(arena.At(i))->Reset(key);
+      if (created != nullptr) *created = true;
+      construct(full ? i : (i | kMetaBit));
+    });
+    // Elements are const in a set, but a ref is hashed by the key in its block, which
+    // moving the block between arenas keeps: rewriting it in place leaves the set valid.
+    return const_cast<uint32_t*>(&*it);
+  }
+
+  struct KeyProbe {
+    int64_t key;
+  };
+  struct RefHash {
+    using is_transparent = void;
+    const Shard* shard;
+    size_t operator()(uint32_t ref) const { return Fmix64(shard->Header(ref)->key); }
+    size_t operator()(KeyProbe p) const { return Fmix64(static_cast<uint64_t>(p.key)); }
+  };
+  struct RefEq {
+    using is_transparent = void;
+    const Shard* shard;
+    int64_t Key(uint32_t ref) const { return shard->Header(ref)->key; }
+    static int64_t Key(KeyProbe p) { return p.key; }
+    bool operator()(uint32_t a, uint32_t b) const { return Key(a) == Key(b); }
+    bool operator()(uint32_t a, KeyProbe b) const { return Key(a) == b.key; }
+    bool operator()(KeyProbe a, uint32_t b) const { return a.key == Key(b); }
+    bool operator()(KeyProbe a, KeyProbe b) const { return a.key == b.key; }
+  };
+  using Index = absl::flat_hash_set<uint32_t, RefHash, RefEq>;
+
+  mutable std::shared_mutex mu_;
+  Arena full_, meta_;
+  Index index_;
+  int64_t tracked_ = 0;
+};
+
+// ------------------------------------------------------------------ the engine
+// Every batch operation takes one shard and the positions of its keys in the batch
+// arrays (Partition); callers run the shards in parallel, each shard's work under its
+// own lock (the methods lock). Errors are returned as text ("" = fine).
+class Engine {
+ public:
+  explicit Engine(const Config& c)
+      : config_(c), num_slots_(NumSlots(c.optimizer)), init_(c) {
+    shard_shift_ = 64;
+    for (int s = c.num_shards; s > 1; s >>= 1) --shard_shift_;
+    const size_t full = sizeof(BlockHeader) + sizeof(float) * c.dim * (1 + num_slots_);
+    const size_t block = (full + 7) & ~size_t{7};  // 8-aligned headers
+    for (int s = 0; s < c.num_shards; ++s) shards_.emplace_back(new Shard(block));
+  }
+
+  const Config& config() const { return config_; }
+  int dim() const { return config_.dim; }
+  int num_slots() const { return num_slots_; }
+  int num_shards() const { return config_.num_shards; }
+  const RowInitializer& initializer() const { return init_; }
+
+  int ShardOf(int64_t key) const {
+    return shard_shift_ == 64 ? 0 : static_cast<int>(Fmix64(static_cast<uint64_t>(key)) >> shard_shift_);
+  }
+
+  // Counting sort of positions 0..n-1 by the shard of keys[i]; stable.
+  Partition PartitionKeys(const int64_t* keys, int64_t n) const {
+    Partition p;
+    const int S = num_shards();
+    std::vector<int32_t> shard(n);
+    p.begin.assign(S + 1, 0);
+    for (int64_t i = 0; i < n; ++i) ++p.begin[(shard[i] = ShardOf(keys[i])) + 1];
+    for (int s = 0; s < S; ++s) p.begin[s + 1] += p.begin[s];
+    std::vector<int64_t> next(p.begin.begin(), p.begin.end() - 1);
+    p.order.resize(n);
+    for (int64_t i = 0; i < n; ++i) p.order[next[shard[i]]++] = static_cast<int32_t>(i);
+    return p;
+  }
+
+  // Rows of keys (float[n, dim] at out); a key without a stored row gets its initial row
+  // from init_keys and is NOT inserted.
+  void Lookup(int s, Span pos, const int64_t* keys, const int64_t* init_keys, float* out) const {
+    const Shard& sh = *shards_[s];
+    std::shared_lock<std::shared_mutex> lock(sh.mutex());
+    const int d = dim();
+    for (int64_t k = 0; k < pos.size; ++k) {
+      const int32_t i = pos.data[k];
+      const uint32_t* ref = sh.Find(keys[i]);
+      if (ref != nullptr && Shard::IsStored(*ref)) {
+        std::memcpy(out + int64_t{i} * d, Shard::Row(sh.Header(*ref)), d * sizeof(float));
+      } else {
+        init_.Fill(init_keys[i], out + int64_t{i} * d);
+      }
+    }
+  }
+
+  // One optimizer step per key (keys unique): read row and slots (stored, or initial),
+  // update, write back, in one pass; new keys are inserted. With admission
+  // (num_tables > 0), a key with no stored row whose statistics are tracked with a count
+  // below min_counts[its table] is not stored, and out gets its unchanged initial row.
+  // out: the rows after the step, float[n, dim].
+  std::string ApplyGradients(int s, Span pos, const int64_t* keys, const int64_t* init_keys,
+                             const float* grads, const StepConstants& step,
+                             const int64_t* min_counts, int num_tables, float* out) {
+    Shard& sh = *shards_[s];
+    std::unique_lock<std::shared_mutex> lock(sh.mutex());
+    const int d = dim();
+    for (int64_t k = 0; k < pos.size; ++k) {
+      const int32_t i = pos.data[k];
+      float* row_out = out + int64_t{i} * d;
+      bool created;
+      uint32_t* ref = sh.FindOrAddFull(keys[i], &created);
+      BlockHeader* h = sh.Header(*ref);
+      if (!Shard::IsStored(*ref)) {  // tracked, no row yet: admission decides
+        if (num_tables > 0) {
+          if (h->table() >= static_cast<uint32_t>(num_tables)) {
+            return "key " + std::to_string(keys[i]) + " is recorded with table " +
+                   std::to_string(h->table()) + ", but min_counts has " +
+                   std::to_string(num_tables) + " entries";
+          }
+          if (static_cast<int64_t>(h->count()) < min_counts[h->table()]) {  // not admitted
+            init_.Fill(init_keys[i], row_out);
+            continue;
+          }
+        }
+        h = sh.Promote(ref);
+        created = true;
+      }
+      if (created) InitRowAndSlots(h, init_keys[i]);
+      float* row = Shard::Row(h);
+      ApplyOptimizer(config_, step, row, row + d, grads + int64_t{i} * d);
+      std::memcpy(row_out, row, d * sizeof(float));
+    }
+    return "";
+  }
+
+  // Adds access statistics: creates a tracked (meta) block for a new key, adds counts,
+  // sets (table, id) and the last step (see RecordArgs).
+  std::string Record(int s, Span pos, const RecordArgs& a) {
+    Shard& sh = *shards_[s];
+    std::unique_lock<std::shared_mutex> lock(sh.mutex());
+    for (int64_t k = 0; k < pos.size; ++k) {
+      const int32_t i = pos.data[k];
+      BlockHeader* h = sh.Header(*sh.FindOrAddMeta(a.keys[i]));
+      const uint64_t count = h->count() + static_cast<uint64_t>(a.counts[i]);
+      if (count > BlockHeader::kMaxCount) {
+        return "the access count of key " + std::to_string(a.keys[i]) + " exceeds 2^48 - 1";
+      }
+      const int64_t last = a.last_steps[a.last_step_stride * i];
+      if (!h->tracked()) {
+        ++sh.tracked();
+        h->last_step = last;
+      } else if (a.overwrite_last_step) {
+        h->last_step = last;
+      }
+      h->id = a.ids[i];
+      h->Set(count, static_cast<uint32_t>(a.tables[i]));
+    }
+    return "";
+  }
+
+  // Fields of keys (any, duplicates allowed).
+  void Find(int s, Span pos, const int64_t* keys, KeyFields* out) const {
+    const Shard& sh = *shards_[s];
+    std::shared_lock<std::shared_mutex> lock(sh.mutex());
+    for (int64_t k = 0; k < pos.size; ++k) {
+      const int32_t i = pos.data[k];
+      const uint32_t* ref = sh.Find(keys[i]);
+      out[i] = ref == nullptr ? KeyFields{false, -1, 0, 0, 0} : Fields(sh, *ref);
+    }
+  }
+
+  // Rows and slots of stored keys (float[n, dim] and float[n, num_slots, dim]); an error
+  // names a key without a stored row.
+  std::string GatherRows(int s, Span pos, const int64_t* keys, float* values, float* slots) const {
+    const Shard& sh = *shards_[s];
+    std::shared_lock<std::shared_mutex> lock(sh.mutex());
+    const int64_t d = dim(), sd = num_slots_ * d;
+    for (int64_t k = 0; k < pos.size; ++k) {
+      const int32_t i = pos.data[k];
+      const uint32_t* ref = sh.Find(keys[i]);
+      if (ref == nullptr || !Shard::IsStored(*ref)) {
+        return "key " + std::to_string(keys[i]) + " has no stored row";
+      }
+      const float* row = Shard::Row(sh.Header(*ref));
+      std::memcpy(values + i * d, row, d * sizeof(float));
+      std::memcpy(slots + i * sd, row + d, sd * sizeof(float));
+    }
+    return "";
+  }
+
+  // Stores rows and slots (float[n, dim], float[n, num_slots, dim]) of keys; statistics
+  // are left as they are.
+  void WriteRows(int s, Span pos, const int64_t* keys, const float* values, const float* slots) {
+    Shard& sh = *shards_[s];
+    std::unique_lock<std::shared_mutex> lock(sh.mutex());
+    const int64_t d = dim(), sd = num_slots_ * d;
+    for (int64_t k = 0; k < pos.size; ++k) {
+      const int32_t i = pos.data[k];
+      bool created;
+      uint32_t* ref = sh.FindOrAddFull(keys[i], &created);
+      BlockHeader* h = Shard::IsStored(*ref) ? sh.Header(*ref) : sh.Promote(ref);
+      std::memcpy(Shard::Row(h), values + i * d, d * sizeof(float));
+      std::memcpy(Shard::Row(h) + d, slots + i * sd, sd * sizeof(float));
+    }
+  }
+
+  // Drops the rows (and slots) of keys; their statistics stay. Absent keys are ignored.
+  void RemoveRows(int s, Span pos, const int64_t* keys) {
+    Shard& sh = *shards_[s];
+    std::unique_lock<std::shared_mutex> lock(sh.mutex());
+    for (int64_t k = 0; k < pos.size; ++k) {
+      const int64_t key = keys[pos.data[k]];
+      const uint32_t* found = sh.Find(key);
+      if (found == nullptr || !Shard::IsStored(*found)) continue;
+      uint32_t* ref = const_cast<uint32_t*>(found);  // see FindOrAdd
+      if (sh.Header(*ref)->tracked()) {
+        sh.Demote(ref);
+      } else {
+        sh.Erase(key);
+      }
+    }
+  }
+
+  // Forgets the statistics of keys (count, identity, last step); their rows stay.
+  void Forget(int s, Span pos, const int64_t* keys) {
+    Shard& sh = *shards_[s];
+    std::unique_lock<std::shared_mutex> lock(sh.mutex());
+    for (int64_t k = 0; k < pos.size; ++k) {
+      const int64_t key = keys[pos.data[k]];
+      const uint32_t* ref = sh.Find(key);
+      if (ref == nullptr) continue;
+      BlockHeader* h = sh.Header(*ref);
+      if (!h->tracked()) continue;
+      --sh.tracked();
+      if (Shard::IsStored(*ref)) {
+        h->Reset(key);
+      } else {
+        sh.Erase(key);
+      }
+    }
+  }
+
+  // Every block of shard s (stored_only: only those with a row), unsorted; rows and slots
+  // appended to values/slots when they are non-null (zeros for a block without a row).
+  void Export(int s, bool stored_only, std::vector<int64_t>* keys, std::vector<KeyFields>* fields,
+              std::vector<float>* values, std::vector<float>* slots) const {
+    const Shard& sh = *shards_[s];
+    std::shared_lock<std::shared_mutex> lock(sh.mutex());
+    const int64_t d = dim(), sd = num_slots_ * d;
+    sh.ForEach([&](uint32_t ref) {
+      if (stored_only && !Shard::IsStored(ref)) return;
+      const BlockHeader* h = sh.Header(ref);
+      keys->push_back(h->key);
+      fields->push_back(Fields(sh, ref));
+      if (values == nullptr) return;
+      if (Shard::IsStored(ref)) {
+        const float* row = Shard::Row(const_cast<BlockHeader*>(h));
+        values->insert(values->end(), row, row + d);
+        slots->insert(slots->end(), row + d, row + d + sd);
+      } else {
+        values->resize(values->size() + d, 0.0f);
+        slots->resize(slots->size() + sd, 0.0f);
+      }
+    });
+  }
+
+  struct Sizes {
+    int64_t stored = 0, tracked = 0, blocks = 0;
+    int64_t bytes_held = 0;
+  };
+  Sizes Size() const {
+    Sizes z;
+    for (const auto& sh : shards_) {
+      std::shared_lock<std::shared_mutex> lock(sh->mutex());
+      z.stored += sh->stored();
+      z.tracked += sh->tracked();
+      z.blocks += sh->blocks();
+      z.bytes_held += static_cast<int64_t>(sh->bytes_held());
+    }
+    return z;
+  }
+
+ private:
+  static KeyFields Fields(const Shard& sh, uint32_t ref) {
+    const BlockHeader* h = sh.Header(ref);
+    const bool tracked = h->tracked();
+    return {Shard::IsStored(ref), tracked ? static_cast<int32_t>(h->table()) : -1, h->id,
+            static_cast<int64_t>(h->count()), h->last_step};
+  }
+
+  void InitRowAndSlots(BlockHeader* h, int64_t init_key) const {
+    const int d = dim();
+    float* row = Shard::Row(h);
+    init_.Fill(init_key, row);
+    for (int k = 0; k < num_slots_; ++k) {
+      std::fill(row + (k + 1) * d, row + (k + 2) * d, InitialSlotValue(config_, k));
+    }
+  }
+
+  Config config_;
+  int num_slots_;
+  int shard_shift_;
+  RowInitializer init_;
+  std::vector<std::unique_ptr<Shard>> shards_;
+};
+
+}  // namespace engine
+}  // namespace fusedemb
+}  // namespace tensorflow
+
+#endif  // TF_FUSEDEMB_EMBEDDING_ENGINE_H_

@@ -1,0 +1,539 @@
+// CPU kernels of the embedding storage engine's ops (embedding_engine_ops.cc). Each op
+// splits its keys by shard (one counting sort) and runs the shards in parallel on TF's
+// intra-op pool, each under that shard's lock: writers exclusive, readers shared, so
+// kernels on one resource may run concurrently.
+#include <algorithm>
+#include <cstdlib>
+#include <new>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_join.h"
+#include "embedding_engine.h"
+#include "fusedemb_common.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/tensor_util.h"
+#include "tensorflow/core/platform/threadpool.h"
+
+namespace tensorflow {
+namespace fusedemb {
+
+using engine::Engine;
+using engine::KeyFields;
+using engine::Partition;
+using engine::Span;
+
+// The resource: one engine per group table and rank.
+class EngineResource : public ResourceBase {
+ public:
+  explicit EngineResource(const engine::Config& c) : engine_(c) {}
+  Engine& engine() { return engine_; }
+  std::string DebugString() const override {
+    return strings::StrCat("FusedEmb engine (dim ", engine_.dim(), ", ", engine_.num_shards(),
+                           " shards)");
+  }
+  int64_t MemoryUsed() const override { return engine_.Size().bytes_held; }
+
+ private:
+  Engine engine_;
+};
+
+namespace {
+
+// Keys of one batch split by shard, and a runner of per-shard work in parallel.
+class ShardedBatch {
+ public:
+  ShardedBatch(const Engine& e, const int64_t* keys, int64_t n)
+      : engine_(e), partition_(e.PartitionKeys(keys, n)), n_(n) {}
+
+  // Runs fn(shard, span) -> error text for every shard with keys, in parallel; returns
+  // the first error. `cost_per_key`: rough CPU cycles per key, for TF's scheduler.
+  template <typename F>
+  Status Run(OpKernelContext* ctx, int64_t cost_per_key, F&& fn) const {
+    const int S = engine_.num_shards();
+    std::vector<std::string> failures(S);
+    std::vector<char> out_of_memory(S, 0);
+    auto work = [&](int64_t begin, int64_t end) {
+      for (int64_t s = begin; s < end; ++s) {
+        const Span span = partition_.Of(static_cast<int>(s));
+        if (span.size == 0) continue;
+        try {
+          failures[s] = fn(static_cast<int>(s), span);
+        } catch (const std::bad_alloc&) {
+          out_of_memory[s] = 1;
+        }
+      }
+    };
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    pool->ParallelFor(S, std::max<int64_t>(1, cost_per_key * (n_ / S + 1)), work);
+    for (int s = 0; s < S; ++s) {
+      if (out_of_memory[s]) {
+        return errors::ResourceExhausted("embedding engine: out of memory in shard ", s);
+      }
+      if (!failures[s].empty()) return errors::InvalidArgument("embedding engine: ", failures[s]);
+    }
+    return OkStatus();
+  }
+
+ private:
+  const Engine& engine_;
+  Partition partition_;
+  int64_t n_;
+};
+
+Status GetEngine(OpKernelContext* ctx, core::RefCountPtr<EngineResource>* out) {
+  return LookupResource(ctx, HandleFromInput(ctx, 0), out);
+}
+
+Status CheckSameLength(const Tensor& t, int64_t n, const char* name) {
+  TF_RETURN_IF_ERROR(ValidateVector(t, name));
+  if (t.NumElements() != n) {
+    return errors::InvalidArgument(name, " must have one entry per key (", n, "), got ",
+                                   t.NumElements());
+  }
+  return OkStatus();
+}
+
+Status CheckMatrix(const Tensor& t, int64_t rows, const std::vector<int64_t>& inner,
+                   const char* name) {
+  TensorShape want({rows});
+  for (int64_t d : inner) want.AddDim(d);
+  if (t.shape() != want) {
+    return errors::InvalidArgument(name, " must have shape ", want.DebugString(), ", got ",
+                                   t.shape().DebugString());
+  }
+  return OkStatus();
+}
+
+// An op attr (dim, num_slots) that must agree with the engine's configuration.
+Status CheckAttr(const char* what, int64_t op_value, int64_t engine_value) {
+  if (op_value != engine_value) {
+    return errors::InvalidArgument("the op's ", what, " ", op_value, " differs from the engine's ",
+                                   what, " ", engine_value);
+  }
+  return OkStatus();
+}
+
+Status CheckDimAttr(const Engine& e, int64_t dim) { return CheckAttr("dim", dim, e.dim()); }
+
+Status CheckNumSlots(const Engine& e, int64_t num_slots) {
+  return CheckAttr("num_slots", num_slots, e.num_slots());
+}
+
+// Base of the kernels that read keys from input 1.
+class EngineKernel : public OpKernel {
+ public:
+  explicit EngineKernel(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+ protected:
+  // The engine and the validated keys of one call.
+  struct KeysBatch {
+    core::RefCountPtr<EngineResource> resource;
+    const int64_t* keys = nullptr;
+    int64_t n = 0;
+    Engine& engine() const { return resource->engine(); }
+    // Runs fn(shard, span) over the shards of the keys, in parallel.
+    template <typename F>
+    Status Run(OpKernelContext* ctx, int64_t cost_per_key, F&& fn) const {
+      return ShardedBatch(engine(), keys, n).Run(ctx, cost_per_key, std::forward<F>(fn));
+    }
+  };
+
+  static Status PrepareKeys(OpKernelContext* ctx, KeysBatch* b) {
+    TF_RETURN_IF_ERROR(GetEngine(ctx, &b->resource));
+    const Tensor& keys_t = ctx->input(1);
+    TF_RETURN_IF_ERROR(ValidateVector(keys_t, "keys"));
+    b->keys = keys_t.flat<int64_t>().data();
+    b->n = keys_t.NumElements();
+    return OkStatus();
+  }
+};
+
+// ------------------------------------------------------------------ handle
+// The whole of `text` as a float64 (strtod rounds correctly: Python's repr reads back exactly).
+bool ParseDouble(const std::string& text, double* out) {
+  if (text.empty()) return false;
+  char* end = nullptr;
+  *out = std::strtod(text.c_str(), &end);
+  return end == text.c_str() + text.size();
+}
+
+class EngineHandleOp : public OpKernel {
+ public:
+  explicit EngineHandleOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    engine::Config& c = config_;
+    int64_t dim, shards;
+    std::string optimizer, initializer;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_shards", &shards));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("optimizer", &optimizer));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("initializer", &initializer));
+    OP_REQUIRES(ctx, engine::ParseOptimizer(optimizer, &c.optimizer),
+                errors::InvalidArgument("unknown optimizer '", optimizer,
+                                        "'; the engine has sgd, adagrad, ftrl, adam"));
+    OP_REQUIRES(ctx, engine::ParseInit(initializer, &c.init),
+                errors::InvalidArgument("unknown initializer '", initializer,
+                                        "'; the engine has zeros, uniform, normal, truncated_normal"));
+    c.dim = static_cast<int>(dim);
+    c.num_shards = static_cast<int>(shards);
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("learning_rate", &c.learning_rate));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("initial_accumulator_value", &c.initial_accumulator));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("beta1", &c.beta1));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("beta2", &c.beta2));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("epsilon", &c.epsilon));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("learning_rate_power", &c.lr_power));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("l1", &c.l1));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("l2", &c.l2));
+    std::vector<std::string> params;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("init_params", &params));
+    OP_REQUIRES(ctx, params.size() == 2 && ParseDouble(params[0], &c.init_loc) &&
+                         ParseDouble(params[1], &c.init_scale),
+                errors::InvalidArgument("init_params must be two numbers (loc, scale), got [",
+                                        absl::StrJoin(params, ", "), "]"));
+    const std::string bad = engine::ValidateConfig(c);
+    OP_REQUIRES(ctx, bad.empty(), errors::InvalidArgument("embedding engine: ", bad));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("container", &container_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("shared_name", &name_));
+    OP_REQUIRES(ctx, !name_.empty(),
+                errors::InvalidArgument("shared_name must name the table instance"));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    ResourceMgr* rm = ctx->resource_manager();
+    const std::string container = container_.empty() ? rm->default_container() : container_;
+    EngineResource* r = nullptr;
+    OP_REQUIRES_OK(ctx, rm->LookupOrCreate<EngineResource>(
+                            container, name_, &r, [this](EngineResource** out) {
+                              *out = new EngineResource(config_);
+                              return OkStatus();
+                            }));
+    core::ScopedUnref unref(r);
+    const engine::Config& have = r->engine().config();
+    OP_REQUIRES(ctx, have.dim == config_.dim && have.optimizer == config_.optimizer &&
+                         have.num_shards == config_.num_shards,
+                errors::InvalidArgument("embedding engine '", name_,
+                                        "' exists with another dim, optimizer or shard count"));
+    Tensor* handle = nullptr;
+    AllocatorAttributes host;
+    host.set_on_host(true);
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &handle, host));
+    handle->scalar<ResourceHandle>()() =
+        MakeResourceHandle<EngineResource>(ctx, container, name_);
+  }
+
+ private:
+  engine::Config config_;
+  std::string container_, name_;
+};
+
+// ------------------------------------------------------------------ lookup and apply
+// Kernels that return rows: keys (input 1), init_keys (input 2), rows [u, dim] (output 0).
+class RowsKernel : public EngineKernel {
+ public:
+  explicit RowsKernel(OpKernelConstruction* ctx) : EngineKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim_));
+  }
+
+ protected:
+  struct Batch : KeysBatch {
+    const int64_t* init_keys = nullptr;
+    float* rows = nullptr;
+  };
+
+  Status PrepareRows(OpKernelContext* ctx, Batch* b) {
+    TF_RETURN_IF_ERROR(PrepareKeys(ctx, b));
+    TF_RETURN_IF_ERROR(CheckDimAttr(b->engine(), dim_));
+    const Tensor& init_t = ctx->input(2);
+    TF_RETURN_IF_ERROR(CheckSameLength(init_t, b->n, "init_keys"));
+    Tensor* rows_t = nullptr;
+    TF_RETURN_IF_ERROR(ctx->allocate_output(0, TensorShape({b->n, dim_}), &rows_t));
+    b->init_keys = init_t.flat<int64_t>().data();
+    b->rows = rows_t->flat<float>().data();
+    return OkStatus();
+  }
+
+  int64_t dim_;
+};
+
+class EngineLookupOp : public RowsKernel {
+ public:
+  using RowsKernel::RowsKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    Batch b;
+    OP_REQUIRES_OK(ctx, PrepareRows(ctx, &b));
+    const Engine& e = b.engine();
+    OP_REQUIRES_OK(ctx, b.Run(ctx, 100 + 4 * dim_, [&](int s, Span p) {
+      e.Lookup(s, p, b.keys, b.init_keys, b.rows);
+      return std::string();
+    }));
+  }
+};
+
+class EngineApplyGradientsOp : public RowsKernel {
+ public:
+  using RowsKernel::RowsKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    Batch b;
+    OP_REQUIRES_OK(ctx, PrepareRows(ctx, &b));
+    Engine& e = b.engine();
+    const Tensor& grads_t = ctx->input(3);
+    const Tensor& step_t = ctx->input(4);
+    const Tensor& min_t = ctx->input(5);
+    OP_REQUIRES_OK(ctx, CheckMatrix(grads_t, b.n, {dim_}, "grads"));
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(step_t.shape()),
+                errors::InvalidArgument("step must be a scalar, got shape ",
+                                        step_t.shape().DebugString()));
+    OP_REQUIRES_OK(ctx, ValidateVector(min_t, "min_counts"));
+    OP_REQUIRES(ctx, min_t.NumElements() < engine::BlockHeader::kNoTable,
+                errors::InvalidArgument("min_counts has more entries than tables can exist"));
+    const float* grads = grads_t.flat<float>().data();
+    const int64_t* min_counts = min_t.flat<int64_t>().data();
+    const int num_tables = static_cast<int>(min_t.NumElements());
+    const engine::StepConstants step =
+        engine::MakeStepConstants(e.config(), step_t.scalar<int64_t>()());
+    OP_REQUIRES_OK(ctx, b.Run(ctx, 200 + 20 * dim_, [&](int s, Span p) {
+      return e.ApplyGradients(s, p, b.keys, b.init_keys, grads, step, min_counts, num_tables,
+                              b.rows);
+    }));
+  }
+};
+
+// ------------------------------------------------------------------ statistics
+class EngineRecordOp : public EngineKernel {
+ public:
+  explicit EngineRecordOp(OpKernelConstruction* ctx) : EngineKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("overwrite_last_step", &overwrite_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    KeysBatch b;
+    OP_REQUIRES_OK(ctx, PrepareKeys(ctx, &b));
+    const Tensor& tables_t = ctx->input(2);
+    const Tensor& ids_t = ctx->input(3);
+    const Tensor& counts_t = ctx->input(4);
+    const Tensor& last_t = ctx->input(5);
+    OP_REQUIRES_OK(ctx, CheckSameLength(tables_t, b.n, "tables"));
+    OP_REQUIRES_OK(ctx, CheckSameLength(ids_t, b.n, "ids"));
+    OP_REQUIRES_OK(ctx, CheckSameLength(counts_t, b.n, "counts"));
+    const bool scalar_last = TensorShapeUtils::IsScalar(last_t.shape());
+    if (!scalar_last) OP_REQUIRES_OK(ctx, CheckSameLength(last_t, b.n, "last_steps"));
+    const int32_t* tables = tables_t.flat<int32_t>().data();
+    const int64_t* counts = counts_t.flat<int64_t>().data();
+    // Checked before any write, so a bad batch changes nothing.
+    for (int64_t i = 0; i < b.n; ++i) {
+      OP_REQUIRES(ctx, tables[i] >= 0 && tables[i] < static_cast<int32_t>(engine::BlockHeader::kNoTable),
+                  errors::InvalidArgument("tables[", i, "] = ", tables[i], " is not in [0, 65535)"));
+      OP_REQUIRES(ctx, counts[i] >= 0,
+                  errors::InvalidArgument("counts[", i, "] = ", counts[i], " is negative"));
+    }
+    const engine::RecordArgs args{b.keys, tables, ids_t.flat<int64_t>().data(), counts,
+                                  last_t.flat<int64_t>().data(), scalar_last ? 0 : 1, overwrite_};
+    Engine& e = b.engine();
+    OP_REQUIRES_OK(ctx, b.Run(ctx, 150, [&](int s, Span p) { return e.Record(s, p, args); }));
+  }
+
+ private:
+  bool overwrite_;
+};
+
+class EngineFindOp : public EngineKernel {
+ public:
+  using EngineKernel::EngineKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    KeysBatch b;
+    OP_REQUIRES_OK(ctx, PrepareKeys(ctx, &b));
+    std::vector<KeyFields> fields(b.n);
+    const Engine& e = b.engine();
+    OP_REQUIRES_OK(ctx, b.Run(ctx, 100, [&](int s, Span p) {
+      e.Find(s, p, b.keys, fields.data());
+      return std::string();
+    }));
+    WriteFields(ctx, fields, 0);
+  }
+
+  // Outputs first..first+4: stored, tables, ids, counts, last_steps of `fields`.
+  static void WriteFields(OpKernelContext* ctx, const std::vector<KeyFields>& fields, int first) {
+    const int64_t n = static_cast<int64_t>(fields.size());
+    Tensor* out[5];
+    for (int i = 0; i < 5; ++i) {
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(first + i, TensorShape({n}), &out[i]));
+    }
+    auto stored = out[0]->flat<bool>();
+    auto tables = out[1]->flat<int32_t>();
+    auto ids = out[2]->flat<int64_t>(), counts = out[3]->flat<int64_t>(),
+         last = out[4]->flat<int64_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      stored(i) = fields[i].stored;
+      tables(i) = fields[i].table;
+      ids(i) = fields[i].id;
+      counts(i) = fields[i].count;
+      last(i) = fields[i].last_step;
+    }
+  }
+};
+
+// ------------------------------------------------------------------ rows in and out
+class EngineGatherRowsOp : public EngineKernel {
+ public:
+  explicit EngineGatherRowsOp(OpKernelConstruction* ctx) : EngineKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_slots", &num_slots_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    KeysBatch b;
+    OP_REQUIRES_OK(ctx, PrepareKeys(ctx, &b));
+    const Engine& e = b.engine();
+    OP_REQUIRES_OK(ctx, CheckDimAttr(e, dim_));
+    OP_REQUIRES_OK(ctx, CheckNumSlots(e, num_slots_));
+    Tensor *values_t = nullptr, *slots_t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({b.n, dim_}), &values_t));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({b.n, num_slots_, dim_}), &slots_t));
+    float* values = values_t->flat<float>().data();
+    float* slots = slots_t->flat<float>().data();
+    OP_REQUIRES_OK(ctx, b.Run(ctx, 100 + 4 * dim_, [&](int s, Span p) {
+      return e.GatherRows(s, p, b.keys, values, slots);
+    }));
+  }
+
+ private:
+  int64_t dim_, num_slots_;
+};
+
+class EngineWriteRowsOp : public EngineKernel {
+ public:
+  using EngineKernel::EngineKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    KeysBatch b;
+    OP_REQUIRES_OK(ctx, PrepareKeys(ctx, &b));
+    Engine& e = b.engine();
+    const Tensor& values_t = ctx->input(2);
+    const Tensor& slots_t = ctx->input(3);
+    OP_REQUIRES_OK(ctx, CheckMatrix(values_t, b.n, {e.dim()}, "values"));
+    OP_REQUIRES_OK(ctx, CheckMatrix(slots_t, b.n, {e.num_slots(), e.dim()}, "slots"));
+    const float* values = values_t.flat<float>().data();
+    const float* slots = slots_t.flat<float>().data();
+    OP_REQUIRES_OK(ctx, b.Run(ctx, 150 + 4 * e.dim(), [&](int s, Span p) {
+      e.WriteRows(s, p, b.keys, values, slots);
+      return std::string();
+    }));
+  }
+};
+
+// Removes rows (kRows) or statistics of the keys.
+template <bool kRows>
+class EngineRemoveOp : public EngineKernel {
+ public:
+  using EngineKernel::EngineKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    KeysBatch b;
+    OP_REQUIRES_OK(ctx, PrepareKeys(ctx, &b));
+    Engine& e = b.engine();
+    OP_REQUIRES_OK(ctx, b.Run(ctx, 150, [&](int s, Span p) {
+      if (kRows) {
+        e.RemoveRows(s, p, b.keys);
+      } else {
+        e.Forget(s, p, b.keys);
+      }
+      return std::string();
+    }));
+  }
+};
+
+// ------------------------------------------------------------------ export and size
+class EngineExportOp : public OpKernel {
+ public:
+  explicit EngineExportOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("stored_only", &stored_only_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("with_rows", &with_rows_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_slots", &num_slots_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<EngineResource> r;
+    OP_REQUIRES_OK(ctx, GetEngine(ctx, &r));
+    const Engine& e = r->engine();
+    OP_REQUIRES_OK(ctx, CheckDimAttr(e, dim_));
+    OP_REQUIRES_OK(ctx, CheckNumSlots(e, num_slots_));
+    // Shard by shard (each under its shared lock), then one sort by key.
+    std::vector<int64_t> keys;
+    std::vector<KeyFields> fields;
+    std::vector<float> values, slots;
+    for (int s = 0; s < e.num_shards(); ++s) {
+      e.Export(s, stored_only_, &keys, &fields, with_rows_ ? &values : nullptr,
+               with_rows_ ? &slots : nullptr);
+    }
+    const int64_t k = static_cast<int64_t>(keys.size());
+    std::vector<int64_t> order(k);
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return keys[a] < keys[b]; });
+    Tensor* keys_t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({k}), &keys_t));
+    std::vector<KeyFields> sorted(k);
+    for (int64_t i = 0; i < k; ++i) {
+      keys_t->flat<int64_t>()(i) = keys[order[i]];
+      sorted[i] = fields[order[i]];
+    }
+    EngineFindOp::WriteFields(ctx, sorted, 1);
+    if (!ctx->status().ok()) return;
+    const int64_t rows = with_rows_ ? k : 0, sd = num_slots_ * dim_;
+    Tensor *values_t = nullptr, *slots_t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(6, TensorShape({rows, dim_}), &values_t));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(7, TensorShape({rows, num_slots_, dim_}), &slots_t));
+    float* v = values_t->flat<float>().data();
+    float* sl = slots_t->flat<float>().data();
+    for (int64_t i = 0; i < rows; ++i) {
+      std::copy_n(values.data() + order[i] * dim_, dim_, v + i * dim_);
+      std::copy_n(slots.data() + order[i] * sd, sd, sl + i * sd);
+    }
+  }
+
+ private:
+  bool stored_only_, with_rows_;
+  int64_t dim_, num_slots_;
+};
+
+class EngineSizeOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<EngineResource> r;
+    OP_REQUIRES_OK(ctx, GetEngine(ctx, &r));
+    const Engine::Sizes z = r->engine().Size();
+    const int64_t values[3] = {z.stored, z.tracked, z.bytes_held};
+    for (int i = 0; i < 3; ++i) {
+      Tensor* t = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(i, TensorShape({}), &t));
+      t->scalar<int64_t>()() = values[i];
+    }
+  }
+};
+
+}  // namespace
+
+#define FUSEDEMB_ENGINE_KERNEL(name, cls) \
+  REGISTER_KERNEL_BUILDER(Name("FusedEmb>" name).Device(DEVICE_CPU), cls)
+
+FUSEDEMB_ENGINE_KERNEL("EngineHandle", EngineHandleOp);
+FUSEDEMB_ENGINE_KERNEL("EngineLookup", EngineLookupOp);
+FUSEDEMB_ENGINE_KERNEL("EngineApplyGradients", EngineApplyGradientsOp);
+FUSEDEMB_ENGINE_KERNEL("EngineRecord", EngineRecordOp);
+FUSEDEMB_ENGINE_KERNEL("EngineFind", EngineFindOp);
+FUSEDEMB_ENGINE_KERNEL("EngineGatherRows", EngineGatherRowsOp);
+FUSEDEMB_ENGINE_KERNEL("EngineWriteRows", EngineWriteRowsOp);
+FUSEDEMB_ENGINE_KERNEL("EngineRemoveRows", EngineRemoveOp<true>);
+FUSEDEMB_ENGINE_KERNEL("EngineForget", EngineRemoveOp<false>);
+FUSEDEMB_ENGINE_KERNEL("EngineExport", EngineExportOp);
+FUSEDEMB_ENGINE_KERNEL("EngineSize", EngineSizeOp);
+
+}  // namespace fusedemb
+}  // namespace tensorflow

@@ -1,0 +1,242 @@
+// Interface of the embedding storage engine's ops (custom_ops/embedding_engine.h): a
+// resource per group table and rank, holding one block per key (identity, access
+// statistics, row, optimizer slots). Python: tf_fusedemb/ops/embedding_engine.py.
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+#include "shape_fn_util.h"
+
+namespace tensorflow {
+namespace fusedemb {
+
+using shape_inference::DimensionHandle;
+using shape_inference::InferenceContext;
+using shape_inference::ShapeHandle;
+
+namespace {
+
+// Output `index` = [u, dim] where u is the length of keys (input 1), dim the "dim" attr.
+Status RowsShape(InferenceContext* c, int index) {
+  ShapeHandle keys;
+  TF_RETURN_IF_ERROR(InputWithRank(c, 1, 1, "keys", &keys));
+  int64_t dim;
+  TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
+  c->set_output(index, c->Matrix(c->Dim(keys, 0), dim));
+  return absl::OkStatus();
+}
+
+// Output `index` = [u, num_slots, dim].
+Status SlotsShape(InferenceContext* c, int index, DimensionHandle u) {
+  int64_t dim, num_slots;
+  TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
+  TF_RETURN_IF_ERROR(c->GetAttr("num_slots", &num_slots));
+  c->set_output(index, c->MakeShape({u, num_slots, dim}));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+REGISTER_OP("FusedEmb>EngineHandle")
+    .Output("handle: resource")
+    .Attr("dim: int >= 1")
+    .Attr("optimizer: string")
+    .Attr("learning_rate: float")
+    .Attr("initial_accumulator_value: float = 0.1")
+    .Attr("beta1: float = 0.9")
+    .Attr("beta2: float = 0.999")
+    .Attr("epsilon: float = 1e-7")
+    .Attr("learning_rate_power: float = -0.5")
+    .Attr("l1: float = 0.0")
+    .Attr("l2: float = 0.0")
+    .Attr("initializer: string")
+    .Attr("init_params: list(string)")
+    .Attr("num_shards: int = 16")
+    .Attr("container: string = ''")
+    .Attr("shared_name: string")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::ScalarShape)
+    .Doc(R"doc(
+The engine of one group table on this rank: created on first use, then looked up by
+(container, shared_name); a second handle op with the same name must have the same
+configuration.
+
+optimizer: "sgd", "adagrad", "ftrl" or "adam" (lazy); hyper-parameters as in
+  tf_fusedemb.storage.optimizers.
+initializer: "zeros", "uniform", "normal" or "truncated_normal".
+init_params: two float64 numbers as text (Python's repr, read back exactly): (minval,
+  maxval - minval) for uniform, (mean, stddev) for the normals, as
+  tf_fusedemb.storage.initializers computes them. Text because float attrs are float32
+  and eager execution takes no tensor attrs; the initial rows must be bit-equal to
+  init_rows.
+num_shards: power of two; keys are split by the top bits of mix64(key).
+shared_name: unique per table instance.
+)doc");
+
+REGISTER_OP("FusedEmb>EngineLookup")
+    .Input("handle: resource")
+    .Input("keys: int64")
+    .Input("init_keys: int64")
+    .Output("rows: float32")
+    .Attr("dim: int >= 1")
+    .SetShapeFn([](InferenceContext* c) { return RowsShape(c, 0); })
+    .Doc(R"doc(
+Rows of keys; a key without a stored row gets its initial row (of its init key) and is
+not inserted.
+
+keys: [u] storage keys (duplicates allowed). init_keys: [u] keys seeding initial rows.
+rows: [u, dim].
+)doc");
+
+REGISTER_OP("FusedEmb>EngineApplyGradients")
+    .Input("handle: resource")
+    .Input("keys: int64")
+    .Input("init_keys: int64")
+    .Input("grads: float32")
+    .Input("step: int64")
+    .Input("min_counts: int64")
+    .Output("rows: float32")
+    .Attr("dim: int >= 1")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) { return RowsShape(c, 0); })
+    .Doc(R"doc(
+One optimizer step per key: read row and slots, update, write back in one pass; new
+keys are inserted (rows from their init keys, slots at their initial values).
+
+keys: [u] UNIQUE storage keys. init_keys: [u]. grads: [u, dim], summed per key.
+step: scalar, the optimizer step (Adam's bias correction).
+min_counts: [T] admission per table, or [0] for none: a key without a stored row whose
+  statistics are recorded with table t and count < min_counts[t] is not stored (a key
+  never recorded is not filtered).
+rows: [u, dim], the rows after the step (a key not admitted: its unchanged initial row).
+)doc");
+
+REGISTER_OP("FusedEmb>EngineRecord")
+    .Input("handle: resource")
+    .Input("keys: int64")
+    .Input("tables: int32")
+    .Input("ids: int64")
+    .Input("counts: int64")
+    .Input("last_steps: int64")
+    .Attr("overwrite_last_step: bool")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc(R"doc(
+Access statistics: a key gets a tracked block if it has none, counts are added, its
+(table, id) set. last_steps (scalar or [u]) become the last steps of keys not tracked
+before, and of every key when overwrite_last_step.
+
+keys: [u] unique. tables: [u] in [0, 65535). ids: [u]. counts: [u] >= 0.
+)doc");
+
+REGISTER_OP("FusedEmb>EngineFind")
+    .Input("handle: resource")
+    .Input("keys: int64")
+    .Output("stored: bool")
+    .Output("tables: int32")
+    .Output("ids: int64")
+    .Output("counts: int64")
+    .Output("last_steps: int64")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle keys;
+      TF_RETURN_IF_ERROR(InputWithRank(c, 1, 1, "keys", &keys));
+      for (int i = 0; i < 5; ++i) c->set_output(i, keys);
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+What the engine holds for keys: stored (a row), tables (-1: statistics not tracked),
+ids, counts, last_steps (0 where not tracked). All [u].
+)doc");
+
+REGISTER_OP("FusedEmb>EngineGatherRows")
+    .Input("handle: resource")
+    .Input("keys: int64")
+    .Output("values: float32")
+    .Output("slots: float32")
+    .Attr("dim: int >= 1")
+    .Attr("num_slots: int >= 0")
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(RowsShape(c, 0));
+      return SlotsShape(c, 1, c->Dim(c->input(1), 0));
+    })
+    .Doc(R"doc(
+Stored rows and optimizer slots of keys; fails naming a key without a stored row.
+values: [u, dim]. slots: [u, num_slots, dim].
+)doc");
+
+REGISTER_OP("FusedEmb>EngineWriteRows")
+    .Input("handle: resource")
+    .Input("keys: int64")
+    .Input("values: float32")
+    .Input("slots: float32")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc(R"doc(
+Stores rows and slots (a restore, a weight import); statistics are left as they are.
+keys: [u] unique. values: [u, dim]. slots: [u, num_slots, dim].
+)doc");
+
+REGISTER_OP("FusedEmb>EngineRemoveRows")
+    .Input("handle: resource")
+    .Input("keys: int64")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc(R"doc(
+Drops the rows and slots of keys (absent keys ignored); their statistics stay.
+)doc");
+
+REGISTER_OP("FusedEmb>EngineForget")
+    .Input("handle: resource")
+    .Input("keys: int64")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc(R"doc(
+Forgets the statistics of keys (count, identity, last step); their rows stay.
+)doc");
+
+REGISTER_OP("FusedEmb>EngineExport")
+    .Input("handle: resource")
+    .Output("keys: int64")
+    .Output("stored: bool")
+    .Output("tables: int32")
+    .Output("ids: int64")
+    .Output("counts: int64")
+    .Output("last_steps: int64")
+    .Output("values: float32")
+    .Output("slots: float32")
+    .Attr("stored_only: bool")
+    .Attr("with_rows: bool")
+    .Attr("dim: int >= 1")
+    .Attr("num_slots: int >= 0")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      const DimensionHandle k = c->UnknownDim();
+      for (int i = 0; i < 6; ++i) c->set_output(i, c->Vector(k));
+      int64_t dim;
+      TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
+      c->set_output(6, c->Matrix(c->UnknownDim(), dim));
+      return SlotsShape(c, 7, c->UnknownDim());
+    })
+    .Doc(R"doc(
+Every block (stored_only: those with a row), sorted by key: keys, stored, tables (-1 not
+tracked), ids, counts, last_steps: [k]; with_rows: values [k, dim] and slots
+[k, num_slots, dim] (zeros for a block without a row), else both with 0 rows.
+)doc");
+
+REGISTER_OP("FusedEmb>EngineSize")
+    .Input("handle: resource")
+    .Output("stored: int64")
+    .Output("tracked: int64")
+    .Output("bytes_held: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      for (int i = 0; i < 3; ++i) c->set_output(i, c->Scalar());
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+stored: keys with a row. tracked: keys with statistics. bytes_held: the bytes the engine
+holds (arena chunks and hash index backing arrays).
+)doc");
+
+}  // namespace fusedemb
+}  // namespace tensorflow

@@ -1,0 +1,207 @@
+"""The embedding storage engine's ops (custom_ops/embedding_engine*.cc) as one resource.
+
+:class:`EmbeddingEngine` owns the engine of one group table on one rank: per key ONE
+block with its identity and access statistics (table, ID, count, last step), its row and
+its optimizer slots. The table (:class:`tf_fusedemb.storage.engine_table.EngineGroupTable`)
+and the statistics (:class:`~tf_fusedemb.storage.engine_table.EngineStatistics`) of a
+group read and write the same engine, so rows, slots and statistics stay one unit.
+
+Example::
+
+    engine = EmbeddingEngine("g0", 16, InitializerSpec(), (-0.05, 0.1), OptimizerSpec.adagrad(0.1))
+    rows = engine.lookup(keys, keys)                                 # float32[u, 16]
+    rows = engine.apply_gradients(keys, keys, grads, step=1)         # one pass per key
+"""
+import itertools
+from typing import Dict, NamedTuple, Tuple
+
+import tensorflow as tf
+
+from tf_fusedemb.ops import _loader
+from tf_fusedemb.specs import InitializerSpec, OptimizerSpec
+
+__all__ = ["DEFAULT_NUM_SHARDS", "EmbeddingEngine", "EngineExport", "EngineKeyFields",
+           "EngineSize"]
+
+DEFAULT_NUM_SHARDS = 16
+_instances = itertools.count()  # shared names: one engine per Python object
+
+
+class EngineKeyFields(NamedTuple):
+    """What the engine holds for some keys, all [u]: ``stored`` bool (a row),
+    ``tables`` int32 (-1: statistics not tracked), ``ids``, ``counts`` and
+    ``last_steps`` int64 (0 where not tracked)."""
+    stored: tf.Tensor
+    tables: tf.Tensor
+    ids: tf.Tensor
+    counts: tf.Tensor
+    last_steps: tf.Tensor
+
+
+class EngineExport(NamedTuple):
+    """Blocks sorted by key: ``keys`` int64[k], ``fields`` EngineKeyFields of [k],
+    ``values`` float32[k, dim] and ``slots`` float32[k, num_slots, dim] (0 rows when
+    exported without rows)."""
+    keys: tf.Tensor
+    fields: EngineKeyFields
+    values: tf.Tensor
+    slots: tf.Tensor
+
+
+class EngineSize(NamedTuple):
+    """int64 scalars: ``stored`` rows, ``tracked`` keys with statistics, ``bytes_held``
+    (arena chunks and hash-index arrays the engine allocated)."""
+    stored: tf.Tensor
+    tracked: tf.Tensor
+    bytes_held: tf.Tensor
+
+
+def _op(name):
+    return _loader.raw_op(name)
+
+
+def _keys(keys, what="keys") -> tf.Tensor:
+    keys = tf.convert_to_tensor(keys)
+    if keys.dtype not in (tf.int32, tf.int64):
+        raise TypeError(f"{what} must be int64, got {keys.dtype.name}")
+    return tf.reshape(tf.cast(keys, tf.int64), [-1])
+
+
+class EmbeddingEngine(tf.saved_model.experimental.TrackableResource):
+    """The engine of one group table on this rank, a TF resource (CPU).
+
+    Created eagerly in the constructor (under ``tf.init_scope``), destroyed when the
+    object is garbage collected (``DestroyResourceOp`` on its handle). Each instance has
+    its own shared name, so two tables never share rows by accident.
+
+    Args:
+        name: table name (part of the shared name, for messages).
+        dim: row width.
+        initializer: InitializerSpec of new rows (bit-equal to ``init_rows``).
+        init_params: (loc, scale) of the initializer as float64, as
+            ``tf_fusedemb.storage.initializers`` computes them (the storage layer passes
+            them: initial rows must be bit-equal to ``init_rows``).
+        optimizer: OptimizerSpec; sgd, adagrad, ftrl or adam (lazy).
+        num_shards: power of two; keys are split by hash into this many shards, each
+            with its own index, arena and lock.
+    """
+
+    def __init__(self, name: str, dim: int, initializer: InitializerSpec,
+                 init_params: Tuple[float, float], optimizer: OptimizerSpec,
+                 num_shards: int = DEFAULT_NUM_SHARDS):
+        if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0:
+            raise ValueError(f"engine {name!r}: dim must be an int > 0, got {dim!r}")
+        if not isinstance(num_shards, int) or num_shards <= 0 or num_shards & (num_shards - 1):
+            raise ValueError(f"engine {name!r}: num_shards must be a power of two, got "
+                             f"{num_shards!r}")
+        super().__init__(device="/CPU:0")
+        self.name = name
+        self.dim = dim
+        self.num_slots = len(optimizer.slot_names)
+        self.num_shards = num_shards
+        loc, scale = init_params
+        hp = optimizer.hparams
+        self._attrs = dict(
+            dim=dim, optimizer=optimizer.name, learning_rate=optimizer.learning_rate,
+            initializer=initializer.name, init_params=[repr(float(loc)), repr(float(scale))],
+            num_shards=num_shards, shared_name=f"fusedemb_engine_{next(_instances)}_{name}")
+        for key in ("initial_accumulator_value", "beta1", "beta2", "epsilon",
+                    "learning_rate_power", "l1", "l2"):
+            if key in hp:
+                self._attrs[key] = hp[key]
+        with tf.init_scope():
+            self.resource_handle  # pylint: disable=pointless-statement  (creates it now)
+
+    # ------------------------------------------------------------ TrackableResource
+    def _create_resource(self):
+        return _op("EngineHandle")(**self._attrs)
+
+    def _destroy_resource(self):
+        tf.raw_ops.DestroyResourceOp(resource=self.resource_handle, ignore_lookup_error=True)
+
+    # ------------------------------------------------------------ rows
+    def lookup(self, keys, init_keys) -> tf.Tensor:
+        """Rows of ``keys: int64[u]``; a key without a stored row gets the initial row of
+        its ``init_keys: int64[u]`` entry and is NOT inserted. Returns float32[u, dim]."""
+        return _op("EngineLookup")(self.resource_handle, _keys(keys), _keys(init_keys, "init_keys"),
+                                   dim=self.dim)
+
+    def apply_gradients(self, keys, init_keys, grads, step, min_counts=None) -> tf.Tensor:
+        """One optimizer step per key in one pass (read, update, write).
+
+        Args:
+            keys: int64[u] UNIQUE storage keys. init_keys: int64[u].
+            grads: float32[u, dim], summed per key.
+            step: int64 scalar, the optimizer step (1 on the first update).
+            min_counts: optional int64[T]: admission per table (see GroupLookup._admitted:
+                a key with no row whose statistics are tracked with table t and a count
+                below min_counts[t] is not stored).
+
+        Returns:
+            float32[u, dim], the rows after the step (a key not admitted: its initial row).
+        """
+        min_counts = tf.zeros([0], tf.int64) if min_counts is None else tf.cast(min_counts, tf.int64)
+        return _op("EngineApplyGradients")(
+            self.resource_handle, _keys(keys), _keys(init_keys, "init_keys"),
+            tf.convert_to_tensor(grads, tf.float32), tf.cast(step, tf.int64), min_counts,
+            dim=self.dim)
+
+    def gather_rows(self, keys):
+        """(values float32[u, dim], slots float32[u, num_slots, dim]) of STORED ``keys``
+        int64[u]; fails naming a key without a stored row."""
+        return tuple(_op("EngineGatherRows")(self.resource_handle, _keys(keys), dim=self.dim,
+                                             num_slots=self.num_slots))
+
+    def write_rows(self, keys, values, slots):
+        """Stores rows and slots of unique ``keys`` int64[u] (values float32[u, dim], slots
+        float32[u, num_slots, dim]); statistics unchanged. Returns the op (None eagerly)."""
+        return _op("EngineWriteRows")(self.resource_handle, _keys(keys),
+                                      tf.convert_to_tensor(values, tf.float32),
+                                      tf.convert_to_tensor(slots, tf.float32))
+
+    def remove_rows(self, keys):
+        """Drops the rows and slots of ``keys`` int64[u] (absent ones ignored); their
+        statistics stay. Returns the op (None eagerly)."""
+        return _op("EngineRemoveRows")(self.resource_handle, _keys(keys))
+
+    # ------------------------------------------------------------ statistics
+    def record(self, keys, tables, ids, counts, last_steps, overwrite_last_step: bool):
+        """Adds statistics of unique ``keys`` int64[u]: ``tables`` int[u] in [0, 65535),
+        ``ids`` int64[u], ``counts`` int64[u] >= 0 (added). ``last_steps`` (int64 scalar or
+        [u]) become the last steps of keys not tracked before, and of all keys when
+        ``overwrite_last_step``. Returns the op (None eagerly)."""
+        return _op("EngineRecord")(
+            self.resource_handle, _keys(keys), tf.cast(tables, tf.int32),
+            tf.cast(ids, tf.int64), tf.cast(counts, tf.int64), tf.cast(last_steps, tf.int64),
+            overwrite_last_step=overwrite_last_step)
+
+    def forget(self, keys):
+        """Forgets the statistics of ``keys`` int64[u]; their rows stay. Returns the op."""
+        return _op("EngineForget")(self.resource_handle, _keys(keys))
+
+    def find(self, keys) -> EngineKeyFields:
+        """EngineKeyFields of ``keys`` int64[u] (any keys, duplicates allowed)."""
+        return EngineKeyFields(*_op("EngineFind")(self.resource_handle, _keys(keys)))
+
+    # ------------------------------------------------------------ whole engine
+    def export(self, stored_only: bool, with_rows: bool) -> EngineExport:
+        """Every block (``stored_only``: those with a row) sorted by key; see EngineExport."""
+        out = _op("EngineExport")(self.resource_handle, stored_only=stored_only,
+                                  with_rows=with_rows, dim=self.dim, num_slots=self.num_slots)
+        return EngineExport(out[0], EngineKeyFields(*out[1:6]), out[6], out[7])
+
+    def size(self) -> EngineSize:
+        """EngineSize: stored rows, tracked keys and bytes held."""
+        return EngineSize(*_op("EngineSize")(self.resource_handle))
+
+    def slots_dict(self, slots, slot_names) -> Dict[str, tf.Tensor]:
+        """``slots`` float32[u, num_slots, dim] as {name: float32[u, dim]}."""
+        return {n: slots[:, i, :] for i, n in enumerate(slot_names)}
+
+    @staticmethod
+    def stack_slots(slots: Dict[str, tf.Tensor], slot_names, num_rows, dim) -> tf.Tensor:
+        """{name: float32[u, dim]} as float32[u, num_slots, dim] (in ``slot_names`` order)."""
+        if not slot_names:
+            return tf.zeros(tf.stack([tf.cast(num_rows, tf.int32), 0, dim]), tf.float32)
+        return tf.stack([tf.convert_to_tensor(slots[n], tf.float32) for n in slot_names], axis=1)
+
