@@ -17,6 +17,16 @@ def parse(stdout):
     return json.loads(lines[-1].split("RESULT ", 1)[1])
 
 
+def _tensorboard_scalars(log_dir):
+    """{tag: [(step, value)]} of the scalars tf.summary wrote under ``log_dir``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(log_dir), size_guidance={"tensors": 0})
+    events.Reload()
+    import tensorflow as tf
+    return {tag: [(e.step, float(tf.make_ndarray(e.tensor_proto))) for e in events.Tensors(tag)]
+            for tag in events.Tags()["tensors"]}
+
+
 @pytest.mark.timeout(900)
 def test_two_workers_train_checkpoint_export_and_resume(tmp_path):
     args = ["-m", "tf_fusedemb.train", "--model", "dlrm", "--data", "synthetic", "--steps", "40",
@@ -31,6 +41,11 @@ def test_two_workers_train_checkpoint_export_and_resume(tmp_path):
     assert result["export"]["checkpoint_step"] == 40
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["ckpt-20", "ckpt-40", "latest"]
     assert os.listdir(tmp_path / "tb")  # TensorBoard event file
+    # The job's figures, not rank 0's: every sample looks up one ID per table per step.
+    scalars = _tensorboard_scalars(tmp_path / "tb")
+    for table in ("C1", "C26"):
+        steps, counts = zip(*scalars[f"stats/g0_d16_adagrad/access/{table}"])
+        assert list(counts) == [s * 2 * 256 for s in steps], (table, steps, counts)
     # Resuming past the last step trains nothing more and keeps the checkpoint's state.
     resumed = parse(horovodrun(args[:args.index("--export-dir")], 2, timeout=800))
     assert resumed["final_loss"] is None and abs(resumed["eval_auc"] - result["eval_auc"]) < 1e-6

@@ -24,8 +24,8 @@ import math
 from typing import Any, Mapping, Optional, Sequence
 
 __all__ = ["OptimizerSpec", "InitializerSpec", "AdmissionPolicy", "EvictionPolicy", "TableSpec",
-           "FeatureSpec", "FusedGroup", "FusionPlan", "plan_fusion", "unfused_plan", "COMBINERS",
-           "KEY_DTYPES"]
+           "FeatureSpec", "FusedGroup", "FusionPlan", "describe_plan_difference", "plan_fusion",
+           "unfused_plan", "COMBINERS", "KEY_DTYPES"]
 
 COMBINERS = ("sum", "mean", "sqrtn")
 KEY_DTYPES = ("int64", "int32")
@@ -585,9 +585,17 @@ class FusionPlan:
                                   for part in (line, f"    exchange: {exchanges[g.name].summary()}")]
         return "\n".join(lines)
 
-    def to_dict(self) -> dict:
-        return {"format": _PLAN_FORMAT, "groups": [
+    def to_dict(self, policies: bool = True) -> dict:
+        """JSON-able; ``policies=False`` leaves the tables' admission/eviction policies
+        out (the storage layout alone, what a checkpoint must match)."""
+        d = {"format": _PLAN_FORMAT, "groups": [
             {"name": g.name, "features": [f.to_dict() for f in g.features]} for g in self.groups]}
+        if not policies:
+            for g in d["groups"]:
+                for f in g["features"]:
+                    for field in _POLICY_FIELDS:
+                        f["table"].pop(field, None)
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "FusionPlan":
@@ -602,14 +610,46 @@ class FusionPlan:
         ``policies=False`` leaves the tables' admission/eviction policies out: the
         fingerprint of the storage layout alone (a checkpoint restores under changed
         policies; a plan without policies has the same fingerprint either way)."""
-        d = self.to_dict()
-        if not policies:
-            for g in d["groups"]:
-                for f in g["features"]:
-                    for field in _POLICY_FIELDS:
-                        f["table"].pop(field, None)
+        d = self.to_dict(policies)
         blob = json.dumps(d, sort_keys=True, separators=(",", ":"), allow_nan=False)
         return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def describe_plan_difference(mine: Mapping, other: Mapping, here: str = "here",
+                             there: str = "there") -> str:
+    """How two ``FusionPlan.to_dict()`` dicts differ, in one line naming the features and
+    the first differing field of each, e.g. ``specs differ for ['a'] (feature 'a':
+    table.dim 4 here, 6 there)``; ``here``/``there`` name the two sides."""
+    def features(plan):
+        return {f["name"]: (g["name"], f) for g in plan["groups"] for f in g["features"]}
+    a, b = features(mine), features(other)
+    parts = []
+    if set(a) != set(b):
+        parts.append(f"features only {here} {sorted(set(a) - set(b))}, only {there} "
+                     f"{sorted(set(b) - set(a))}")
+    changed = sorted(n for n in set(a) & set(b) if a[n][1] != b[n][1])
+    if changed:
+        details = []
+        for n in changed:
+            field, x, y = next(_field_differences(a[n][1], b[n][1]))
+            details.append(f"feature '{n}': {field} {x!r} {here}, {y!r} {there}")
+        parts.append(f"specs differ for {changed} ({'; '.join(details)})")
+    moved = [n for n in a if n in b and a[n][1] == b[n][1] and a[n][0] != b[n][0]]
+    if moved:
+        parts.append(f"feature '{moved[0]}' is in group '{a[moved[0]][0]}' {here}, "
+                     f"'{b[moved[0]][0]}' {there}")
+    return "; ".join(parts) or (f"the grouping or feature order differs ({here} "
+                                f"{list(a)}, {there} {list(b)})")
+
+
+def _field_differences(a, b, path=""):
+    """Yields (dotted field, value in a, value in b) where two nested dicts differ."""
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        for key in sorted(set(a) | set(b), key=str):
+            yield from _field_differences(a.get(key), b.get(key),
+                                          f"{path}.{key}" if path else str(key))
+    elif a != b:
+        yield path, a, b
 
 
 def plan_fusion(features: Sequence[FeatureSpec], overrides: Optional[Mapping[str, str]] = None,

@@ -21,7 +21,7 @@ def _row_bytes(tensor):
 
 class Communicator:
     """Interface: ``rank``, ``size``, ``topology``, ``alltoall``, ``allreduce_sum``,
-    ``allgather_object``."""
+    ``allgather``, ``allgather_object``, ``broadcast``."""
     rank = 0
     size = 1
     topology = Topology.single()
@@ -48,6 +48,11 @@ class Communicator:
         raise NotImplementedError
 
     def allgather_object(self, obj):
+        raise NotImplementedError
+
+    def broadcast(self, tensor, root, name):
+        """``tensor`` as rank ``root`` holds it, on every rank (same shape and dtype on
+        every rank). Not differentiable."""
         raise NotImplementedError
 
     def watch(self, activity):
@@ -82,6 +87,12 @@ class LocalCommunicator(Communicator):
 
     def allgather_object(self, obj):
         return [obj]
+
+    def broadcast(self, tensor, root, name):
+        del name
+        if root != 0:
+            raise ValueError(f"a single process has no rank {root}")
+        return tf.identity(tensor)
 
 
 class HorovodCommunicator(Communicator):
@@ -177,6 +188,9 @@ class HorovodCommunicator(Communicator):
 
     def allgather(self, tensor, name):
         return self._hvd.allgather(tf.stop_gradient(tensor), name=name)
+
+    def broadcast(self, tensor, root, name):
+        return self._hvd.broadcast(tf.stop_gradient(tensor), root, name=name)
 
     def allgather_object(self, obj):
         with self.watch("allgather_object"):

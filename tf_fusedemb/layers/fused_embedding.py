@@ -12,7 +12,7 @@ from tf_fusedemb.layers.group_lookup import GroupLookup
 from tf_fusedemb.layers.lookup_context import NO_CONTEXT, LookupContext
 from tf_fusedemb.layers.inputs import flatten_feature, to_tensor
 from tf_fusedemb.ops import hashing
-from tf_fusedemb.specs import FeatureSpec, FusionPlan, plan_fusion
+from tf_fusedemb.specs import FeatureSpec, FusionPlan, describe_plan_difference, plan_fusion
 
 
 # Registered as "tf_fusedemb>FusedEmbedding": a model config holding it survives
@@ -98,11 +98,12 @@ class FusedEmbedding(tf_keras.layers.Layer):
             everyone = self._comm.allgather_object(mine)
         for rank, other in enumerate(everyone):
             if other["plan"] != mine["plan"]:
+                diff = describe_plan_difference(mine["plan"], other["plan"], "here",
+                                                f"on rank {rank}")
                 raise ValueError(
                     f"FusedEmbedding '{self.name}': rank {rank} has a different feature set "
-                    f"or specs than rank {self._comm.rank}: "
-                    f"{_plan_diff(mine['plan'], other['plan'])}. Every rank must build the "
-                    "layer with identical FeatureSpecs.")
+                    f"or specs than rank {self._comm.rank}: {diff}. Every rank must build "
+                    "the layer with identical FeatureSpecs.")
         for name in mine["exchanges"]:
             kinds = [other["exchanges"][name] for other in everyone]
             if len(set(kinds)) > 1:
@@ -219,6 +220,21 @@ class FusedEmbedding(tf_keras.layers.Layer):
                 return g.stats
         raise ValueError(f"no group {group_name!r}; groups: {[g.group.name for g in self.groups]}")
 
+    def global_statistics(self) -> dict:
+        """{group name: {metric: value over the whole job}}: each group's
+        ``AccessStatistics.metrics()`` summed over the ranks (every key has one owner, so
+        the sums are the job's accesses per table, unique and received keys of the last
+        step, hash collisions). A collective: every rank calls it (eager)."""
+        out = {}
+        for g in self.groups:
+            mine = g.stats.metrics()
+            names = sorted(mine)
+            summed = self._comm.allreduce_sum(
+                tf.constant([mine[n] for n in names], tf.int64),
+                f"fusedemb/statistics/{g.group.name}").numpy()
+            out[g.group.name] = dict(zip(names, summed.tolist()))
+        return out
+
     def get_config(self):
         config = super().get_config()
         config.update(features=[f.to_dict() for f in self.features],
@@ -290,18 +306,3 @@ def _shape_output(spec, flat, emb):
         return tf.reshape(emb, shape)
     ragged = tf.RaggedTensor.from_row_splits(emb, flat.row_splits, validate=False)
     return ragged.to_tensor(shape=[None, spec.max_len, spec.dim])
-
-
-def _plan_diff(mine, other):
-    """A short description of how two plan dicts differ, naming features."""
-    def features(plan):
-        return {f["name"]: f for g in plan["groups"] for f in g["features"]}
-    a, b = features(mine), features(other)
-    parts = []
-    if set(a) != set(b):
-        parts.append(f"features only here {sorted(set(a) - set(b))}, only there "
-                     f"{sorted(set(b) - set(a))}")
-    changed = sorted(n for n in set(a) & set(b) if a[n] != b[n])
-    if changed:
-        parts.append(f"specs differ for {changed}")
-    return "; ".join(parts) or "the grouping or feature order differs"

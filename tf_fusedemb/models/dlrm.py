@@ -73,8 +73,9 @@ class DLRM(blocks.RecModel):
       top_mlp: hidden widths of the top MLP (ReLU), followed by a linear Dense(1).
       plan: optional FusionPlan over ``categorical`` (default ``plan_fusion``).
       key_mode: FusedEmbedding's "hashed" or "packed".
-      seed: seeds the dense initialisers (identical dense weights on every rank); None
-        leaves them unseeded (then broadcast the weights yourself).
+      seed: seeds the dense initialisers (the same weights run after run); None leaves
+        them unseeded. Either way every rank trains rank 0's weights (the library
+        broadcasts them before the first step).
       communicator: FusedEmbedding's communicator (not part of the config).
 
     Call:

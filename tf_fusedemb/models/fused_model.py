@@ -12,6 +12,8 @@ input structure with unknown batch dimensions: Keras traces its own step functio
 ``reduce_retracing``, which would let ranks with different batch shapes run different
 graphs whose collectives never meet.
 """
+import inspect
+
 import tensorflow as tf
 import tf_keras
 
@@ -20,6 +22,8 @@ from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
 from tf_fusedemb.training import step as steps
 from tf_fusedemb.training.loss import KerasLoss
 from tf_fusedemb.training.progress import fit_verbosity
+from tf_fusedemb.training.rank_batches import RankBatches, agree_on_steps
+from tf_fusedemb.training.replicas import replicas_of
 from tf_fusedemb.training.tracing import RankInvariantFunction
 
 METRICS_GATHER = "fusedemb/metrics_inputs"
@@ -31,7 +35,7 @@ class SparseTrainingMixin:
     see there)."""
 
     def compile(self, optimizer="rmsprop", loss=None, metrics=None, loss_weights=None,
-                weighted_metrics=None, pipeline=None, **kwargs):
+                weighted_metrics=None, pipeline=None, replica_check_every=None, **kwargs):
         """Keras ``compile``, plus ``pipeline``: a ``tf_fusedemb.pipeline.PipelineOptions``
         (or its string form, e.g. "dbp,fwp=4") making ``fit`` run NestPipe's dual-buffer
         prefetch and micro-batches with EmbRace's vertical scheduling. Pipelining changes
@@ -39,7 +43,12 @@ class SparseTrainingMixin:
         weights as without it. With prefetch, a step's delayed row updates and the
         bottom half of its dense update are applied during the next step; they are
         applied at the end of each pass over the data and before ``evaluate``/``predict``
-        (a per-batch callback that reads weights calls ``flush_pipeline`` first)."""
+        (a per-batch callback that reads weights calls ``flush_pipeline`` first).
+
+        Every rank starts from rank 0's dense weights (taken at the first step, see
+        ``tf_fusedemb.training.replicas``), and a fingerprint of the dense weights is
+        compared across ranks at the first training step, and every
+        ``replica_check_every`` steps when given (a mismatch fails naming the variable)."""
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics,
                         loss_weights=loss_weights, weighted_metrics=weighted_metrics, **kwargs)
         self._fused_compile = {"loss": loss, "loss_weights": loss_weights,
@@ -47,6 +56,7 @@ class SparseTrainingMixin:
                                "pipeline": _pipeline_options(pipeline)}
         if self._fused_compile["pipeline"] is not None and kwargs.get("steps_per_execution", 1) != 1:
             raise ValueError("compile(pipeline=...) needs steps_per_execution=1")
+        replicas_of(self).check_every = replica_check_every
         self._fused_loss = None  # built at the first step, when output names are known
         self._loss_tracker = tf_keras.metrics.Mean(name="loss")
         self._fused_steps = {}
@@ -61,18 +71,48 @@ class SparseTrainingMixin:
 
     def fit(self, *args, **kwargs):
         """Keras ``fit``; without ``verbose``: no output off rank 0, the bar on a terminal,
-        one line per epoch on a pipe (horovodrun), see ``training.progress``."""
-        if "verbose" not in kwargs and len(args) < 5:
-            kwargs["verbose"] = fit_verbosity(get_communicator().rank)
-        return super().fit(*args, **kwargs)
+        one line per epoch on a pipe (horovodrun), see ``training.progress``.
+
+        A collective: every rank calls it. Ranks may hold different numbers of batches:
+        every rank trains on the steps all ranks have and the batches left over are
+        reported once (``tf_fusedemb.training.rank_batches``)."""
+        call = _bound(tf_keras.Model.fit, self, args, kwargs)
+        if "verbose" not in call:
+            call["verbose"] = fit_verbosity(get_communicator().rank)
+        if call.get("steps_per_epoch") is None and call.get("x") is not None:
+            agreed = agree_on_steps(get_communicator(), "shortest", "fit", call["x"],
+                                    call.get("y"), call.get("sample_weight"),
+                                    call.get("batch_size"))
+            call.update(x=agreed.x, y=agreed.y, sample_weight=agreed.sample_weight)
+            self.unused_batches = agreed.unused
+        if call.get("validation_data") is not None and call.get("validation_steps") is None:
+            call["validation_data"], call["validation_steps"] = _agreed_validation(
+                call["validation_data"], call.get("validation_batch_size") or
+                call.get("batch_size"))
+        return super().fit(**call)
 
     def evaluate(self, *args, **kwargs):
+        """Keras ``evaluate``; a collective: every rank calls it. Ranks may hold
+        different numbers of batches: every sample of every rank is evaluated (ranks
+        that are out take part with empty batches), and the results are the global
+        batch's on every rank."""
         self.flush_pipeline()
-        return super().evaluate(*args, **kwargs)
+        return super().evaluate(**self._agreed("evaluate", tf_keras.Model.evaluate, args, kwargs))
 
     def predict(self, *args, **kwargs):
+        """Keras ``predict`` of this rank's samples; a collective: every rank calls it
+        (the lookups are), with data of any length (see ``evaluate``)."""
         self.flush_pipeline()
-        return super().predict(*args, **kwargs)
+        return super().predict(**self._agreed("predict", tf_keras.Model.predict, args, kwargs))
+
+    def _agreed(self, what, method, args, kwargs):
+        """The call's arguments with the steps every rank runs (the longest rank's)."""
+        call = _bound(method, self, args, kwargs)
+        if call.get("steps") is None and not call.get("_use_cached_eval_dataset"):
+            agreed = agree_on_steps(get_communicator(), "longest", what, call.get("x"),
+                                    batch_size=call.get("batch_size"))
+            call.update(x=agreed.x, steps=agreed.steps)
+        return call
 
     @property
     def training_pipeline(self):
@@ -86,46 +126,84 @@ class SparseTrainingMixin:
             self._pipeline.flush()
 
     def make_train_function(self, force=False):
-        evicting = [layer for layer in fused_embedding_layers(self) if layer.has_eviction]
-        policies = [layer for layer in fused_embedding_layers(self)
-                    if any(g.policy is not None for g in layer.groups)]
-        if getattr(self, "_fused_compile", {}).get("pipeline") is None:
-            if self.train_function is not None and not force:
-                return self.train_function
-            step = super().make_train_function(force)
-            if evicting:  # eviction after every step (Keras calls this once per step)
-                def step_then_evict(iterator):
-                    logs = step(iterator)
-                    for layer in evicting:
-                        layer.enforce_policies()
-                    return logs
-                self.train_function = step_then_evict
+        """One step per call (``steps_per_execution`` steps), each on a batch all ranks
+        agreed on (``RankBatches``): the synchronous step, or the pipelined one (looking
+        one batch ahead) with ``compile(pipeline=...)``; eviction after every step."""
+        if self.train_function is not None and not force:
             return self.train_function
-        if policies:
+        layers = fused_embedding_layers(self)
+        evicting = [layer for layer in layers if layer.has_eviction]
+        pipelined = getattr(self, "_fused_compile", {}).get("pipeline") is not None
+        if pipelined and any(g.policy is not None for layer in layers for g in layer.groups):
             # The prefetch routes (and counts) batch t+1 before batch t's update, and
             # delayed updates would rewrite evicted rows: not the synchronous semantics.
             raise ValueError("admission/eviction policies need the synchronous step; "
                              "compile without pipeline=")
-        if self.train_function is None or force:
-            self.train_function = self._pipelined_train_function
-        return self.train_function
+        step = self._pipelined_step if pipelined else self._synchronous_step
+        batches = RankBatches(get_communicator(), "shortest", "fit")
 
-    def _pipelined_train_function(self, iterator):
-        """One pipelined step per call, looking one batch ahead in Keras's iterator (DBP
-        needs the next batch's features); at the end of the data the delayed updates are
-        applied and the next call ends the epoch."""
+        def train_function(iterator):
+            logs = None
+            for _ in range(int(self._steps_per_execution.numpy())):
+                try:
+                    logs = step(iterator, batches)
+                except StopIteration:
+                    if logs is None:
+                        raise
+                    break
+                for layer in evicting:
+                    layer.enforce_policies()
+                self._train_counter.assign_add(1)
+            return logs
+        self.train_function = train_function
+        return train_function
+
+    def make_test_function(self, force=False):
+        """One evaluation step per call on the ranks' agreed batches (see ``evaluate``)."""
+        if self.test_function is None or force:
+            self.test_function = self._agreed_steps("evaluate", self._test_counter,
+                                                    self.test_step)
+        return self.test_function
+
+    def make_predict_function(self, force=False):
+        """One prediction step per call on the ranks' agreed batches (see ``predict``)."""
+        if self.predict_function is None or force:
+            self.predict_function = self._agreed_steps("predict", self._predict_counter,
+                                                       self.predict_step)
+        return self.predict_function
+
+    def _agreed_steps(self, what, counter, step):
+        """``f(iterator)``: ``step`` on the next batch all ranks agreed on, counted."""
+        batches = RankBatches(get_communicator(), "longest", what)
+
+        def run(iterator):
+            outputs = step(batches.next(iterator))
+            counter.assign_add(1)
+            return outputs
+        return run
+
+    def _synchronous_step(self, iterator, batches):
+        return self.train_step(batches.next(iterator))
+
+    def _pipelined_step(self, iterator, batches):
+        """One pipelined step, looking one batch ahead in Keras's iterator (DBP needs the
+        next batch's features); at the end of the data the delayed updates are applied
+        and the next call ends the epoch."""
         from tf_fusedemb.pipeline import make_pipeline  # pylint: disable=import-outside-toplevel
         if self._pipeline is None:
             self._pipeline = make_pipeline(self, self._keras_loss(), self.optimizer,
                                            self._fused_compile["pipeline"], get_communicator())
         if self._lookahead is None or self._lookahead[0] is not iterator:
-            current = next(iterator)  # StopIteration ends Keras's epoch
+            current = batches.next(iterator)  # StopIteration ends Keras's epoch
         else:
             current = self._lookahead[1]
         if current is None:
             self._lookahead = None
             raise StopIteration
-        upcoming = next(iterator, None)
+        try:
+            upcoming = batches.next(iterator)
+        except StopIteration:
+            upcoming = None
         self._lookahead = (iterator, upcoming)
         x, y, sample_weight = tf_keras.utils.unpack_x_y_sample_weight(current)
         next_x = None if upcoming is None else tf_keras.utils.unpack_x_y_sample_weight(upcoming)[0]
@@ -153,7 +231,7 @@ class SparseTrainingMixin:
     @tf.autograph.experimental.do_not_convert
     def predict_step(self, data):
         x, _, _ = tf_keras.utils.unpack_x_y_sample_weight(data)
-        return self._traced("predict", lambda x: self(x, training=False))(x)
+        return self._traced("predict", self._predict_core)(x)
 
     # ---------------------------------------------------------------- traced cores
     def _train_core(self, x, y, sample_weight):
@@ -166,6 +244,10 @@ class SparseTrainingMixin:
         result = steps.test_step(self, x, y, self._keras_loss(), sample_weight,
                                  get_communicator())
         return result.loss, result.weight, self._gather(y, result.predictions, sample_weight)
+
+    def _predict_core(self, x):
+        replicas_of(self).synchronize(get_communicator(), x=x)  # before any training step
+        return self(x, training=False)
 
     def _traced(self, kind, fn):
         if not hasattr(self, "_fused_steps") and kind == "predict":
@@ -249,6 +331,26 @@ def _pipeline_options(pipeline):
         raise ValueError(f"compile(pipeline=...) takes PipelineOptions or a string like "
                          f"'dbp,fwp=4', got {pipeline!r}")
     return None if pipeline == PipelineOptions() else pipeline
+
+
+def _bound(method, model, args, kwargs) -> dict:
+    """``method``'s arguments as given (by name; defaults not filled in)."""
+    call = dict(inspect.signature(method).bind(model, *args, **kwargs).arguments)
+    call.pop("self")
+    call.update(call.pop("kwargs", {}))
+    return call
+
+
+def _agreed_validation(data, batch_size):
+    """(validation data, validation_steps): the longest rank's steps (see evaluate)."""
+    if isinstance(data, tf.data.Dataset):
+        agreed = agree_on_steps(get_communicator(), "longest", "validation", data)
+        return agreed.x, agreed.steps
+    x, y, sample_weight = tf_keras.utils.unpack_x_y_sample_weight(tuple(data))
+    agreed = agree_on_steps(get_communicator(), "longest", "validation", x, y, sample_weight,
+                            batch_size)
+    return tuple(d for d in (agreed.x, agreed.y, agreed.sample_weight) if d is not None), \
+        agreed.steps
 
 
 def _functional_args(args, kwargs):

@@ -30,6 +30,7 @@ import tensorflow as tf
 from tf_fusedemb.comm import get_communicator
 from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
 from tf_fusedemb.ops import hashing
+from tf_fusedemb.specs import describe_plan_difference
 from tf_fusedemb.training import faults
 
 LATEST = "latest"
@@ -57,6 +58,9 @@ class CheckpointManager:
         embedding_vars = {id(v) for _, g in self.groups for v in g.variables}
         dense = [v for v in model.variables if id(v) not in embedding_vars]
         trackables = dict(extra or {}, dense=dense)
+        # What a restore compares first, to name a different model in one line.
+        self._dense_vars = trackables["dense"]
+        self._model_name = f"{type(model).__name__} '{model.name}'"
         if optimizer:
             trackables["optimizer"] = optimizer
         self._dense = tf.train.Checkpoint(**trackables)
@@ -83,7 +87,10 @@ class CheckpointManager:
         self._barrier("ckpt_written")
         if self.comm.rank == 0:
             meta = {"step": step, "world_size": self.comm.size, "state": state or {},
-                    "plans": [layer.plan.fingerprint(policies=False) for layer in self.layers]}
+                    "plans": [layer.plan.fingerprint(policies=False) for layer in self.layers],
+                    "plan_specs": [layer.plan.to_dict(policies=False) for layer in self.layers],
+                    "model": self._model_name,
+                    "dense": [[v.name, v.shape.as_list(), v.dtype.name] for v in self._dense_vars]}
             with open(os.path.join(tmp, "meta.json"), "w") as f:
                 json.dump(meta, f)
             shutil.rmtree(final, ignore_errors=True)
@@ -145,17 +152,60 @@ class CheckpointManager:
             return None
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
-        # Policies may change between runs: only the storage layout must match.
-        plans = [layer.plan.fingerprint(policies=False) for layer in self.layers]
-        if plans != meta["plans"]:
-            raise ValueError(f"checkpoint {path} was written with other fusion plans; "
-                             "build the model with the same FeatureSpecs and plan")
+        self._check_same_model(path, meta)  # before anything is loaded
         shards = [np.load(os.path.join(path, f"shard-{r}-of-{meta['world_size']}.npz"))
                   for r in range(meta["world_size"])]
         for li, g in self.groups:
             self._import_group(g, f"l{li}/{g.group.name}/", shards)
         self._dense.read(os.path.join(path, "dense")).expect_partial()
         return meta
+
+    def _check_same_model(self, path, meta):
+        """Raises a one-line ValueError naming the first difference (layer, feature and
+        field; or dense variable and shape) when checkpoint ``path`` was written by
+        another model, before any value is loaded (no TF shape error, no warnings)."""
+        # Policies may change between runs: only the storage layout must match.
+        plans = [layer.plan.fingerprint(policies=False) for layer in self.layers]
+        if plans != meta["plans"]:
+            saved = meta.get("plan_specs")  # absent in checkpoints of older versions
+            if saved is None:
+                why = "other fusion plans"
+            elif len(saved) != len(self.layers):
+                why = (f"{len(saved)} FusedEmbedding layer(s), the model has "
+                       f"{len(self.layers)}")
+            else:
+                li = next(i for i, (a, b) in enumerate(zip(plans, meta["plans"])) if a != b)
+                layer = self.layers[li]
+                why = (f"another embedding spec for FusedEmbedding layer '{layer.name}': "
+                       + describe_plan_difference(saved[li], layer.plan.to_dict(False),
+                                                  "in the checkpoint", "in the model"))
+            raise ValueError(f"checkpoint {path} was written with {why}; build the model with "
+                             "the same FeatureSpecs and plan, or start afresh in another "
+                             "checkpoint directory")
+        saved = meta.get("dense")
+        if saved is None:  # older checkpoints: the shapes from the checkpoint itself
+            shapes, saved = dict(tf.train.list_variables(os.path.join(path, "dense"))), []
+            while f"dense/{len(saved)}/.ATTRIBUTES/VARIABLE_VALUE" in shapes:
+                key = f"dense/{len(saved)}/.ATTRIBUTES/VARIABLE_VALUE"
+                saved.append([f"#{len(saved)}", shapes[key], None])
+        mine = [[v.name, v.shape.as_list(), v.dtype.name] for v in self._dense_vars]
+        # Positions are compared, not names (Keras numbers auto-named layers per process);
+        # a longer list on either side is no error by itself: state that exists on one
+        # side only (e.g. compile()'s loss tracker, last) stays as it is, as before.
+        differ = [i for i, (a, b) in enumerate(zip(saved, mine))
+                  if list(a[1]) != b[1] or a[2] not in (None, b[2])]
+        if not differ:
+            return
+
+        def var(v):
+            return f"'{v[0]}' {v[2] or ''}[{', '.join(map(str, v[1]))}]"
+        i = differ[0]
+        raise ValueError(
+            f"checkpoint {path} holds the dense variables of another model "
+            f"({meta.get('model', 'another model')}, {len(saved)} dense variables; this is "
+            f"{self._model_name}, {len(mine)}): dense variable {i} is {var(saved[i])} in the "
+            f"checkpoint, {var(mine[i])} in the model; build the same model, or start afresh "
+            "in another checkpoint directory")
 
     def _import_group(self, g, prefix, shards):
         def merged(key):

@@ -42,6 +42,7 @@ from tf_fusedemb.layers.lookup_context import (LookupContext, dense_gradient, ro
 from tf_fusedemb.training import keysets
 from tf_fusedemb.training.loss import KerasLoss, LossTotals
 from tf_fusedemb.training.micro_batches import batch_size_of, micro_batch_slices, slice_rows
+from tf_fusedemb.training.replicas import replicas_of
 
 LOSS_STATS = "fusedemb/loss_stats"
 DENSE_GRADS = "fusedemb/dense_grads"
@@ -158,6 +159,10 @@ def train_step(model, x, y, loss, optimizer, sample_weight=None, communicator=No
     comm = communicator or get_communicator()
     loss = as_keras_loss(loss, model)
     schedule = schedule or Schedule()
+    # Rank 0's dense state on every rank before the first forward reads it (automatic
+    # control dependencies order the writes before the reads), and the replica guard.
+    replicas = replicas_of(model)
+    replicas.synchronize(comm, optimizer, x, training=True)
     # FWP: every micro-batch's forward first, then the backwards, so each one's
     # collectives can be in flight while another computes.
     tapes, partials, preds, records, reg = [], [], [], [], None
@@ -219,6 +224,7 @@ def train_step(model, x, y, loss, optimizer, sample_weight=None, communicator=No
     else:
         sums = comm.allreduce_sum(local_sums, LOSS_STATS + "/sums")
     totals = loss.totals(partials[0], sizes, sums, reg)
+    replicas.average_forward_state(comm)  # e.g. BatchNormalization's statistics
     for layer in fused_embedding_layers(model):
         for lookup in layer.groups:
             keys, grads, init = _coalesce(parts.get(id(lookup.table), []), lookup.group.dim)
@@ -233,6 +239,7 @@ def test_step(model, x, y, loss, sample_weight=None, communicator=None) -> StepR
     ``evaluate``); the same collectives on every rank."""
     comm = communicator or get_communicator()
     loss = as_keras_loss(loss, model)
+    replicas_of(model).synchronize(comm, x=x)  # evaluating before any training step
     y_pred = model(x, training=False)
     totals = loss_totals(loss, [loss.partial(y, y_pred, sample_weight)], regularization(model),
                          comm)

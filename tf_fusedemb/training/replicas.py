@@ -1,0 +1,208 @@
+"""One model on every rank: the dense state replicated from rank 0 by the library.
+
+Embedding rows need nothing (they start from a deterministic function of table and ID),
+but a model's dense variables start from each rank's own random draw when the user did
+not seed their initializers, and the summed gradients would then be applied to
+different weights for ever. So before a model's first step (training, evaluation or
+prediction) every rank takes rank 0's dense variables and the dense optimizer's
+variables that exist then: one broadcast per dtype of all of them packed together
+(not one collective per variable).
+
+The guard: at the first training step, and every ``check_every`` steps when set, a
+fingerprint of every dense variable (a hash of its bytes) is gathered from every rank;
+a difference fails the step on every rank with an error naming the first differing
+variable and the ranks that differ (e.g. weights changed on one rank only), instead of
+training several models silently.
+
+Non-trainable state that a training forward pass updates from the rank's own batch
+(BatchNormalization's moving statistics) is averaged over the ranks after every step
+(:meth:`DenseReplicas.average_forward_state`), so it stays one model too.
+
+Both run inside the traced step, in ``tf.cond`` branches on counters that are equal on
+every rank, so every rank runs the same collectives. TensorFlow's automatic control
+dependencies order the broadcast's writes before the forward pass's reads of the same
+variables. A checkpoint restore re-arms the broadcast (:meth:`DenseReplicas.resync`): the
+restored values are read on every rank from the same files, and the next step makes
+them rank 0's bit for bit anyway.
+
+Usage: nothing; ``train_step``, ``test_step`` and ``FusedModel`` call
+``replicas_of(model).synchronize(...)``. One :class:`DenseReplicas` exists per model.
+"""
+import weakref
+from typing import List, Optional
+
+import tensorflow as tf
+
+from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
+
+__all__ = ["DenseReplicas", "ReplicaMismatchError", "dense_variables", "replicas_of"]
+
+BROADCAST_NAME = "fusedemb/dense_state"
+FINGERPRINT_NAME = "fusedemb/dense_fingerprints"
+FORWARD_STATE_NAME = "fusedemb/forward_state"
+ROOT_RANK = 0
+# The guard's error, eager and traced alike: the first differing variable, the ranks.
+MISMATCH = ("tf_fusedemb: the ranks hold different dense variables: {} differs on rank(s) {} "
+            "from rank 0. Something changed weights on some ranks only (set_weights, "
+            "load_weights or an assign on one rank); make such a change on every rank, or "
+            "call tf_fusedemb.training.replicas_of(model).resync() after it.")
+
+
+class ReplicaMismatchError(ValueError):
+    """Raised (eagerly) by :meth:`DenseReplicas.verify` when ranks hold different dense
+    variables."""
+
+
+def dense_variables(model) -> List[tf.Variable]:
+    """The model's variables that are not state of its FusedEmbedding layers (those are
+    per rank: shards, counters, statistics), in the model's order."""
+    own = {v.ref() for layer in fused_embedding_layers(model) for v in layer.variables}
+    return [v for v in model.variables if v.ref() not in own]
+
+
+def _optimizer_variables(optimizer) -> List[tf.Variable]:
+    if optimizer is None:
+        return []
+    variables = optimizer.variables
+    return list(variables() if callable(variables) else variables)
+
+
+def fingerprints(variables: List[tf.Variable]) -> tf.Tensor:
+    """int64[V]: a hash of each variable's dtype, shape and bytes."""
+    if not variables:
+        return tf.zeros([0], tf.int64)
+    return tf.stack([tf.strings.to_hash_bucket_fast(tf.io.serialize_tensor(v), 2 ** 62)
+                     for v in variables])
+
+
+class DenseReplicas:
+    """The dense state of one model across ranks: the one-time broadcast from rank 0 and
+    the fingerprint guard (see module doc). Not a Keras-tracked object: its counters are
+    no part of the model's weights or checkpoints.
+
+    Args:
+      model: a Keras model (its FusedEmbedding layers' state is left alone).
+      check_every: also compare fingerprints every this many training steps (None: at
+        the first step only).
+    """
+
+    def __init__(self, model, check_every: Optional[int] = None):
+        if check_every is not None and (not isinstance(check_every, int) or check_every < 1):
+            raise ValueError(f"check_every must be an int >= 1 or None, got {check_every!r}")
+        self._model = weakref.ref(model)
+        self.check_every = check_every
+        with tf.init_scope():
+            self._synced = tf.Variable(False, trainable=False, name="fusedemb_dense_synced")
+            self._steps = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                      name="fusedemb_dense_steps")
+
+    def resync(self):
+        """Makes the next step broadcast rank 0's dense state again (after a restore, or
+        after weights were set on some ranks only). Eager."""
+        self._synced.assign(False)
+
+    def synchronize(self, comm, optimizer=None, x=None, training: bool = False) -> tf.Tensor:
+        """Broadcasts rank 0's dense state if not done yet and, in training, runs the
+        guard when due; returns a bool scalar (True) to depend on.
+
+        Args:
+          comm: the step's Communicator (nothing happens in one process).
+          optimizer: the dense Keras optimizer; its existing variables are broadcast too.
+          x: the step's features, to build a model whose variables do not exist yet
+            (a subclassed model before its first call), by tracing it without running.
+          training: count a training step (the guard runs at the first and every
+            ``check_every``-th).
+        """
+        if comm.size == 1:
+            return tf.constant(True)
+        model = self._model()
+        if x is not None and not model.built:
+            _build_by_tracing(model, x)
+        variables = dense_variables(model) + _optimizer_variables(optimizer)
+        synced = tf.cond(self._synced, lambda: tf.constant(True),
+                         lambda: self._broadcast(comm, variables))
+        if not training:
+            return synced
+        with tf.control_dependencies([synced]):
+            step = self._steps.assign_add(1)
+        due = tf.equal(step, 1)
+        if self.check_every is not None:
+            due = tf.logical_or(due, tf.equal(step % self.check_every, 0))
+        checked = tf.cond(due, lambda: self._check(comm, dense_variables(model)),
+                          lambda: tf.constant(True))
+        return tf.logical_and(synced, checked)
+
+    def average_forward_state(self, comm) -> List[tf.Tensor]:
+        """Averages over ranks the non-trainable float variables a training forward pass
+        updates from its own batch (BatchNormalization's moving statistics), so every
+        rank keeps one model; returns the writes. One grouped AllReduce, none when the
+        model has no such variables. For equal slices the moving mean is the global
+        batch's; the moving variance is the mean of the ranks' (a synchronised batch
+        norm gives the global batch's)."""
+        state = [v for v in dense_variables(self._model())
+                 if not v.trainable and v.dtype.is_floating]
+        if comm.size == 1 or not state:
+            return []
+        sums = comm.allreduce_sum_list([tf.identity(v) for v in state], FORWARD_STATE_NAME)
+        return [v.assign(s / comm.size) for v, s in zip(state, sums)]
+
+    def verify(self, comm) -> None:
+        """Compares the dense variables across ranks now (eager, a collective: every rank
+        calls it); raises :class:`ReplicaMismatchError` naming the first differing
+        variable and the ranks."""
+        if comm.size == 1:
+            return
+        variables = dense_variables(self._model())
+        gathered = comm.allgather(fingerprints(variables)[None, :], FINGERPRINT_NAME).numpy()
+        for j, v in enumerate(variables):
+            ranks = [r for r in range(comm.size) if gathered[r, j] != gathered[ROOT_RANK, j]]
+            if ranks:
+                raise ReplicaMismatchError(MISMATCH.format(v.name, ", ".join(map(str, ranks))))
+
+    # ---------------------------------------------------------------- traced parts
+    def _broadcast(self, comm, variables) -> tf.Tensor:
+        writes = []
+        for dtype in sorted({v.dtype for v in variables}, key=lambda d: d.name):
+            same = [v for v in variables if v.dtype == dtype]
+            packed = tf.concat([tf.reshape(v, [-1]) for v in same], 0)
+            received = comm.broadcast(packed, ROOT_RANK, f"{BROADCAST_NAME}/{dtype.name}")
+            parts = tf.split(received, [v.shape.num_elements() for v in same])
+            writes += [v.assign(tf.reshape(p, v.shape)) for v, p in zip(same, parts)]
+        with tf.control_dependencies(writes):
+            return tf.identity(self._synced.assign(True))
+
+    def _check(self, comm, variables) -> tf.Tensor:
+        gathered = comm.allgather(fingerprints(variables)[None, :], FINGERPRINT_NAME)
+        differs = tf.not_equal(gathered, gathered[ROOT_RANK:ROOT_RANK + 1])  # bool[N, V]
+        first = tf.argmax(tf.cast(tf.reduce_any(differs, 0), tf.int32), output_type=tf.int32)
+        names = tf.constant([v.name for v in variables] or [""])
+        ranks = tf.strings.reduce_join(tf.strings.as_string(
+            tf.where(differs[:, first])[:, 0]), separator=", ")
+        before, between, after = MISMATCH.split("{}")  # tf.strings.format quotes strings
+        message = tf.strings.join([before, tf.gather(names, first), between, ranks, after])
+        check = tf.debugging.Assert(tf.logical_not(tf.reduce_any(differs)), [message])
+        with tf.control_dependencies([check]):
+            return tf.constant(True)
+
+
+_REPLICAS = weakref.WeakKeyDictionary()
+
+
+def replicas_of(model, check_every: Optional[int] = None) -> DenseReplicas:
+    """The one :class:`DenseReplicas` of ``model`` (made on first use; ``check_every``
+    applies when given)."""
+    replicas = _REPLICAS.get(model)
+    if replicas is None:
+        replicas = _REPLICAS[model] = DenseReplicas(model, check_every)
+    elif check_every is not None:
+        replicas.check_every = check_every
+    return replicas
+
+
+def _build_by_tracing(model, x):
+    """Creates a model's variables by tracing one inference call on ``x``'s structure;
+    nothing runs (no collective, no statistics)."""
+    specs = tf.nest.map_structure(tf.type_spec_from_value, x)
+    tf.function(lambda inputs: model(inputs, training=False),
+                autograph=False).get_concrete_function(specs)
+
