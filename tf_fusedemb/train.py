@@ -159,6 +159,7 @@ def train(args):
     timed, timed_samples = 0.0, 0
     counters_before = [layer.comm_counters() for layer in layers]
     upcoming = next(batches) if start < args.steps else None
+    loss_sum, loss_steps = 0.0, 0  # the progress bar's running mean, logged alike
     for step in range(start, args.steps):
         x, y = upcoming
         upcoming = next(batches) if step + 1 < args.steps else None
@@ -179,15 +180,19 @@ def train(args):
         if bar:
             bar.update(step + 1, [("loss", loss), ("auc", float(auc.result())),
                                   ("samples/s", sps)])
-        if writer and (step + 1) % args.log_every == 0:
-            values = {"loss": loss, "auc": float(auc.result()), "samples_per_s": sps}
-            for layer in layers:
-                for g, c in layer.comm_counters().items():
-                    values.update({f"comm/{g}/{k}": v for k, v in c.items()})
-                for g in layer.groups:
-                    values.update({f"stats/{g.group.name}/{k}": v
-                                   for k, v in g.stats.metrics().items()})
-            log_scalars(writer, step + 1, values)
+        loss_sum, loss_steps = loss_sum + loss, loss_steps + 1
+        if (step + 1) % args.log_every == 0:
+            # The job's statistics (a collective: every rank), the bar's running-mean loss.
+            stats = [layer.global_statistics() for layer in layers]
+            if writer:
+                values = {"loss": loss_sum / loss_steps, "auc": float(auc.result()),
+                          "samples_per_s": sps}
+                for layer, layer_stats in zip(layers, stats):
+                    for g, c in layer.comm_counters().items():
+                        values.update({f"comm/{g}/{k}": v for k, v in c.items()})
+                    for g, metrics in layer_stats.items():
+                        values.update({f"stats/{g}/{k}": v for k, v in metrics.items()})
+                log_scalars(writer, step + 1, values)
         if manager and (step + 1) % args.checkpoint_every == 0:
             if pipeline is not None:
                 pipeline.flush()  # delayed rows written before the tables are saved

@@ -172,15 +172,18 @@ class FusedEmbedding(tf_keras.layers.Layer):
 
     def set_embedding_weights(self, weights: Mapping[str, object]):
         """Loads whole tables, e.g. the weights of the Keras Embeddings this layer replaces
-        (``{feature or table name: float32[V, dim]}``, row i = ID i). Every rank calls
-        it with the same weights and keeps the rows it owns (eager)."""
+        (``{feature or table name: float32[V, dim]}``, row i = ID i). A collective:
+        every rank calls it with the same names and shapes; rank 0's matrices are
+        broadcast (unseeded Keras Embeddings draw different weights on every rank), and
+        each rank keeps the rows it owns (eager)."""
         tables = {f.name: f.table.name for f in self.features}
         tables.update({f.table.name: f.table.name for f in self.features})
         for name, matrix in weights.items():
             if name not in tables:
                 raise ValueError(f"FusedEmbedding '{self.name}': no feature or table {name!r}")
             lookup = next(g for g in self.groups if tables[name] in g.table_names)
-            matrix = np.asarray(matrix, np.float32)
+            matrix = self._comm.broadcast(tf.constant(matrix, tf.float32), 0,
+                                          f"fusedemb/embedding_weights/{name}").numpy()
             lookup.load_rows(tables[name], np.arange(len(matrix)), matrix)
 
     @property
