@@ -1,0 +1,36 @@
+"""The default main-job launch pins each horovodrun rank to its share of the cores."""
+import os
+import subprocess
+import sys
+
+from tf_fusedemb.testing.cluster.pinned import pinned_argv
+from tf_fusedemb.testing.cluster.placement import available_cpus
+
+
+def test_ranks_get_disjoint_cores_and_matching_threads():
+    cores = available_cpus()
+    seen = []
+    for rank in range(2):
+        argv, env = pinned_argv(["python", "x.py"], {"HOROVOD_LOCAL_RANK": str(rank),
+                                                     "HOROVOD_LOCAL_SIZE": "2"})
+        assert argv[:2] == ["taskset", "-c"] and argv[3:] == ["python", "x.py"]
+        cpus = [int(c) for c in argv[2].split(",")]
+        assert set(cpus) <= set(cores)
+        assert env["TF_NUM_INTRAOP_THREADS"] == str(len(cpus))
+        seen.append(set(cpus))
+    if len(cores) >= 2:
+        assert not seen[0] & seen[1]
+
+
+def test_outside_horovodrun_the_command_is_unchanged():
+    assert pinned_argv(["python", "x.py"], {}) == (["python", "x.py"], {})
+
+
+def test_the_pinned_command_runs_on_its_core():
+    env = dict(os.environ, HOROVOD_LOCAL_RANK="0", HOROVOD_LOCAL_SIZE="1")
+    out = subprocess.run([sys.executable, "-m", "tf_fusedemb.testing.cluster.pinned",
+                          sys.executable, "-c",
+                          "import os; print(sorted(os.sched_getaffinity(0)), "
+                          "os.environ['TF_NUM_INTRAOP_THREADS'])"],
+                         env=env, capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == f"{available_cpus()} {len(available_cpus())}"
