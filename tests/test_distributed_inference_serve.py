@@ -6,12 +6,17 @@ uneven last batch. A missing checkpoint (the command) and a checkpoint of anothe
 (other embedding dim; ``restore_shard``, whose message the command prints) fail with a
 clear message instead of a traceback or a hang. On 2 emulated hosts x 1 rank (network
 namespaces, ``python -m tf_fusedemb.comm.mpirun --hosts 2``; needs root) the same
-command gives the same predictions.
+command gives the same predictions, in one run: the emulated hosts' Open MPI daemons
+once shared one session directory tree (one hostname, one /tmp), and a daemon that lost
+the race failed after detaching, so mpirun waited for it silently (one CI run in three).
+Each host now has its own tree, and a daemon that fails at start-up fails the job at once
+with Open MPI's message (tested with a host whose session directory cannot be made).
 """
+import os
 import json
 import subprocess
 import sys
-import warnings
+import time
 
 import numpy as np
 import pytest
@@ -77,34 +82,79 @@ def test_serve_under_mpirun_equals_savedmodel(trained, tmp_path):
     np.testing.assert_allclose(table[:, 1], want, rtol=0, atol=1e-6)
 
 
-def _serve_on_emulated_hosts(data, ckpt, out):
-    """The serve job on 2 emulated hosts x 1 rank. A job that prints nothing for 240 s is
-    killed and run once more, with the first run's output in a warning: one CI run in
-    three saw such a silent hang (cause not found yet); a second hang fails the test."""
-    args = [sys.executable, *_serve_args(data, ckpt, out)]
-    try:
-        return mpirun.run_on_emulated_hosts(2, 1, args, timeout=240, env=ENV, cwd=str(REPO_ROOT))
-    except subprocess.TimeoutExpired as e:
-        warnings.warn(f"serve on emulated hosts timed out once; output: {e.stdout!r:.3000} "
-                      f"{e.stderr!r:.5000}")
-    return mpirun.run_on_emulated_hosts(2, 1, args, timeout=240, env=ENV, cwd=str(REPO_ROOT))
-
-
-@pytest.mark.timeout(560)  # about a minute on an idle machine; 2 x 240 s at most
-def test_serve_on_two_emulated_hosts_equals_single_process(trained, tmp_path):
+def _skip_without_emulated_hosts():
     from tf_fusedemb.testing.cluster import unavailable_reason  # pylint: disable=import-outside-toplevel
     reason = unavailable_reason()
     if reason is not None:
         pytest.skip(f"no emulated cluster on this machine: {reason}")
+
+
+@pytest.mark.timeout(300)  # about a minute on an idle machine
+def test_serve_on_two_emulated_hosts_equals_single_process(trained, tmp_path):
+    _skip_without_emulated_hosts()
     data, ckpt, want = trained
     out = tmp_path / "predictions.tsv"
-    proc = _serve_on_emulated_hosts(data, ckpt, str(out))
+    proc = mpirun.run_on_emulated_hosts(2, 1, [sys.executable, *_serve_args(data, ckpt, str(out))],
+                                        timeout=240, env=ENV, cwd=str(REPO_ROOT))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     result = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
     assert result["ranks"] == 2, result
     table = np.loadtxt(out, skiprows=1, delimiter="\t")
     np.testing.assert_array_equal(table[:, 0], np.arange(LINES))
     np.testing.assert_allclose(table[:, 1], want, rtol=0, atol=1e-6)
+
+
+def test_rsh_agent_gives_each_emulated_host_its_own_session_directory(tmp_path):
+    """The agent (run with a stand-in ``ip`` that prints what it is given) starts each
+    host's command in that host's namespace with a session directory base of its own,
+    which exists."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "ip").write_text('#!/bin/sh\necho "$* | $OMPI_MCA_orte_tmpdir_base"\n')
+    (fake / "ip").chmod(0o755)
+    agent = mpirun.write_rsh_agent(str(tmp_path), ["fe1_h1", "fe1_h2"])
+    env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}")
+    seen = {}
+    for ns in ("fe1_h1", "fe1_h2"):
+        out = subprocess.run([agent, mpirun.host_alias(ns), "orted", "-mca", "x", "1"], env=env,
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        command, base = out.stdout.strip().split(" | ")
+        assert command == f"netns exec {ns} /bin/sh -c orted -mca x 1", command
+        assert os.path.isdir(base), base
+        seen[ns] = base
+    assert seen["fe1_h1"] != seen["fe1_h2"], seen
+    bad = subprocess.run([agent, "fe1-h3", "true"], env=env, capture_output=True, text=True,
+                         timeout=30)
+    assert bad.returncode != 0 and "unknown emulated host" in bad.stderr
+
+
+@pytest.mark.timeout(200)
+def test_daemon_failing_at_start_on_an_emulated_host_fails_the_job_at_once(monkeypatch):
+    """An Open MPI daemon that fails in orte_init (here: its session directory cannot be
+    made) ends the job with a non-zero status and Open MPI's message within seconds;
+    detached daemons (Open MPI's default under an rsh agent) left mpirun waiting for ever
+    without a word."""
+    _skip_without_emulated_hosts()
+    write = mpirun.write_rsh_agent
+
+    def broken_second_host(directory, namespaces):
+        path = write(directory, namespaces)
+        with open(path) as f:
+            text = f.read()
+        text = text.replace("export OMPI_MCA_orte_tmpdir_base", 'case "$ns" in *_h2) '
+                            "OMPI_MCA_orte_tmpdir_base=/proc/no-such-dir ;; esac\n"
+                            "export OMPI_MCA_orte_tmpdir_base")
+        with open(path, "w") as f:
+            f.write(text)
+        return path
+    monkeypatch.setattr(mpirun, "write_rsh_agent", broken_second_host)
+    start = time.monotonic()
+    proc = mpirun.run_on_emulated_hosts(2, 1, [sys.executable, "-c", "print('ran')"],
+                                        timeout=150, cwd=str(REPO_ROOT))
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert time.monotonic() - start < 60
+    assert "orte_init" in proc.stderr or "ORTE" in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.timeout(120)

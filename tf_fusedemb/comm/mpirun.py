@@ -11,7 +11,14 @@ Command form (root and iproute2 for ``--hosts``)::
 On emulated hosts no ssh is needed: Open MPI's rsh agent is a script that runs each
 host's daemon (``orted``) with ``ip netns exec HOST``; its TCP traffic (daemons and ranks)
 is kept on the cluster's subnet, so ranks of different hosts cross the rate-limited
-links. Between hosts Open MPI 4.1 has one one-sided (RMA) component that works over TCP,
+links. The emulated hosts share one hostname and one ``/tmp``, so the agent gives each
+host's daemon (and through it the host's ranks) a session directory of its own
+(``OMPI_MCA_orte_tmpdir_base``): Open MPI names session directories after the hostname
+and the job, and two daemons in one tree remove and recreate each other's directories
+(seen: one daemon failing in ``orte_init`` with "mkdir ... File exists", after it had
+detached, so ``mpirun`` waited for it for ever without a word: the silent hang of the
+2-host serve test). ``orte_startup_timeout`` (:data:`STARTUP_TIMEOUT_S`) turns any daemon
+that never reports back into a failed job instead of a silent wait. Between hosts Open MPI 4.1 has one one-sided (RMA) component that works over TCP,
 ``osc pt2pt``, and it refuses MPI_THREAD_MULTIPLE (mpi4py's default level): those runs
 use ``--mca osc pt2pt`` and ``MPI4PY_RC_THREAD_LEVEL=serialized`` (:data:`PT2PT_FLAGS`).
 pt2pt makes progress only inside MPI calls of the target rank (no asynchronous progress),
@@ -20,6 +27,7 @@ which is why the BLS alltoallv bounds its blocking calls (comm/bls_alltoallv.py)
 import argparse
 import ipaddress
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -68,14 +76,21 @@ def host_alias(namespace: str) -> str:
 def write_rsh_agent(directory: str, namespaces: Sequence[str]) -> str:
     """Writes Open MPI's rsh agent for emulated hosts into ``directory``; returns its path.
     ``AGENT ALIAS COMMAND...`` runs COMMAND (a shell command line, as ssh would) in the
-    namespace of ALIAS (:func:`host_alias`)."""
+    namespace of ALIAS (:func:`host_alias`), with ``directory/NAMESPACE`` as Open MPI's
+    session directory base of that host (see the module doc: the hosts share ``/tmp``)."""
     cases = "".join(f"  {host_alias(ns)}) ns={ns} ;;\n" for ns in namespaces)
     path = os.path.join(directory, "netns_rsh_agent.sh")
+    base = shlex.quote(os.path.abspath(directory))
     with open(path, "w") as f:
         f.write("#!/bin/sh\n# Open MPI rsh agent of tf_fusedemb.comm.mpirun: emulated host -> "
                 "ip netns exec\ncase \"$1\" in\n" + cases +
                 "  *) echo \"netns_rsh_agent: unknown emulated host '$1'\" >&2; exit 1 ;;\n"
-                "esac\nshift\nexec ip netns exec \"$ns\" /bin/sh -c \"$*\"\n")
+                "esac\nshift\n"
+                "# One session directory tree per emulated host: they share hostname and /tmp.\n"
+                f"OMPI_MCA_orte_tmpdir_base={base}/\"$ns\"\n"
+                "mkdir -p \"$OMPI_MCA_orte_tmpdir_base\" || exit 1\n"
+                "export OMPI_MCA_orte_tmpdir_base\n"
+                "exec ip netns exec \"$ns\" /bin/sh -c \"$*\"\n")
     os.chmod(path, 0o755)
     return path
 
@@ -88,6 +103,7 @@ def host_flags(namespaces: Sequence[str], ranks_per_host: int, agent: str,
     hosts = ",".join(f"{host_alias(ns)}:{int(ranks_per_host)}" for ns in namespaces)
     return ["--host", hosts, "--mca", "plm_rsh_agent", agent,
             "--mca", "plm_rsh_no_tree_spawn", "1",
+            "--mca", "orte_leave_session_attached", "1",
             "--mca", "oob_tcp_if_include", subnet, "--mca", "btl_tcp_if_include", subnet,
             *PT2PT_FLAGS]
 
