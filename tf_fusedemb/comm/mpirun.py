@@ -14,11 +14,14 @@ is kept on the cluster's subnet, so ranks of different hosts cross the rate-limi
 links. The emulated hosts share one hostname and one ``/tmp``, so the agent gives each
 host's daemon (and through it the host's ranks) a session directory of its own
 (``OMPI_MCA_orte_tmpdir_base``): Open MPI names session directories after the hostname
-and the job, and two daemons in one tree remove and recreate each other's directories
-(seen: one daemon failing in ``orte_init`` with "mkdir ... File exists", after it had
-detached, so ``mpirun`` waited for it for ever without a word: the silent hang of the
-2-host serve test). ``orte_startup_timeout`` (:data:`STARTUP_TIMEOUT_S`) turns any daemon
-that never reports back into a failed job instead of a silent wait. Between hosts Open MPI 4.1 has one one-sided (RMA) component that works over TCP,
+and the job, and two daemons in one tree race on its directories (seen: one daemon
+failing in ``orte_init`` with "mkdir ... File exists", i.e. a directory there at mkdir
+and gone right after; it had detached already, so ``mpirun`` waited for it for ever without a word: the silent hang of the
+2-host serve test). The daemons also stay attached to the agent
+(``orte_leave_session_attached``): one that fails at start-up then ends the job at once
+with Open MPI's message, where a detached one left ``mpirun`` waiting for ever.
+
+Between hosts Open MPI 4.1 has one one-sided (RMA) component that works over TCP,
 ``osc pt2pt``, and it refuses MPI_THREAD_MULTIPLE (mpi4py's default level): those runs
 use ``--mca osc pt2pt`` and ``MPI4PY_RC_THREAD_LEVEL=serialized`` (:data:`PT2PT_FLAGS`).
 pt2pt makes progress only inside MPI calls of the target rank (no asynchronous progress),
