@@ -92,7 +92,9 @@ def dcn_model():
 
 
 MODELS = {"functional": functional_model, "subclassed": subclassed_model,
-          "converted": converted_model, "dlrm": dlrm_model, "dcn": dcn_model}
+          "converted": converted_model, "dlrm": dlrm_model, "dcn": dcn_model,
+          "pipelined": functional_model, "custom_loop": functional_model}
+PIPELINES = {"pipelined": "dbp,fwp=2"}
 
 
 def _dense_weights(model):
@@ -117,8 +119,21 @@ def _compiled(kind, check_every=None, model=None):
     model = model or MODELS[kind]()
     model.compile(optimizer=tf_keras.optimizers.Adam(0.01),
                   loss=tf_keras.losses.BinaryCrossentropy(from_logits=True),
-                  replica_check_every=check_every)
+                  replica_check_every=check_every, pipeline=PIPELINES.get(kind))
     return model
+
+
+def _custom_loop(model, train, epochs):
+    """A user's own loop around tf_fusedemb.models.train_step (no fit)."""
+    from tf_fusedemb.models import train_step
+    loss = tf_keras.losses.BinaryCrossentropy(from_logits=True)
+    step = tf.function(lambda x, y: train_step(model, x, y, loss, model.optimizer),
+                       reduce_retracing=False)
+    losses = []
+    for _ in range(epochs):
+        for x, y in train:
+            losses.append(float(step(x, y).loss))
+    return {"loss": losses}
 
 
 def _fit_rank(kinds, epochs=2):
@@ -142,9 +157,12 @@ def _fit_rank(kinds, epochs=2):
             "plain": plain.predict(xs, batch_size=BATCH, verbose=0),
             "fused": model.predict(xs, batch_size=BATCH, verbose=0)}
         train = rank_dataset((xs, y), rank_bounds(len(y), shares, comm.rank))
-        history = model.fit(train, epochs=epochs, verbose=0)
+        if kind == "custom_loop":
+            history = _custom_loop(model, train, epochs)
+        else:
+            history = model.fit(train, epochs=epochs, verbose=0).history
         out[kind] = {"initial": initial, "final": _dense_weights(model), "before": before,
-                     "history": history.history,
+                     "history": history,
                      "predictions": model.predict(xs, batch_size=BATCH, verbose=0)}
     return out
 
@@ -187,14 +205,15 @@ class DenseReplicasTest(DistributedTestCase):
                             "the test would not see a missing broadcast")
 
     def test_unseeded_models_end_equal_on_two_ranks(self):
-        kinds = ["functional", "subclassed", "converted", "dlrm", "dcn"]
+        kinds = ["functional", "subclassed", "converted", "dlrm", "dcn", "pipelined",
+                 "custom_loop"]
         ranks = self.run_ranks(_fit_rank, 2, (kinds,))
         self._check_ranks(ranks, kinds)
         for rank, got in enumerate(ranks):  # the conversion took rank 0's Embeddings
             np.testing.assert_allclose(got["converted"]["before"]["fused"],
                                        ranks[0]["converted"]["before"]["plain"], rtol=1e-5,
                                        atol=1e-6, err_msg=f"rank {rank}: converted model")
-        for kind in ("functional", "dlrm"):
+        for kind in ("functional", "dlrm", "pipelined"):
             reference = _one_process(kind, ranks[0][kind]["initial"])
             want = _by_position(reference["final"])
             got = _by_position(ranks[1][kind]["final"])
