@@ -161,8 +161,3 @@ def init_horovod(hvd) -> Tuple[Topology, dict]:
         raise RuntimeError(f"process sets planned for {sorted(sets)} but Horovod's layout is "
                            f"{topo.describe()}")
     return topo, sets
-
-
-def set_index(members: Sequence[int], rank: int) -> int:
-    """Position of ``rank`` in a process set's sorted ``members`` (splits are in that order)."""
-    return list(members).index(rank)

@@ -14,9 +14,6 @@ import numpy as np
 Block = Tuple[np.ndarray, np.ndarray, np.ndarray]  # (index int64[m], count int64[m], values f64[m, d])
 
 
-def empty_block(dim: int) -> Block:
-    return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, dim), np.float64)
-
 
 def pack(blocks: Sequence[Block]) -> np.ndarray:
     """uint8 bytes of the blocks (see module doc)."""

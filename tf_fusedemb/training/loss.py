@@ -29,7 +29,6 @@ from tf_keras.src.engine.compile_utils import match_dtype_and_rank
 from tf_keras.src.losses import LossFunctionWrapper
 
 _NONE = tf_keras.losses.Reduction.NONE
-_SUM = tf_keras.losses.Reduction.SUM
 _MEAN_LIKE = (tf_keras.losses.Reduction.SUM_OVER_BATCH_SIZE, tf_keras.losses.Reduction.AUTO)
 
 
