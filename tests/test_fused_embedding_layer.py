@@ -74,12 +74,18 @@ def test_bad_input_names_the_feature(inputs, message):
         FusedEmbedding([spec("a")])(inputs)
 
 
-def test_static_vocabulary_out_of_range_names_the_feature():
-    layer = FusedEmbedding([spec("st", vocab=10)])
-    with pytest.raises(tf.errors.InvalidArgumentError, match="feature 'st': ID out of range"):
-        layer({"st": tf.constant([3, 10], tf.int64)})
-    with pytest.raises(tf.errors.InvalidArgumentError, match="feature 'st': negative ID"):
-        layer({"st": tf.constant([-1], tf.int64)})
+def test_static_vocabulary_out_of_range_names_the_feature_and_the_id():
+    """The bad ID itself, not the first IDs of the batch (eager and traced)."""
+    layer = FusedEmbedding([spec("st", vocab=10), spec("other", vocab=10)])
+    traced = tf.function(layer)
+    ok = {"other": tf.constant([1, 2, 3, 4, 5], tf.int64)}
+    for call in (layer, traced):
+        for ids, bad in (([3, 4, 5, 10, 2], 10), ([0, 1, 2, -1, 9], -1)):
+            with pytest.raises(tf.errors.InvalidArgumentError) as info:
+                call(dict(ok, st=tf.constant(ids, tf.int64)))
+            text = str(info.value).replace("\\'", "'")
+            assert (f"feature 'st': ID {bad} is out of range [0, 10) of its static table (in "
+                    "the input of rank 0 of 1; group 'g0_d4_adagrad')") in text, text
 
 
 def test_sequence_longer_than_max_len_is_an_error_not_a_truncation():

@@ -12,8 +12,14 @@ the owners' rows back in the requester's order. Two exchanges:
 Both carry a key as an int64 pair ``(ID, count << CATEGORY_BITS | table)``: the owner
 learns each key's table (lossless lookup) and how often the requester(s) saw it (exact
 access statistics) without a second exchange.
+
+Bad input is reported through the same exchange, at no extra round: a requester with an
+ID out of its feature's range (``InputReport``) sends every peer one message ``(ID, rank
+<< 32 | feature << CATEGORY_BITS | BAD_INPUT)`` instead of its keys, so every rank receives
+it from the key exchange and fails with the same error (``GroupLookup.route``), instead of
+the bad rank failing alone while the others wait for it.
 """
-from typing import Dict, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import tensorflow as tf
 
@@ -21,6 +27,53 @@ from tf_fusedemb import ops
 
 CATEGORY_BITS = 16
 EXCHANGES = ("flat", "hierarchical")
+BAD_INPUT = (1 << CATEGORY_BITS) - 1  # the table field of a bad-input report (no table's)
+
+
+class InputReport(NamedTuple):
+    """A requester's bad input: ``failed`` bool[] (some ID is out of range) and
+    ``message`` int64[1, 2], the report sent to every peer instead of the keys."""
+    failed: tf.Tensor
+    message: tf.Tensor
+
+
+def input_report(ids, invalid, segment_splits, rank: int) -> InputReport:
+    """The InputReport of fused ``ids`` int64[n] with ``invalid`` bool[n] (out of range),
+    features cut at ``segment_splits`` int64[M+1]: the first bad ID and its feature."""
+    first = tf.argmax(tf.concat([tf.cast(invalid, tf.int32), [1]], 0), output_type=tf.int64)
+    bad_id = tf.concat([ids, tf.zeros([1], tf.int64)], 0)[first]
+    feature = tf.searchsorted(segment_splits, [first], side="right", out_type=tf.int64)[0] - 1
+    tag = tf.bitwise.bitwise_or(
+        tf.bitwise.left_shift(tf.constant(rank, tf.int64), 32),
+        tf.bitwise.bitwise_or(tf.bitwise.left_shift(feature, CATEGORY_BITS), BAD_INPUT))
+    return InputReport(tf.reduce_any(invalid), tf.reshape(tf.stack([bad_id, tag]), [1, 2]))
+
+
+def with_report(messages, splits, report: Optional[InputReport]):
+    """``(messages, splits)`` to send, or, when ``report`` failed, its message once to
+    every peer (``splits`` int32[k] all ones)."""
+    if report is None:
+        return messages, splits
+    k = tf.size(splits)
+    return tf.cond(report.failed,
+                   lambda: (tf.tile(report.message, tf.stack([k, 1])), tf.ones_like(splits)),
+                   lambda: (messages, splits))
+
+
+def received_report(messages) -> Tuple[tf.Tensor, tf.Tensor]:
+    """(bool[]: some of the key ``messages`` int64[m, 2] is a bad-input report, the first
+    one int64[1, 2] (zeros when none)."""
+    bad = tf.equal(tf.bitwise.bitwise_and(messages[:, 1], (1 << CATEGORY_BITS) - 1), BAD_INPUT)
+    first = tf.argmax(tf.concat([tf.cast(bad, tf.int32), [1]], 0), output_type=tf.int32)
+    return tf.reduce_any(bad), tf.concat([messages, tf.zeros([1, 2], tf.int64)], 0)[first:first + 1]
+
+
+def decode_report(message) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """(rank int64[], feature index int64[], bad ID int64[]) of a report int64[1, 2]."""
+    tag = message[0, 1]
+    return (tf.bitwise.right_shift(tag, 32),
+            tf.bitwise.bitwise_and(tf.bitwise.right_shift(tag, CATEGORY_BITS), 0xFFFF),
+            message[0, 0])
 
 
 def encode_keys(ids, counts, tables):
@@ -51,13 +104,16 @@ class FlatExchange:
         self.comm, self.counters = comm, counters
         self._prefix = f"fusedemb/{group_name}"
 
-    def send_keys(self, uniq, feature_table, suffix: str) -> Tuple[tf.Tensor, Dict]:
+    def send_keys(self, uniq, feature_table, suffix: str,
+                  report: Optional[InputReport] = None) -> Tuple[tf.Tensor, Dict]:
         """Sends the requester's unique keys to their owners.
 
         Args:
           uniq: ``segment_unique`` of the fused IDs (per feature segment).
           feature_table: int64[M], the table index of each feature.
           suffix: appended to collective names.
+          report: this requester's InputReport (None: its IDs need no range check); a
+            failed one is sent instead of the keys.
         Returns:
           (key messages received by this owner int64[m, 2], state): state holds
           ``sort_indices`` int32[u] (I_s, the order of the rows ``send_rows`` returns) and
@@ -66,8 +122,9 @@ class FlatExchange:
         srt = ops.rankwise_sort(uniq.unique_keys, uniq.unique_segment_splits, self.comm.size)
         counts = tf.gather(uniq.counts, tf.math.invert_permutation(srt.indices))
         tables = tf.gather(feature_table, srt.sorted_segment_ids)
-        recv, recv_splits = self.comm.alltoall(encode_keys(srt.sorted_keys, counts, tables),
-                                               srt.rank_splits, f"{self._prefix}/keys{suffix}",
+        send, splits = with_report(encode_keys(srt.sorted_keys, counts, tables),
+                                   srt.rank_splits, report)
+        recv, recv_splits = self.comm.alltoall(send, splits, f"{self._prefix}/keys{suffix}",
                                                self.counters)
         return recv, {"sort_indices": srt.indices, "recv_splits": recv_splits}
 

@@ -141,11 +141,16 @@ class FusedEmbedding(tf_keras.layers.Layer):
                              f"{sorted(given - names, key=str)}")
 
     def _flat_features(self, lookup, inputs):
-        """FlatFeatures of one group's features, validated (packed keys: IDs must fit)."""
+        """FlatFeatures of one group's features, validated (IDs in range: static tables,
+        packed keys)."""
         id_bits = None
         if lookup.key_mode == "packed" and not lookup.group.is_static:
             id_bits = hashing.default_id_bits(len(lookup.table_names))
-        return [flatten_feature(f, inputs[f.name], id_bits) for f in lookup.group.features]
+        # A GroupLookup reports an ID out of range to every rank (route); stand-ins
+        # (serving, sharded inference) check here.
+        defer = isinstance(lookup, GroupLookup)
+        return [flatten_feature(f, inputs[f.name], id_bits, defer_range_check=defer)
+                for f in lookup.group.features]
 
     def route(self, inputs: Mapping[str, tf.Tensor], context: LookupContext = NO_CONTEXT):
         """Key routing of ``inputs`` ahead of the forward pass (used by pipelines): one

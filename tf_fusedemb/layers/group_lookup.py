@@ -12,8 +12,10 @@ import tensorflow as tf
 
 from tf_fusedemb import ops
 from tf_fusedemb.comm import CommCounters
-from tf_fusedemb.layers.exchange import CATEGORY_BITS, EXCHANGES, FlatExchange, decode_keys
+from tf_fusedemb.layers.exchange import (CATEGORY_BITS, EXCHANGES, FlatExchange, decode_keys,
+                                         decode_report, input_report, received_report)
 from tf_fusedemb.layers.hierarchical_exchange import HierarchicalExchange
+from tf_fusedemb.layers.inputs import id_ranges, out_of_range_message
 from tf_fusedemb.layers.lookup_context import NO_CONTEXT, LookupContext
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FusedGroup
@@ -52,6 +54,12 @@ class GroupLookup(tf.Module):
                              f"{(1 << CATEGORY_BITS) - 1} fit the key exchange")
         # Category of each feature = its table, so features sharing a table share rows.
         self._feature_table = tf.constant(group.table_index, tf.int64)
+        # Each feature's valid ID range in words ("" where any ID is valid); where some
+        # feature has one, an ID out of range is reported to every rank (``route``).
+        id_bits = hashing.default_id_bits(len(self.table_names)) \
+            if self.key_mode == "packed" and not group.is_static else None
+        self._ranges = [" and ".join(words for _, _, words in id_ranges(f, id_bits))
+                        for f in group.features]
         self._tags = tf.constant(hashing.category_tags(self.table_names))
         self.counters = CommCounters(group.name,
                                      link_classes=communicator.topology.cross_size > 1)
@@ -224,8 +232,15 @@ class GroupLookup(tf.Module):
         splits = tf.concat([tf.zeros([1], tf.int64), tf.cumsum(lengths)], 0)
         ids = tf.concat([f.ids for f in flats], 0)
         uniq = ops.segment_unique(ids, splits)
+        report = None
+        if any(self._ranges):  # IDs checked against a range: bad input goes to every rank
+            invalid = tf.concat([tf.zeros_like(f.ids, tf.bool) if f.invalid is None
+                                 else f.invalid for f in flats], 0)
+            report = input_report(ids, invalid, splits, self.comm.rank)
         recv, state = self.exchange_for(context).send_keys(uniq, self._feature_table,
-                                                           context.suffix)
+                                                           context.suffix, report)
+        if report is not None:
+            recv = self._fail_on_reported_input(recv)
         recv_ids, accesses, category = decode_keys(recv)
         hashed = ops.category_hash(recv_ids, category, self.table_names, mode=self.key_mode)
         if self.group.is_static:
@@ -239,6 +254,21 @@ class GroupLookup(tf.Module):
             self.stats.record(hashed, accesses, self.table.step + 1)  # stateful; gates nothing
         return dict(state, ids=ids, unique_inverse=uniq.inverse, keys=keys,
                     init_keys=init_keys, inverse=hashed.inverse)
+
+    def _fail_on_reported_input(self, recv):
+        """``recv`` once it holds no bad-input report; else an InvalidArgumentError on
+        this rank, as on every rank (each receives the report), naming the feature, the
+        bad ID and the rank whose input held it."""
+        failed, first = received_report(recv)
+        rank, feature, bad_id = decode_report(first)
+        where = tf.strings.join([" (in the input of rank ", tf.strings.as_string(rank),
+                                 f" of {self.comm.size}; group '{self.group.name}')"])
+        message = out_of_range_message(
+            tf.gather(tf.constant([f.name for f in self.group.features]), feature), bad_id,
+            tf.gather(tf.constant(self._ranges), feature), where)
+        check = tf.debugging.Assert(tf.logical_not(failed), [message])
+        with tf.control_dependencies([check]):
+            return tf.identity(recv)
 
     def exchange_for(self, context: LookupContext):
         """The exchange of ``context.exchange``, or the group's own."""

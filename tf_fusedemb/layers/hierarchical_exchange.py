@@ -17,12 +17,13 @@ Backward mirrors it through the tape: the fan-out's gradient sums the node mates
 gradients of a key (TawPipe's group-local reduction) before the rail AlltoAll carries one
 gradient row per node and key to the owner.
 """
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import tensorflow as tf
 
 from tf_fusedemb import ops
-from tf_fusedemb.layers.exchange import decode_keys, encode_keys
+from tf_fusedemb.layers.exchange import (InputReport, decode_keys, encode_keys,
+                                         received_report, with_report)
 
 
 class HierarchicalExchange:
@@ -45,24 +46,45 @@ class HierarchicalExchange:
         self._node, self._rail = topo.node_members(), topo.rail_members()
         self._prefix = f"fusedemb/{group_name}"
 
-    def send_keys(self, uniq, feature_table, suffix: str) -> Tuple[tf.Tensor, Dict]:
+    def send_keys(self, uniq, feature_table, suffix: str,
+                  report: Optional[InputReport] = None) -> Tuple[tf.Tensor, Dict]:
         """Same contract as ``FlatExchange.send_keys``; the state also holds the node
         stage's fan-out (``node_sort_indices`` int32[u1], ``node_inverse`` int32[m1]) and
-        the rail stage's received splits."""
+        the rail stage's received splits. A bad-input report received in the node stage
+        is passed on to the whole rail instead of the node's keys, so it reaches every
+        rank."""
         comm = self.comm
         # (1) by the owner's local rank: mix64(id) mod L (N = C * L, so (h mod N) mod L).
         srt = ops.rankwise_sort(uniq.unique_keys, uniq.unique_segment_splits,
                                 comm.topology.local_size)
         counts = tf.gather(uniq.counts, tf.math.invert_permutation(srt.indices))
         tables = tf.gather(feature_table, srt.sorted_segment_ids)
-        send = encode_keys(srt.sorted_keys, counts, tables)
-        got, node_splits = comm.alltoall(send, srt.rank_splits,
-                                         f"{self._prefix}/keys_node{suffix}", self.counters,
-                                         self._node)
-        # (2) node-level dedup per table.
+        send, splits = with_report(encode_keys(srt.sorted_keys, counts, tables),
+                                   srt.rank_splits, report)
+        got, node_splits = comm.alltoall(send, splits, f"{self._prefix}/keys_node{suffix}",
+                                         self.counters, self._node)
+        if report is None:
+            send, rail_send, node_sort, node_inverse = self._rail_messages(got)
+        else:  # a node mate's report goes to the whole rail instead of the node's keys
+            failed, first = received_report(got)
+            rail = len(self._rail)
+            send, rail_send, node_sort, node_inverse = tf.cond(
+                failed, lambda: (tf.tile(first, [rail, 1]), tf.ones([rail], tf.int32),
+                                 tf.zeros([0], tf.int32), tf.zeros([0], tf.int32)),
+                lambda: self._rail_messages(got))
+        recv, rail_splits = comm.alltoall(send, rail_send, f"{self._prefix}/keys_rail{suffix}",
+                                          self.counters, self._rail)
+        return recv, {"sort_indices": srt.indices, "recv_splits": node_splits,
+                      "node_sort_indices": node_sort, "node_inverse": node_inverse,
+                      "rail_splits": rail_splits}
+
+    def _rail_messages(self, got):
+        """(2) node-level dedup per table of the node stage's key messages ``got``, (3)
+        sorted for their owners, all on this rank's rail: (messages int64[u1, 2], splits
+        int32[C] by rail member, ``node_sort_indices``, ``node_inverse``)."""
         node_uniq, node_counts, order = self._node_dedup(got)
-        # (3) to the owners, all on this rank's rail.
-        owner = ops.rankwise_sort(node_uniq.unique_keys, node_uniq.unique_segment_splits, comm.size)
+        owner = ops.rankwise_sort(node_uniq.unique_keys, node_uniq.unique_segment_splits,
+                                  self.comm.size)
         rail_send = tf.gather(owner.rank_splits, self._rail)
         check = tf.debugging.assert_equal(
             tf.reduce_sum(rail_send), tf.reduce_sum(owner.rank_splits),
@@ -71,13 +93,8 @@ class HierarchicalExchange:
         counts = tf.gather(node_counts, tf.math.invert_permutation(owner.indices))
         with tf.control_dependencies([check]):
             send = encode_keys(owner.sorted_keys, counts, owner.sorted_segment_ids)
-        recv, rail_splits = comm.alltoall(send, rail_send, f"{self._prefix}/keys_rail{suffix}",
-                                          self.counters, self._rail)
-        return recv, {"sort_indices": srt.indices, "recv_splits": node_splits,
-                      "node_sort_indices": owner.indices,
-                      "node_inverse": tf.gather(node_uniq.inverse,
-                                                tf.math.invert_permutation(order)),
-                      "rail_splits": rail_splits}
+        return (send, tf.cast(rail_send, tf.int32), owner.indices,
+                tf.gather(node_uniq.inverse, tf.math.invert_permutation(order)))
 
     def _node_dedup(self, got):
         """Node-level dedup of the key messages int64[m1, 2] of the node mates: (the

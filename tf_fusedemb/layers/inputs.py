@@ -10,13 +10,17 @@ class FlatFeature:
 
     def __init__(self, ids, row_splits, dense_length=None):
         self.ids, self.row_splits, self.dense_length = ids, row_splits, dense_length
+        # A deferred range check (``flatten_feature(defer_range_check=True)``): bool[n]
+        # marking the IDs out of range; None: nothing to check.
+        self.invalid = None
 
     @property
     def batch_size(self):
         return tf.shape(self.row_splits, out_type=tf.int64)[0] - 1
 
 
-def flatten_feature(spec: FeatureSpec, value, id_bits=None) -> FlatFeature:
+def flatten_feature(spec: FeatureSpec, value, id_bits=None,
+                    defer_range_check: bool = False) -> FlatFeature:
     """int32/int64 ``[B]`` (one ID per sample), ``[B, L]`` (L IDs per sample, no padding),
     ``tf.RaggedTensor [B, None]`` or ``tf.SparseTensor [B, L]`` -> FlatFeature.
 
@@ -27,7 +31,10 @@ def flatten_feature(spec: FeatureSpec, value, id_bits=None) -> FlatFeature:
     Raises ValueError naming the feature for a wrong dtype or rank; static-vocabulary
     features get a run-time check that IDs lie in ``[0, vocabulary_size)``, tables with
     ``key_dtype="int32"`` one that IDs fit in int32, and ``id_bits`` (packed unified keys
-    of a dynamic table) one that IDs lie in ``[0, 2^id_bits)``."""
+    of a dynamic table) one that IDs lie in ``[0, 2^id_bits)``; the error names the
+    feature and the first bad ID. ``defer_range_check``: no check here, the result's
+    ``invalid`` (bool[n]) is set instead, for a caller that reports a bad ID to every rank
+    (``GroupLookup.route``)."""
     name = spec.name
     if value is None:
         raise ValueError(f"feature '{name}': got None instead of a tensor of IDs")
@@ -55,15 +62,17 @@ def flatten_feature(spec: FeatureSpec, value, id_bits=None) -> FlatFeature:
     _check_dtype(name, flat.ids.dtype)
     wide = flat.ids.dtype == tf.int64
     flat.ids = tf.cast(flat.ids, tf.int64)
-    if spec.table.is_static:
-        flat.ids = _check_range(name, flat.ids, spec.table.vocabulary_size)
-    elif id_bits is not None:
-        flat.ids = _check_range(name, flat.ids, 1 << id_bits,
-                                f"[0, 2^{id_bits}) of key_mode='packed'")
-    if wide and spec.table.key_dtype == "int32" and not spec.table.is_static:
-        int32 = tf.int32
-        flat.ids = _check_range(name, flat.ids, int32.max + 1, f"[{int32.min}, {int32.max}] "
-                                f"of its key_dtype='int32' table", low=int32.min)
+    ranges = id_ranges(spec, id_bits, wide)
+    if ranges:
+        invalid = tf.zeros_like(flat.ids, tf.bool)
+        for low, limit, _ in ranges:
+            invalid = tf.logical_or(invalid, tf.logical_or(
+                flat.ids < tf.constant(low, tf.int64), flat.ids >= tf.constant(limit, tf.int64)))
+        if defer_range_check:
+            flat.invalid = invalid
+        else:
+            flat.ids = _check_range(name, flat.ids, invalid,
+                                    " and ".join(words for _, _, words in ranges))
     if spec.is_sequence and flat.dense_length is None:
         lengths = flat.row_splits[1:] - flat.row_splits[:-1]
         with tf.control_dependencies([tf.debugging.assert_less_equal(
@@ -72,6 +81,23 @@ def flatten_feature(spec: FeatureSpec, value, id_bits=None) -> FlatFeature:
                         "raise max_len or truncate it in the input pipeline")]):
             flat.ids = tf.identity(flat.ids)
     return flat
+
+
+def id_ranges(spec: FeatureSpec, id_bits=None, wide=True):
+    """[(low, limit, the range in words)]: the ranges [low, limit) a feature's IDs must lie
+    in: a static table's vocabulary, ``id_bits`` of packed keys, int32 for a
+    ``key_dtype="int32"`` table fed int64 (``wide``) IDs. Empty: any int64 ID."""
+    ranges = []
+    if spec.table.is_static:
+        size = spec.table.vocabulary_size
+        ranges.append((0, size, f"[0, {size}) of its static table"))
+    elif id_bits is not None:
+        ranges.append((0, 1 << id_bits, f"[0, 2^{id_bits}) of key_mode='packed'"))
+    if wide and spec.table.key_dtype == "int32" and not spec.table.is_static:
+        int32 = tf.int32
+        ranges.append((int32.min, int32.max + 1, f"[{int32.min}, {int32.max}] of its "
+                                                 "key_dtype='int32' table"))
+    return ranges
 
 
 def _check_dtype(name, dtype):
@@ -91,19 +117,22 @@ def to_tensor(name, value):
                          f"({e})") from e
 
 
-def _check_range(name, ids, limit, what=None, low=0):
-    what = what or f"[0, {limit}) of its static table"
-    checks = [
-        tf.debugging.assert_less(ids, tf.constant(limit, tf.int64),
-                                 message=f"feature '{name}': ID out of range {what}"),
-    ]
-    if low == 0:
-        checks.append(tf.debugging.assert_non_negative(
-            ids, message=f"feature '{name}': negative ID, out of range {what}"))
-    else:
-        checks.append(tf.debugging.assert_greater_equal(
-            ids, tf.constant(low, tf.int64), message=f"feature '{name}': ID out of range {what}"))
-    with tf.control_dependencies(checks):
+def out_of_range_message(feature, bad_id, valid_range, where=""):
+    """The error of an ID out of range, as a string tensor: ``feature '<name>': ID <id>
+    is out of range <range><where>``; ``feature`` and ``valid_range`` are strings or string
+    tensors, ``bad_id`` an int64 scalar tensor. (A traced Assert prints the quotes
+    escaped, \\', as in the other input errors.)"""
+    return tf.strings.join(["feature '", feature, "': ID ", tf.strings.as_string(bad_id),
+                            " is out of range ", valid_range, where])
+
+
+def _check_range(name, ids, invalid, valid_range):
+    """``ids`` once none is ``invalid`` (bool[n]); else an InvalidArgumentError naming the
+    feature and the first bad ID (not the first IDs of the batch)."""
+    first_bad = tf.concat([tf.boolean_mask(ids, invalid), tf.zeros([1], tf.int64)], 0)[0]
+    check = tf.debugging.Assert(tf.logical_not(tf.reduce_any(invalid)),
+                                [out_of_range_message(name, first_bad, valid_range)])
+    with tf.control_dependencies([check]):
         return tf.identity(ids)
 
 
