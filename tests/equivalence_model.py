@@ -19,11 +19,13 @@ MAX_LEN = 5
 GLOBAL_BATCH = 12
 
 
-def feature_specs():
+def feature_specs(storage=None):
+    """The model's features; ``storage`` is the dynamic tables' backend (TableSpec.storage,
+    None: the default)."""
     t8 = dict(dim=8, optimizer=OptimizerSpec.adagrad(0.1),
-              initializer=InitializerSpec.uniform(-0.1, 0.1))
+              initializer=InitializerSpec.uniform(-0.1, 0.1), storage=storage)
     t4 = dict(dim=4, optimizer=OptimizerSpec.adam(0.01),
-              initializer=InitializerSpec.normal(0.0, 0.1))
+              initializer=InitializerSpec.normal(0.0, 0.1), storage=storage)
     return [
         FeatureSpec("a", TableSpec("a", **t8), "sum"),
         FeatureSpec("s", TableSpec("s", **t4), None, max_len=MAX_LEN),

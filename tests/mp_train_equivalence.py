@@ -62,12 +62,14 @@ def main(argv=None):
     parser.add_argument("--cluster", type=int, default=0,
                         help="reorder each rank's slice by key-centric clustering for this "
                              "many micro-batches")
+    parser.add_argument("--storage", default=None,
+                        help="the dynamic tables' storage backend (TableSpec.storage)")
     parser.add_argument("--mismatch", action="store_true",
                         help="rank 1 builds feature 'a' with another dim (must fail clearly)")
     args = parser.parse_args(argv)
 
     comm = get_communicator()
-    specs = em.feature_specs()
+    specs = em.feature_specs(args.storage)
     if args.mismatch and comm.rank == 1:
         from tf_fusedemb.specs import FeatureSpec, TableSpec
         t = specs[0].table

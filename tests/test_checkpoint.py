@@ -20,11 +20,16 @@ def run(num_proc, *args):
 
 
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("save_np,restore_np", [(2, 1), (1, 3), (3, 2)])
-def test_restore_on_another_world_size_continues_exactly(tmp_path, save_np, restore_np):
+@pytest.mark.parametrize("save_np,restore_np,storages", [
+    (2, 1, ()), (1, 3, ()), (3, 2, ()),
+    # written with the TFRA backend, restored onto the engine (TableSpec.storage)
+    (2, 1, ("tfra", "engine"))])
+def test_restore_on_another_world_size_continues_exactly(tmp_path, save_np, restore_np,
+                                                          storages):
     ckpt = str(tmp_path / "ckpt")
-    first = run(save_np, "--steps", str(FIRST), "--save-dir", ckpt)
-    second = run(restore_np, "--steps", str(SECOND), "--restore-dir", ckpt)
+    save, restore = [["--storage", s] for s in storages] or ([], [])
+    first = run(save_np, "--steps", str(FIRST), "--save-dir", ckpt, *save)
+    second = run(restore_np, "--steps", str(SECOND), "--restore-dir", ckpt, *restore)
     assert second["start"] == FIRST
     losses, dense, tables = reference_run(steps=FIRST + SECOND)
     np.testing.assert_allclose(first["losses"] + second["losses"], losses, rtol=1e-5)

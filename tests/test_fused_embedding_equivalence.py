@@ -11,6 +11,7 @@ import pytest
 import equivalence_model as em
 from conftest import REPO_ROOT
 from horovod_launch import horovodrun
+from tf_fusedemb.specs import STORAGES
 
 STEPS = 20
 SCRIPT = "tests/mp_train_equivalence.py"
@@ -55,8 +56,9 @@ def run_single_process(*args):
 
 
 @pytest.mark.timeout(600)
-def test_single_process_equals_reference():
-    result = run_single_process("--steps", str(STEPS))
+@pytest.mark.parametrize("storage", STORAGES)
+def test_single_process_equals_reference(storage):
+    result = run_single_process("--steps", str(STEPS), "--storage", storage)
     assert_equivalent(result, 1)
     assert all(c["rounds"] == 0 for c in result["counters"].values())
     # The plan fused a, b, c (dim 8, adagrad) and s, d (dim 4, adam); e is static.

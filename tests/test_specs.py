@@ -224,3 +224,47 @@ def test_unfused_plan_one_group_per_table():
     assert [(g.name, g.feature_names) for g in plan.groups] == [
         ("C1", ("C1",)), ("C2", ("C2",)), ("C3", ("C3",)), ("shared", ("s1", "s2"))]
     assert unfused_plan(criteo(26)).num_groups == 26 and plan_fusion([]).num_groups == 0
+
+
+# ---------------------------------------------------------------- storage backends
+
+def test_storage_is_validated_and_defaults_per_kind():
+    assert TableSpec("t", 4, ADAGRAD).storage == specs.DEFAULT_STORAGE
+    assert TableSpec("t", 4, ADAGRAD, vocabulary_size=10).storage == "static"
+    for storage in specs.STORAGES:
+        assert TableSpec("t", 4, ADAGRAD, storage=storage).storage == storage
+    with pytest.raises(ValueError, match=r"TableSpec 'clicks': storage 'rocksdb' is not one of "
+                                         r"\('engine', 'tfra'\)"):
+        TableSpec("clicks", 4, ADAGRAD, storage="rocksdb")
+    with pytest.raises(ValueError, match="TableSpec 'v': storage 'engine' is for dynamic tables"):
+        TableSpec("v", 4, ADAGRAD, vocabulary_size=10, storage="engine")
+
+
+def test_tables_of_different_storage_never_fuse():
+    engine = [FeatureSpec(f"E{i}", TableSpec(f"E{i}", 16, ADAGRAD, storage="engine"))
+              for i in range(2)]
+    tfra = [FeatureSpec(f"T{i}", TableSpec(f"T{i}", 16, ADAGRAD, storage="tfra")) for i in range(2)]
+    plan = plan_fusion([engine[0], tfra[0], engine[1], tfra[1]])
+    assert [(g.feature_names, g.storage) for g in plan.groups] == [
+        (("E0", "E1"), "engine"), (("T0", "T1"), "tfra")]
+    with pytest.raises(ValueError, match="different specs .*storage"):
+        plan_fusion([engine[0], tfra[0]], overrides={"E0": "g", "T0": "g"})
+    with pytest.raises(ValueError, match="different specs .*storage"):
+        FusedGroup("g", (engine[0], tfra[0]))
+
+
+def test_storage_round_trips_and_is_outside_the_layout_fingerprint():
+    def plan(storage):
+        return plan_fusion([FeatureSpec(n, TableSpec(n, 8, ADAGRAD, storage=storage))
+                            for n in ("a", "b")])
+    other = next(s for s in specs.STORAGES if s != specs.DEFAULT_STORAGE)
+    default, explicit, chosen = plan(None), plan(specs.DEFAULT_STORAGE), plan(other)
+    assert default == explicit and default.fingerprint() == explicit.fingerprint()
+    assert "storage" not in str(default.to_dict())  # the default keeps old plans' dicts
+    restored = FusionPlan.from_dict(json.loads(json.dumps(chosen.to_dict())))
+    assert restored == chosen and restored.groups[0].storage == other
+    assert FeatureSpec.from_dict(chosen.groups[0].features[0].to_dict()).table.storage == other
+    # Ranks must agree on it; a checkpoint restores onto either backend.
+    assert chosen.fingerprint() != default.fingerprint()
+    assert chosen.fingerprint(policies=False) == default.fingerprint(policies=False)
+    assert "storage" not in str(chosen.to_dict(policies=False))

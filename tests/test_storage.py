@@ -1,4 +1,7 @@
-"""tf_fusedemb.storage: deterministic initial rows, row-wise optimizers, group tables."""
+"""tf_fusedemb.storage: deterministic initial rows, row-wise optimizers, group tables.
+
+The table tests run on every backend of ``tf_fusedemb.storage.backend``: "dynamic" (TFRA),
+"engine" (the storage engine) and "static" (dense variables)."""
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -7,6 +10,7 @@ import tf_keras
 from tf_fusedemb.specs import InitializerSpec, OptimizerSpec
 from tf_fusedemb.storage import (DynamicGroupTable, RowOptimizer, StaticGroupTable, init_rows,
                                  init_rows_np)
+from tf_fusedemb.storage.engine_table import EngineGroupTable
 
 INITS = [InitializerSpec.uniform(), InitializerSpec.uniform(-1.0, 3.0), InitializerSpec.normal(0.1, 0.3),
          InitializerSpec.truncated_normal(), InitializerSpec.truncated_normal(-1.0, 2.0),
@@ -193,9 +197,14 @@ def test_initial_slots(spec):
 VOCAB = 64
 
 
+KINDS = ["dynamic", "engine", "static"]  # TFRA, the storage engine, dense variables
+
+
 def make_table(kind, spec, init=InitializerSpec.normal(), dim=4, name="g0_d4", **kwargs):
     if kind == "dynamic":
         return DynamicGroupTable(name, dim, init, spec, **kwargs)
+    if kind == "engine":
+        return EngineGroupTable(name, dim, init, spec, **kwargs)
     return StaticGroupTable(name, dim, init, spec, vocabulary_size=VOCAB, **kwargs)
 
 
@@ -238,7 +247,7 @@ def assert_exports_equal(a, b, slot_names):
         assert_close(a[n].numpy(), b[n].numpy(), err_msg=n)
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "static"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("init", [InitializerSpec.uniform(), InitializerSpec.truncated_normal(),
                                   InitializerSpec.zeros()], ids=lambda s: s.name)
 def test_lookup_new_keys_is_init_and_not_inserted(kind, init):
@@ -251,7 +260,7 @@ def test_lookup_new_keys_is_init_and_not_inserted(kind, init):
     assert table.size().numpy() == 0 and table.export()["keys"].shape == (0,)
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "static"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("spec", OPTS, ids=lambda s: s.name)
 def test_apply_gradients_matches_row_optimizer(kind, spec):
     table, ref = make_table(kind, spec), RefTable(spec, InitializerSpec.normal(), 4)
@@ -276,14 +285,34 @@ def test_apply_gradients_matches_row_optimizer(kind, spec):
 
 @pytest.mark.parametrize("spec", OPTS, ids=lambda s: s.name)
 def test_dynamic_and_static_agree(spec):
-    dyn, sta = make_table("dynamic", spec), make_table("static", spec)
+    dyn, eng, sta = (make_table(k, spec) for k in KINDS)
     every_key = np.arange(VOCAB, dtype=np.int64)
     for keys, grads in key_batches(4, num_steps=6):
-        dyn.apply_gradients(keys, grads)
-        sta.apply_gradients(keys, grads)
+        for table in (dyn, eng, sta):
+            table.apply_gradients(keys, grads)
         assert_close(dyn.lookup(every_key).numpy(), sta.lookup(every_key).numpy())
-    assert dyn.size().numpy() == sta.size().numpy()
+        assert_close(eng.lookup(every_key).numpy(), sta.lookup(every_key).numpy())
+    assert dyn.size().numpy() == eng.size().numpy() == sta.size().numpy()
     assert_exports_equal(dyn.export(), sta.export(), spec.slot_names)
+    assert_exports_equal(eng.export(), sta.export(), spec.slot_names)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_contains_and_remove_are_the_interface(kind):
+    """contains/remove are declared by GroupTable (the backend interface); a static
+    table answers contains and refuses remove (its memory is fixed)."""
+    table = make_table(kind, OptimizerSpec.adagrad(0.1))
+    table.apply_gradients([3, 7], tf.ones([2, 4]))
+    np.testing.assert_array_equal(table.contains([7, 5, 3]).numpy(), [True, False, True])
+    if kind == "static":
+        with pytest.raises(ValueError, match="StaticGroupTable 'g0_d4'.*cannot be removed"):
+            table.remove([3])
+        return
+    table.remove([3, 9])
+    np.testing.assert_array_equal(table.contains([7, 3]).numpy(), [True, False])
+    assert table.size().numpy() == 1
+    np.testing.assert_array_equal(table.lookup([3]).numpy(),
+                                  init_rows_np(np.array([3]), 4, InitializerSpec.normal()))
 
 
 def test_init_keys_seed_new_rows():
@@ -305,7 +334,7 @@ def test_init_keys_seed_new_rows():
         make_table("static", spec, init, init_keys=np.arange(3))
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "static"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_eager_and_two_functions(kind):
     spec = OptimizerSpec.adam(0.01)
     table, ref = make_table(kind, spec), RefTable(spec, InitializerSpec.normal(), 4)
@@ -341,7 +370,7 @@ def test_eager_and_two_functions(kind):
     assert_exports_equal(tf.function(table.export)(), table.export(), spec.slot_names)
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "static"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_graph_mode_returns_op(kind):
     with tf.Graph().as_default():
         table = make_table(kind, OptimizerSpec.sgd(0.1))
@@ -363,8 +392,8 @@ def test_static_out_of_range_names_table(bad):
     assert table.size().numpy() == 0
 
 
-@pytest.mark.parametrize("src_kind", ["dynamic", "static"])
-@pytest.mark.parametrize("dst_kind", ["dynamic", "static"])
+@pytest.mark.parametrize("src_kind", KINDS)
+@pytest.mark.parametrize("dst_kind", KINDS)
 def test_export_load_round_trip(src_kind, dst_kind):
     spec = OptimizerSpec.ftrl(0.1, l1=0.01)
     src, dst = make_table(src_kind, spec, name="src"), make_table(dst_kind, spec, name="dst")
@@ -381,16 +410,17 @@ def test_export_load_round_trip(src_kind, dst_kind):
     assert_exports_equal(dst.export(), src.export(), spec.slot_names)
 
 
-def test_load_without_slots_starts_them_fresh():
+@pytest.mark.parametrize("kind", KINDS)
+def test_load_without_slots_starts_them_fresh(kind):
     spec = OptimizerSpec.adagrad(0.1, 0.3)
-    table = make_table("dynamic", spec)
+    table = make_table(kind, spec)
     table.load({"keys": tf.constant([4, 8], tf.int64), "values": tf.ones([2, 4])})
     out = table.export()
     np.testing.assert_array_equal(out["values"].numpy(), 1.0)
     np.testing.assert_array_equal(out["accumulator"].numpy(), np.float32(0.3))
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "static"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_explicit_step_and_empty_batch(kind):
     spec = OptimizerSpec.adam(0.1)
     split, whole = make_table(kind, spec), make_table(kind, spec)

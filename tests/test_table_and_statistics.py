@@ -10,24 +10,28 @@ counter says and fills them by iterating the buckets; when the two disagree (aft
 concurrent inserts, efficient/libcuckoo#157) the output's tail is uninitialised memory,
 e.g. a "key" whose bits are two float32 embedding values. ``_corrupt_like_tfra`` injects
 exactly that output, so the failure reproduces deterministically.
+
+The tests run on both dynamic storage backends (``TableSpec.storage``), passed explicitly.
 """
 import os
 
 import numpy as np
+import pytest
 import tensorflow as tf
 import tf_keras
 
 from tf_fusedemb.inference import export_saved_model
 from tf_fusedemb.layers import FusedEmbedding
 from tf_fusedemb.models import FusedModel
-from tf_fusedemb.specs import FeatureSpec, OptimizerSpec, TableSpec
+from tf_fusedemb.specs import STORAGES, FeatureSpec, OptimizerSpec, TableSpec
 from tf_fusedemb.training import CheckpointManager
 
 FEATURES = {"u": "scalar", "v": "scalar"}
 
 
-def _model():
-    specs = [FeatureSpec(n, TableSpec(n, 4, OptimizerSpec.adagrad(0.3))) for n in ("u", "v")]
+def _model(storage):
+    specs = [FeatureSpec(n, TableSpec(n, 4, OptimizerSpec.adagrad(0.3), storage=storage))
+             for n in ("u", "v")]
     layer = FusedEmbedding(specs)
     inputs = {n: tf_keras.Input([], dtype=tf.int64, name=n) for n in ("u", "v")}
     emb = layer(inputs)
@@ -45,8 +49,9 @@ def _data(n=64, seed=0):
     return x, (x["u"] % 2).astype(np.float32)
 
 
-def test_evaluate_and_predict_do_not_count_accesses():
-    model, layer = _model()
+@pytest.mark.parametrize("storage", STORAGES)
+def test_evaluate_and_predict_do_not_count_accesses(storage):
+    model, layer = _model(storage)
     x, y = _data()
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     stats = layer.statistics()
@@ -58,8 +63,9 @@ def test_evaluate_and_predict_do_not_count_accesses():
     assert stats.export()["keys"].size == layer.groups[0].table.export()["keys"].shape[0]
 
 
-def test_restore_gives_every_row_its_identity_even_without_its_statistics(tmp_path):
-    model, layer = _model()
+@pytest.mark.parametrize("storage", STORAGES)
+def test_restore_gives_every_row_its_identity_even_without_its_statistics(tmp_path, storage):
+    model, layer = _model(storage)
     x, y = _data()
     model.fit(x, y, batch_size=16, epochs=2, verbose=0)
     path = CheckpointManager(str(tmp_path / "ckpt"), model, model.optimizer).save(1)
@@ -73,7 +79,7 @@ def test_restore_gives_every_row_its_identity_even_without_its_statistics(tmp_pa
         arrays[prefix + k] = arrays[prefix + k][keep]
     np.savez(shard, **arrays)
 
-    fresh, fresh_layer = _model()
+    fresh, fresh_layer = _model(storage)
     fresh({n: tf.zeros([0], tf.int64) for n in ("u", "v")})
     CheckpointManager(str(tmp_path / "ckpt"), fresh, fresh.optimizer).restore()
     # Export first: no lookup between restore and export may hide a missing identity.
@@ -84,8 +90,9 @@ def test_restore_gives_every_row_its_identity_even_without_its_statistics(tmp_pa
     np.testing.assert_allclose(served.numpy(), trained, rtol=1e-6, atol=1e-7)
 
 
-def test_export_of_a_model_that_never_trained(tmp_path):
-    model, _ = _model()
+@pytest.mark.parametrize("storage", STORAGES)
+def test_export_of_a_model_that_never_trained(tmp_path, storage):
+    model, _ = _model(storage)
     x = {k: tf.constant(v) for k, v in _data(8)[0].items()}
     want = model(x, training=False).numpy()
     export = export_saved_model(model, str(tmp_path / "export"), FEATURES)
@@ -108,7 +115,7 @@ def _corrupt_like_tfra(monkeypatch, table):
 
 
 def test_checkpoint_and_export_do_not_trust_the_hash_table_iteration(tmp_path, monkeypatch):
-    model, layer = _model()
+    model, layer = _model("tfra")  # the TFRA backend's iteration is what fails
     x, y = _data()
     model.fit(x, y, batch_size=16, epochs=2, verbose=0)
     group = layer.groups[0]
@@ -123,7 +130,7 @@ def test_checkpoint_and_export_do_not_trust_the_hash_table_iteration(tmp_path, m
     np.testing.assert_array_equal(rows["keys"], keys_before)
 
     CheckpointManager(str(tmp_path / "ckpt"), model, model.optimizer).save(1)
-    fresh, fresh_layer = _model()
+    fresh, fresh_layer = _model("tfra")
     fresh({n: tf.zeros([0], tf.int64) for n in ("u", "v")})
     CheckpointManager(str(tmp_path / "ckpt"), fresh, fresh.optimizer).restore()
     _corrupt_like_tfra(monkeypatch, fresh_layer.groups[0].table)
@@ -134,11 +141,38 @@ def test_checkpoint_and_export_do_not_trust_the_hash_table_iteration(tmp_path, m
     np.testing.assert_allclose(served.numpy(), trained, rtol=1e-6, atol=1e-7)
 
 
-def test_a_stored_row_without_identity_is_an_error_not_a_silent_drop():
-    model, layer = _model()
+@pytest.mark.parametrize("storage", STORAGES)
+def test_a_stored_row_without_identity_is_an_error_not_a_silent_drop(storage):
+    model, layer = _model(storage)
     model.fit(*_data(), batch_size=16, epochs=1, verbose=0)
     group = layer.groups[0]
     group.table.load({"keys": tf.constant([12345], tf.int64),
                       "values": tf.ones([1, 4], tf.float32)})  # bypasses the identity record
     with np.testing.assert_raises_regex(ValueError, "stores .* rows but .* have a recorded"):
         group.stored_rows()
+
+
+@pytest.mark.parametrize("src,dst", [("tfra", "engine"), ("engine", "tfra")])
+def test_a_checkpoint_restores_onto_the_other_backend(tmp_path, src, dst):
+    """Rows, slots, step and statistics saved from one backend restore onto the other,
+    and both continue training identically."""
+    model, layer = _model(src)
+    x, y = _data()
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    CheckpointManager(str(tmp_path / "ckpt"), model, model.optimizer).save(1)
+    fresh, fresh_layer = _model(dst)
+    fresh({n: tf.zeros([0], tf.int64) for n in ("u", "v")})
+    CheckpointManager(str(tmp_path / "ckpt"), fresh, fresh.optimizer).restore()
+    a, b = layer.groups[0], fresh_layer.groups[0]
+    assert type(a.table).__name__ != type(b.table).__name__
+    for k, v in a.stored_rows().items():
+        np.testing.assert_array_equal(b.stored_rows()[k], v, err_msg=k)
+    for k, v in a.stats.export().items():
+        np.testing.assert_array_equal(b.stats.export()[k], v, err_msg=k)
+    assert int(b.table.step.numpy()) == int(a.table.step.numpy()) == 8
+    x2, y2 = _data(seed=3)
+    history = [m.fit(x2, y2, batch_size=16, epochs=1, verbose=0, shuffle=False).history["loss"]
+               for m in (model, fresh)]
+    np.testing.assert_allclose(history[1], history[0], rtol=1e-6)
+    for k, v in a.stored_rows().items():
+        np.testing.assert_allclose(b.stored_rows()[k], v, rtol=1e-6, atol=1e-7, err_msg=k)

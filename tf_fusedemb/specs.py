@@ -25,11 +25,17 @@ from typing import Any, Mapping, Optional, Sequence
 
 __all__ = ["OptimizerSpec", "InitializerSpec", "AdmissionPolicy", "EvictionPolicy", "TableSpec",
            "FeatureSpec", "FusedGroup", "FusionPlan", "describe_plan_difference", "plan_fusion",
-           "unfused_plan", "COMBINERS", "KEY_DTYPES"]
+           "unfused_plan", "COMBINERS", "KEY_DTYPES", "STORAGES", "DEFAULT_STORAGE"]
 
 COMBINERS = ("sum", "mean", "sqrtn")
 KEY_DTYPES = ("int64", "int32")
 _POLICY_FIELDS = ("admission", "eviction")  # TableSpec fields outside the storage layout
+# The storage backends of a dynamic table (tf_fusedemb.storage.backend); a static table
+# keeps its dense variables ("static"). Which backend holds the rows is outside the
+# storage layout too: a checkpoint written with one restores onto the other.
+STORAGES = ("engine", "tfra")
+DEFAULT_STORAGE = "tfra"  # of dynamic tables, when TableSpec(storage=None)
+_STATIC_STORAGE = "static"
 _PLAN_FORMAT = 1  # bump when to_dict() changes shape: old fingerprints then no longer match
 
 # Hyper-parameter defaults follow tf.keras optimizers (Adam epsilon 1e-7, accumulators 0.1).
@@ -329,6 +335,10 @@ class TableSpec:
         eviction: optional EvictionPolicy of the table's keys (dynamic tables only).
             Policies are per table (a FusedRec category): tables with different
             policies still fuse into one group.
+        storage: the backend holding a dynamic table's rows, one of ``STORAGES``:
+            "engine" (our storage engine, one block per key) or "tfra" (TFRA hash
+            tables); None means ``DEFAULT_STORAGE``. A static table keeps its dense
+            storage (None or "static"). Tables of different storage never fuse.
     """
     name: str
     dim: int
@@ -338,6 +348,7 @@ class TableSpec:
     key_dtype: str = "int64"
     admission: Optional[AdmissionPolicy] = None
     eviction: Optional[EvictionPolicy] = None
+    storage: Optional[str] = None
 
     def __post_init__(self):
         _check_name("TableSpec", self.name)
@@ -363,6 +374,22 @@ class TableSpec:
                 _fail("TableSpec", self.name, f"{field} policies need a dynamic table "
                                               f"(vocabulary_size=None): a static table's "
                                               f"memory is fixed")
+        object.__setattr__(self, "storage", self._resolved_storage())
+
+    def _resolved_storage(self) -> str:
+        """``storage`` checked: "static" for a static table, else one of STORAGES."""
+        s = self.storage
+        if self.is_static:
+            if s not in (None, _STATIC_STORAGE):
+                _fail("TableSpec", self.name, f"storage {s!r} is for dynamic tables "
+                                              f"(vocabulary_size=None); a static table keeps "
+                                              f"its own dense storage (storage=None)")
+            return _STATIC_STORAGE
+        if s is None:
+            return DEFAULT_STORAGE
+        if s not in STORAGES:
+            _fail("TableSpec", self.name, f"storage {s!r} is not one of {STORAGES}")
+        return s
 
     @property
     def has_policy(self) -> bool:
@@ -375,9 +402,11 @@ class TableSpec:
     @property
     def fusion_key(self) -> tuple:
         """FusedRec's spec(E) = (dim, optimizer, initializer), plus what one fused table
-        cannot mix: the key dtype and static vs. dynamic storage. The optimizer compares
-        with its learning rate and hyper-parameters: one group takes one optimizer step."""
-        return (self.dim, self.optimizer, self.initializer, self.key_dtype, self.is_static)
+        cannot mix: the key dtype and its storage (static, or a dynamic backend). The
+        optimizer compares with its learning rate and hyper-parameters: one group takes one
+        optimizer step."""
+        return (self.dim, self.optimizer, self.initializer, self.key_dtype, self.is_static,
+                self.storage)
 
     def to_dict(self) -> dict:
         # Policies only when set: a plan without them keeps its old dict and fingerprint.
@@ -387,6 +416,8 @@ class TableSpec:
         for field in _POLICY_FIELDS:
             if getattr(self, field) is not None:
                 d[field] = getattr(self, field).to_dict()
+        if not self.is_static and self.storage != DEFAULT_STORAGE:
+            d["storage"] = self.storage  # the default left out, like absent policies
         return d
 
     @classmethod
@@ -395,7 +426,8 @@ class TableSpec:
                    InitializerSpec.from_dict(d["initializer"]), d.get("vocabulary_size"),
                    d.get("key_dtype", "int64"),
                    AdmissionPolicy.from_dict(d["admission"]) if d.get("admission") else None,
-                   EvictionPolicy.from_dict(d["eviction"]) if d.get("eviction") else None)
+                   EvictionPolicy.from_dict(d["eviction"]) if d.get("eviction") else None,
+                   d.get("storage"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -488,13 +520,14 @@ class FusedGroup:
             if f.table.fusion_key != first.table.fusion_key:
                 _fail("FusedGroup", self.name, f"FeatureSpec {f.name!r} and FeatureSpec {first.name!r} have "
                                                f"different specs (dim, optimizer, initializer, key_dtype, "
-                                               f"static/dynamic) and cannot be fused")
+                                               f"storage) and cannot be fused")
 
     dim = property(lambda self: self.features[0].table.dim)
     optimizer = property(lambda self: self.features[0].table.optimizer)
     initializer = property(lambda self: self.features[0].table.initializer)
     key_dtype = property(lambda self: self.features[0].table.key_dtype)
     is_static = property(lambda self: self.features[0].table.is_static)
+    storage = property(lambda self: self.features[0].table.storage)  # "engine" | "tfra" | "static"
     feature_names = property(lambda self: tuple(f.name for f in self.features))
     num_features = property(lambda self: len(self.features))
     vocabulary_sizes = property(lambda self: tuple(f.table.vocabulary_size for f in self.features))
@@ -576,7 +609,8 @@ class FusionPlan:
             init_args = ",".join(f"{init.hparams[k]:g}" for k in _INITIALIZERS[init.name])
             rows.append((g.name, str(g.dim), f"{g.optimizer.name}(lr={g.optimizer.learning_rate:g})",
                          f"{init.name}({init_args})",
-                         f"static/{g.key_dtype}" if g.is_static else f"dynamic/{g.key_dtype}",
+                         f"static/{g.key_dtype}" if g.is_static
+                         else f"dynamic/{g.key_dtype}/{g.storage}",
                          ", ".join(g.feature_names)))
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[5] for r in rows]
@@ -587,13 +621,14 @@ class FusionPlan:
 
     def to_dict(self, policies: bool = True) -> dict:
         """JSON-able; ``policies=False`` leaves the tables' admission/eviction policies
-        out (the storage layout alone, what a checkpoint must match)."""
+        and storage backends out (the storage layout alone, what a checkpoint must match:
+        rows saved from one backend restore onto another)."""
         d = {"format": _PLAN_FORMAT, "groups": [
             {"name": g.name, "features": [f.to_dict() for f in g.features]} for g in self.groups]}
         if not policies:
             for g in d["groups"]:
                 for f in g["features"]:
-                    for field in _POLICY_FIELDS:
+                    for field in _POLICY_FIELDS + ("storage",):
                         f["table"].pop(field, None)
         return d
 
@@ -607,9 +642,10 @@ class FusionPlan:
     def fingerprint(self, policies: bool = True) -> str:
         """sha256 hex of the canonical JSON of ``to_dict()``; equal on ranks with equal plans.
 
-        ``policies=False`` leaves the tables' admission/eviction policies out: the
-        fingerprint of the storage layout alone (a checkpoint restores under changed
-        policies; a plan without policies has the same fingerprint either way)."""
+        ``policies=False`` leaves the tables' admission/eviction policies and storage
+        backends out: the fingerprint of the storage layout alone (a checkpoint restores
+        under changed policies and onto another backend; a plan without policies on the
+        default backend has the same fingerprint either way)."""
         d = self.to_dict(policies)
         blob = json.dumps(d, sort_keys=True, separators=(",", ":"), allow_nan=False)
         return hashlib.sha256(blob.encode("utf-8")).hexdigest()
@@ -654,7 +690,7 @@ def _field_differences(a, b, path=""):
 
 def plan_fusion(features: Sequence[FeatureSpec], overrides: Optional[Mapping[str, str]] = None,
                 max_group_features: Optional[int] = None) -> FusionPlan:
-    """Groups features by fusion key (dim, optimizer, initializer, key_dtype, static/dynamic).
+    """Groups features by fusion key (dim, optimizer, initializer, key_dtype, storage).
 
     Args:
         features: the model's features; names must be unique.
@@ -703,7 +739,7 @@ def plan_fusion(features: Sequence[FeatureSpec], overrides: Optional[Mapping[str
         if units and units[0][0].table.fusion_key != fs[0].table.fusion_key:
             _fail("FeatureSpec", fs[0].name, f"cannot be fused with FeatureSpec {units[0][0].name!r} in "
                   f"override group {key[1]!r}: different specs (dim, optimizer, initializer, key_dtype, "
-                  f"static/dynamic)")
+                  f"storage)")
         units.append(fs)
 
     order = {f.name: i for i, f in enumerate(features)}

@@ -19,8 +19,8 @@ from tf_fusedemb.layers.inputs import id_ranges, out_of_range_message
 from tf_fusedemb.layers.lookup_context import NO_CONTEXT, LookupContext
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FusedGroup
+from tf_fusedemb.storage.backend import GroupStorage, StaticLayout, backend_for
 from tf_fusedemb.storage.policy import GroupPolicy
-from tf_fusedemb.storage.statistics import AccessStatistics
 
 KEY_MODES = ("hashed", "packed")
 
@@ -70,22 +70,22 @@ class GroupLookup(tf.Module):
             self.exchanges["hierarchical"] = HierarchicalExchange(
                 communicator, group.name, self.counters, len(self.table_names))
         self.exchange = self.exchanges[exchange]
-        self.stats = AccessStatistics(group.name, self.table_names)
-        self.table = self._make_table()
+        # The group's storage (TableSpec.storage: the engine, TFRA or static variables),
+        # one interface whichever it is (tf_fusedemb.storage.backend).
+        self._backend = backend_for(group)
+        self.table, self.stats = self._backend.create(
+            group, f"fusedemb_{group.name}", self._static_layout() if group.is_static else None)
         # Admission and eviction per table (TableSpec.admission / .eviction), decided on
         # the owner from the statistics; static tables cannot have policies (specs.py).
         self.policy = GroupPolicy(group.tables) if any(t.has_policy for t in group.tables) \
             else None
         if self.policy is not None and self.policy.admits:
             self._min_counts = tf.constant(self.policy.min_counts)
-            self.table.admission = self._admitted
+            self._backend.install_admission(GroupStorage(self.table, self.stats),
+                                            self.policy.min_counts, self._admitted)
 
-    def _make_table(self):
-        from tf_fusedemb.storage import tables  # pylint: disable=import-outside-toplevel
+    def _static_layout(self) -> StaticLayout:
         g = self.group
-        if not g.is_static:
-            return tables.DynamicGroupTable(f"fusedemb_{g.name}", g.dim, g.initializer,
-                                            g.optimizer)
         sizes = [t.vocabulary_size for t in g.tables]
         self._offsets = tf.constant(np.concatenate([[0], np.cumsum(sizes)[:-1]]), tf.int64)
         tags = hashing.category_tags(self.table_names).view(np.uint64)
@@ -95,10 +95,9 @@ class GroupLookup(tf.Module):
             return hashing.mix64(ids.view(np.uint64) ^ tags[tables]).view(np.int64)
 
         # The exchange routes by instance ID, so a row lives on the owner of its ID.
-        return tables.StaticGroupTable(f"fusedemb_{g.name}", g.dim, g.initializer,
-                                       g.optimizer, int(sum(sizes)), init_keys,
-                                       rank=self.comm.rank, num_ranks=self.comm.size,
-                                       owner_ids=lambda keys: self.key_metadata(keys)[1])
+        return StaticLayout(int(sum(sizes)), init_keys,
+                            lambda keys: self.key_metadata(keys)[1], self.comm.rank,
+                            self.comm.size)
 
     @property
     def table_offsets(self) -> tf.Tensor:
@@ -208,12 +207,15 @@ class GroupLookup(tf.Module):
 
     def memory(self) -> dict:
         """What this rank holds for the group (eager): ``rows`` stored rows, ``tracked_keys``
-        keys with statistics, and ``bytes``, their payload: per row the key (8) and
-        dim float32 values per row and optimizer slot, per tracked key 5 int64 (key,
-        count, table, ID, last step). Hash-table overhead is not counted."""
+        keys with statistics, and ``bytes`` (``StorageBackend.memory_bytes``): on the
+        engine the bytes it really allocated for rows, slots and statistics; on TFRA and
+        static tables their payload (per row the key (8) and dim float32 values per row
+        and optimizer slot, per tracked key 5 int64: key, count, table, ID, last step;
+        hash-table overhead not counted)."""
         rows, tracked = int(self.table.size().numpy()), int(self.stats.size().numpy())
-        per_row = 8 + 4 * self.group.dim * (1 + len(self.table.slot_names))
-        return {"rows": rows, "tracked_keys": tracked, "bytes": rows * per_row + tracked * 40}
+        return {"rows": rows, "tracked_keys": tracked,
+                "bytes": self._backend.memory_bytes(GroupStorage(self.table, self.stats),
+                                                    self.group.dim)}
 
     def hashed_keys(self, ids, segment_ids):
         """Plan-independent unified keys mix64(id ^ tag(table)): int64[n]."""

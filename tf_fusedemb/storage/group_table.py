@@ -193,6 +193,15 @@ class GroupTable(tf.Module):
         """int64 scalar: number of stored (updated or loaded) keys."""
         raise NotImplementedError
 
+    def contains(self, keys) -> tf.Tensor:
+        """bool[u]: whether each of ``keys`` int64[u] has a stored (updated or loaded) row."""
+        raise NotImplementedError
+
+    def remove(self, keys):
+        """Removes the rows and optimizer slots of ``keys`` int64[u] (absent keys are
+        ignored); they read their initial rows again. Returns the op (None eagerly)."""
+        raise NotImplementedError
+
     # ---------------------------------------------------------------- implementation hooks
     def _lookup(self, keys, init_keys):
         """float32[u, dim] rows of checked keys."""

@@ -246,6 +246,14 @@ class StaticGroupTable(GroupTable):
     def size(self):
         return tf.reduce_sum(_popcount(self.touched_bits))
 
+    def contains(self, keys):
+        rows, hit = self._local(self._check_keys(self._as_keys(keys, "keys")))
+        return tf.logical_and(hit, self._touched(rows)) if self._num_owned else hit
+
+    def remove(self, keys):
+        raise ValueError(f"{self._kind}: a static table's rows cannot be removed (its memory "
+                         "is fixed; eviction needs a dynamic table)")
+
     def export(self, keys=None):
         if keys is None:  # int64[s], ascending like the keys
             words = tf.convert_to_tensor(self.touched_bits)

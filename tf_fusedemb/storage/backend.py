@@ -1,0 +1,247 @@
+"""The storage backend interface: what the rest of the library needs from one fused
+group's per-rank storage, and the three backends that provide it.
+
+A group's storage is a pair (:class:`GroupStorage`): the *table* (rows, optimizer slots,
+step counter; :class:`TableStorage`) and the *statistics* (per-key access counts and the
+(table, ID) behind each key; :class:`StatisticsStorage`). Their users, and what each reads:
+
+* ``GroupLookup`` (layers/group_lookup.py): ``table.lookup``, ``table.apply_gradients``
+  (through the training step and the pipelines, ``return_rows=True`` for the dual
+  buffer), ``stats.record``, ``stats.key_metadata``, ``load_rows``/``stored_rows``;
+* eviction (``GroupLookup.enforce_policy``, storage/policy.py): ``stats.export``,
+  ``table.remove``, ``stats.remove``; admission: :meth:`StorageBackend.install_admission`;
+* checkpoints (training/checkpoint.py): ``table.export``/``load``/``step``/``slot_names``,
+  ``stats.export``/``load``/``register``;
+* export and serving (inference/export.py, serving.py): ``stored_rows`` (``table.export``
+  of ``stats.known_keys()``, ``table.size``);
+* sharded inference (inference/distributed.py): ``table.lookup``, ``table.size``;
+* ``GroupLookup.memory``: :meth:`StorageBackend.memory_bytes`.
+
+Backends, chosen per table by ``TableSpec.storage`` (a group's tables share one):
+
+* ``"engine"`` (:class:`EngineBackend`): our storage engine, one block per key holding
+  the row, its optimizer slots and its statistics; table and statistics share it;
+  admission is decided inside the update kernel.
+* ``"tfra"`` (:class:`TfraBackend`): TFRA hash tables for rows and slots, core-TF hash
+  tables for the statistics; admission by a filter in the update.
+* ``"static"`` (:class:`StaticBackend`): dense variables of the rows a rank owns
+  (``vocabulary_size`` tables), the statistics in core-TF hash tables; no policies.
+
+Example::
+
+    backend = backend_for(group)                       # from group.storage
+    storage = backend.create(group, "fusedemb_g0")     # GroupStorage(table, stats)
+    rows = storage.table.lookup(keys, init_keys)       # float32[u, dim]
+"""
+import abc
+from typing import (Callable, ClassVar, Dict, NamedTuple, Optional, Protocol, Sequence,
+                    runtime_checkable)
+
+import numpy as np
+import tensorflow as tf
+
+from tf_fusedemb.specs import FusedGroup, STORAGES
+
+__all__ = ["BACKENDS", "EngineBackend", "GroupStorage", "StaticBackend", "StaticLayout",
+           "StatisticsStorage", "StorageBackend", "TableStorage", "TfraBackend", "backend_for"]
+
+
+@runtime_checkable
+class TableStorage(Protocol):
+    """One group's rows, optimizer slots and step on this rank (``GroupTable`` and its
+    subclasses implement it). Keys are the group's storage keys, int64."""
+
+    dim: int
+    step: tf.Variable  # int64 scalar, optimizer steps taken
+
+    @property
+    def slot_names(self) -> tuple: ...
+
+    def lookup(self, keys, init_keys=None) -> tf.Tensor:
+        """float32[u, dim] rows of ``keys`` int64[u]; a key without a stored row gets its
+        initial row (of ``init_keys`` int64[u]) and is not inserted."""
+
+    def apply_gradients(self, keys, grads, init_keys=None, step=None, return_rows=False):
+        """One optimizer step on the rows of UNIQUE ``keys`` int64[u] with ``grads``
+        float32[u, dim]; inserts new keys. Returns the op, or (op, rows float32[u, dim])."""
+
+    def advance_step(self) -> tf.Tensor:
+        """Adds 1 to ``step``; returns the new value."""
+
+    def export(self, keys: Optional[tf.Tensor] = None) -> Dict[str, tf.Tensor]:
+        """Stored rows sorted by key: keys int64[s], values float32[s, dim], per slot
+        float32[s, dim]; with ``keys`` int64[k], only the stored ones among them."""
+
+    def load(self, exported: Dict[str, tf.Tensor]):
+        """Writes rows as :meth:`export` returns them (slots optional)."""
+
+    def contains(self, keys) -> tf.Tensor:
+        """bool[u]: whether each of ``keys`` int64[u] has a stored row."""
+
+    def remove(self, keys):
+        """Drops the rows and slots of ``keys`` int64[u] (eviction)."""
+
+    def size(self) -> tf.Tensor:
+        """int64 scalar: stored rows."""
+
+
+@runtime_checkable
+class StatisticsStorage(Protocol):
+    """One group's per-key access statistics on this rank (``AccessStatistics`` and
+    ``EngineStatistics`` implement it). Arrays are numpy unless stated."""
+
+    categories: tuple
+
+    def record(self, hashed, accesses, step=None):
+        """Adds one step's owner-side accesses (``CategoryHashResult``, int64[n]); an op."""
+
+    def key_metadata(self, keys):
+        """(table int64[u], ID int64[u]) tensors of ``keys``; table -1 if never recorded."""
+
+    def counts_of(self, keys) -> tf.Tensor:
+        """int64[u] access counts of ``keys``."""
+
+    def size(self) -> tf.Tensor:
+        """int64 scalar: keys with a recorded (table, ID)."""
+
+    def known_keys(self) -> np.ndarray:
+        """int64[k] sorted: every key with a recorded (table, ID)."""
+
+    def export(self) -> Dict[str, np.ndarray]:
+        """keys, counts, categories, ids, last_steps, sorted by key."""
+
+    def register(self, keys, categories, ids, step=0):
+        """Records the identity of stored keys with no access."""
+
+    def remove(self, keys):
+        """Forgets ``keys`` (their counts leave the category totals)."""
+
+    def load(self, keys, counts, categories, ids, last_steps=None):
+        """Adds per-key statistics (a checkpoint's share)."""
+
+    def category_totals(self) -> Dict[str, int]:
+        """{table: accesses of its keys on this rank}."""
+
+    def top_k(self, category: str, k: int = 10) -> list:
+        """The k most accessed IDs of ``category`` on this rank."""
+
+    def metrics(self) -> Dict[str, int]:
+        """Flat scalar metrics for logging."""
+
+
+class GroupStorage(NamedTuple):
+    """A group's storage on this rank: its table and its statistics."""
+    table: TableStorage
+    stats: StatisticsStorage
+
+
+class StaticLayout(NamedTuple):
+    """What a static group's table needs from its lookup: ``vocabulary_size`` rows in
+    all; ``init_keys`` and ``owner_ids`` map int64[k] keys to their plan-independent init
+    keys and their instance IDs (the exchange routes by ID); this ``rank`` of
+    ``num_ranks``."""
+    vocabulary_size: int
+    init_keys: Callable
+    owner_ids: Callable
+    rank: int
+    num_ranks: int
+
+
+class StorageBackend(abc.ABC):
+    """Creates and describes one kind of group storage (stateless; one instance each)."""
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def create(self, group: FusedGroup, table_name: str,
+               static: Optional[StaticLayout] = None) -> GroupStorage:
+        """The table (named ``table_name``) and statistics of ``group`` on this rank;
+        ``static`` is required by, and only by, the static backend."""
+
+    def install_admission(self, storage: GroupStorage, min_counts: Sequence[int],
+                          admitted: Callable) -> None:
+        """Makes updates store only admitted keys: per table t a key without a row needs
+        an access count >= ``min_counts[t]`` (int64[T]); ``admitted`` (keys int64[u] ->
+        bool[u]) is that rule written with the storage's public calls, for backends that
+        filter outside the update."""
+        storage.table.admission = admitted
+
+    def memory_bytes(self, storage: GroupStorage, dim: int) -> int:
+        """Bytes this rank holds for the group (eager). Default: the payload, per row the
+        key (8) and dim float32 per row and slot, per tracked key 5 int64 (key, count,
+        table, ID, last step); the hash tables' overhead is not counted."""
+        rows, tracked = int(storage.table.size().numpy()), int(storage.stats.size().numpy())
+        per_row = 8 + 4 * dim * (1 + len(storage.table.slot_names))
+        return rows * per_row + tracked * 40
+
+
+class TfraBackend(StorageBackend):
+    """TFRA hash tables (``DynamicGroupTable``) and core-TF statistics tables."""
+
+    name = "tfra"
+
+    def create(self, group, table_name, static=None):
+        from tf_fusedemb.storage.dynamic_table import DynamicGroupTable  # loads TFRA
+        from tf_fusedemb.storage.statistics import AccessStatistics
+        _no_layout(self, group, static)
+        return GroupStorage(DynamicGroupTable(table_name, group.dim, group.initializer,
+                                              group.optimizer),
+                            AccessStatistics(group.name, [t.name for t in group.tables]))
+
+
+class EngineBackend(StorageBackend):
+    """The storage engine: ``EngineGroupTable`` and ``EngineStatistics`` on ONE engine
+    (rows, slots and statistics in one block per key)."""
+
+    name = "engine"
+
+    def create(self, group, table_name, static=None):
+        from tf_fusedemb.storage.engine_table import EngineGroupTable, EngineStatistics
+        _no_layout(self, group, static)
+        table = EngineGroupTable(table_name, group.dim, group.initializer, group.optimizer)
+        return GroupStorage(table, EngineStatistics(group.name, [t.name for t in group.tables],
+                                                    table.engine))
+
+    def install_admission(self, storage, min_counts, admitted):
+        # Decided inside the update kernel from the block's count and table: the same rule.
+        storage.table.set_admission(min_counts)
+
+    def memory_bytes(self, storage, dim):
+        """The bytes the engine allocated (arena chunks and index arrays) for rows, slots
+        and statistics together: what the process really holds for the group."""
+        return int(storage.table.bytes_held().numpy())
+
+
+class StaticBackend(StorageBackend):
+    """Dense variables of the owned rows (``StaticGroupTable``), core-TF statistics."""
+
+    name = "static"
+
+    def create(self, group, table_name, static=None):
+        from tf_fusedemb.storage.static_table import StaticGroupTable
+        from tf_fusedemb.storage.statistics import AccessStatistics
+        if static is None:
+            raise ValueError(f"group '{group.name}': the static backend needs its StaticLayout")
+        table = StaticGroupTable(table_name, group.dim, group.initializer, group.optimizer,
+                                 static.vocabulary_size, static.init_keys, rank=static.rank,
+                                 num_ranks=static.num_ranks, owner_ids=static.owner_ids)
+        return GroupStorage(table, AccessStatistics(group.name, [t.name for t in group.tables]))
+
+    def install_admission(self, storage, min_counts, admitted):
+        raise ValueError("static tables have no admission (their memory is fixed)")
+
+
+def _no_layout(backend: StorageBackend, group: FusedGroup, static) -> None:
+    if static is not None or group.is_static:
+        raise ValueError(f"group '{group.name}': the {backend.name!r} backend is for dynamic "
+                         "tables; static tables use the 'static' backend")
+
+
+BACKENDS: Dict[str, StorageBackend] = {
+    b.name: b for b in (EngineBackend(), TfraBackend(), StaticBackend())}
+assert set(STORAGES) <= set(BACKENDS)
+
+
+def backend_for(group: FusedGroup) -> StorageBackend:
+    """The backend of ``group``'s storage (``TableSpec.storage``, shared by its tables)."""
+    return BACKENDS[group.storage]
