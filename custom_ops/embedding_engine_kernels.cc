@@ -323,6 +323,7 @@ class EngineRecordOp : public EngineKernel {
     if (!scalar_last) OP_REQUIRES_OK(ctx, CheckSameLength(last_t, b.n, "last_steps"));
     const int32_t* tables = tables_t.flat<int32_t>().data();
     const int64_t* counts = counts_t.flat<int64_t>().data();
+    const int64_t* last = last_t.flat<int64_t>().data();
     // Checked before any write, so a bad batch changes nothing.
     for (int64_t i = 0; i < b.n; ++i) {
       OP_REQUIRES(ctx, tables[i] >= 0 && tables[i] < static_cast<int32_t>(engine::BlockHeader::kNoTable),
@@ -330,8 +331,13 @@ class EngineRecordOp : public EngineKernel {
       OP_REQUIRES(ctx, counts[i] >= 0,
                   errors::InvalidArgument("counts[", i, "] = ", counts[i], " is negative"));
     }
-    const engine::RecordArgs args{b.keys, tables, ids_t.flat<int64_t>().data(), counts,
-                                  last_t.flat<int64_t>().data(), scalar_last ? 0 : 1, overwrite_};
+    for (int64_t i = 0; i < last_t.NumElements(); ++i) {  // the header keeps an int32
+      OP_REQUIRES(ctx, last[i] >= INT32_MIN && last[i] <= INT32_MAX,
+                  errors::InvalidArgument("last_steps[", i, "] = ", last[i],
+                                          " does not fit the engine's int32 last step"));
+    }
+    const engine::RecordArgs args{b.keys, tables, ids_t.flat<int64_t>().data(), counts, last,
+                                  scalar_last ? 0 : 1, overwrite_};
     Engine& e = b.engine();
     OP_REQUIRES_OK(ctx, b.Run(ctx, 150, [&](int s, Span p) { return e.Record(s, p, args); }));
   }

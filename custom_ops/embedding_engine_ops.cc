@@ -127,6 +127,7 @@ Access statistics: a key gets a tracked block if it has none, counts are added, 
 before, and of every key when overwrite_last_step.
 
 keys: [u] unique. tables: [u] in [0, 65535). ids: [u]. counts: [u] >= 0.
+last_steps: in int32 range (the block keeps an int32 last step).
 )doc");
 
 REGISTER_OP("FusedEmb>EngineFind")

@@ -1,0 +1,269 @@
+"""Storage benchmark: the embedding engine against the TFRA backend, side by side.
+
+    python -m tf_fusedemb.benchmarks.storage --json
+
+One group table of dim 16 with Adagrad (and its access statistics: EngineGroupTable +
+EngineStatistics against DynamicGroupTable + AccessStatistics), fed batches of 100k
+unique keys: a Zipf mix of hits (ranks of the stored keys, exponent 1.05) and new keys.
+
+* Throughput, per thread count (1 and 2; TF's intra-op pool is fixed per process, so each
+  count runs in its own worker process): both backends in one process grow to
+  ``--throughput-rows`` rows on the same batches, then ``--repeats`` rounds time one
+  update batch (90% hits), one lookup batch and one statistics record per backend, in a
+  shuffled order per round (time_side_by_side). rows/s = keys / median time.
+* Memory, per backend (RSS is per process): a worker grows the table to ``--rows``
+  (10M) with batches of 50% new keys, recording statistics, and reads the process's RSS
+  at checkpoints: bytes per row = (RSS - RSS before the table) / stored rows; for the
+  engine also ``bytes_held`` (what ``memory()`` reports) against the RSS growth.
+The last line (``--json``) is one JSON object; ``--plot`` writes a PNG.
+"""
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+
+BACKENDS = ("engine", "tfra")
+DIM = 16
+# The fields AccessStatistics.record reads of a CategoryHashResult.
+Hashed = collections.namedtuple("Hashed", ["lookup_keys", "lookup_ids", "lookup_segment_ids",
+                                           "inverse", "num_collisions"])
+
+
+# ------------------------------------------------------------------ workload
+class ZipfKeys:
+    """Batches of unique keys: Zipf-distributed hits on the keys stored so far (rank r
+    drawn with probability ~ r^-a over insertion order, shuffled once by a hash so hot
+    keys are spread over shards) plus fresh keys.
+
+    Args:
+      batch: keys per batch. seed: generator seed. exponent: Zipf exponent a > 1.
+    """
+
+    def __init__(self, batch: int, seed: int = 0, exponent: float = 1.05):
+        self.batch, self.exponent = batch, exponent
+        self.rng = np.random.default_rng(seed)
+        self.next_id = 0
+
+    def _key(self, ids):
+        # Spread ids over int64 (mix64 as the unified keys are): hot keys are not adjacent.
+        from tf_fusedemb.ops import hashing  # pylint: disable=import-outside-toplevel
+        return hashing.mix64(np.asarray(ids, np.int64)).view(np.int64)
+
+    def next(self, new_fraction: float) -> np.ndarray:
+        """int64[batch] unique keys, ``new_fraction`` of them never seen before."""
+        new = int(self.batch * new_fraction) if self.next_id else self.batch
+        hits = np.empty(0, np.int64)
+        if self.batch - new > 0:
+            ranks = self.rng.zipf(self.exponent, 3 * (self.batch - new)) - 1
+            hits = np.unique(ranks[ranks < self.next_id])[:self.batch - new]
+        fresh = np.arange(self.next_id, self.next_id + self.batch - len(hits), dtype=np.int64)
+        self.next_id += len(fresh)
+        return self.rng.permutation(self._key(np.concatenate([hits, fresh])))
+
+
+# ------------------------------------------------------------------ one backend's ops
+class Backend:
+    """A group table and its statistics of one backend, and tf.functions over them."""
+
+    def __init__(self, kind: str):
+        import tensorflow as tf  # pylint: disable=import-outside-toplevel
+        from tf_fusedemb.specs import InitializerSpec, OptimizerSpec  # pylint: disable=import-outside-toplevel
+        from tf_fusedemb.storage.statistics import AccessStatistics  # pylint: disable=import-outside-toplevel
+        from tf_fusedemb.storage.engine_table import EngineGroupTable, EngineStatistics  # pylint: disable=import-outside-toplevel
+        from tf_fusedemb.storage.tables import DynamicGroupTable  # pylint: disable=import-outside-toplevel
+        args = (f"bench_{kind}", DIM, InitializerSpec(), OptimizerSpec.adagrad(0.05))
+        if kind == "engine":
+            self.table = EngineGroupTable(*args)
+            self.stats = EngineStatistics("bench", ["c"], self.table.engine)
+        else:
+            self.table = DynamicGroupTable(*args)
+            self.stats = AccessStatistics("bench", ["c"])
+        self.kind = kind
+        grads = tf.fill([1, DIM], 1e-3)
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.int64)])
+        def update(keys):
+            g = tf.tile(grads, [tf.size(keys), 1])
+            return self.table.apply_gradients(keys, g, return_rows=True)[1][:1]
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.int64)])
+        def lookup(keys):
+            return self.table.lookup(keys)[:1]
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.int64)])
+        def record(keys):
+            n = tf.size(keys)
+            hashed = Hashed(keys, keys, tf.zeros([n], tf.int32), tf.range(n),
+                            tf.constant(0, tf.int64))
+            self.stats.record(hashed, tf.ones([n], tf.int64), self.table.step)
+            return n
+
+        self.update, self.lookup, self.record = update, lookup, record
+
+    def train(self, keys):
+        """Records the accesses of ``keys`` int64[b], then updates their rows."""
+        self.record(keys)
+        self.update(keys).numpy()
+
+    def rows(self) -> int:
+        return int(self.table.size().numpy())
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (/proc/self/statm)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# ------------------------------------------------------------------ workers
+def throughput_worker(threads: int, rows: int, batch: int, repeats: int) -> dict:
+    """Both backends in this process, intra-op pool of ``threads``: grow to ``rows``,
+    then time update / lookup / record batches side by side."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    from tf_fusedemb.benchmarks.timing import time_side_by_side  # pylint: disable=import-outside-toplevel
+    backends = {k: Backend(k) for k in BACKENDS}
+    keys = ZipfKeys(batch, seed=1)
+    grow_s = dict.fromkeys(BACKENDS, 0.0)
+    while keys.next_id < rows:
+        b = tf.constant(keys.next(new_fraction=0.5))
+        for k, backend in backends.items():
+            start = time.perf_counter()
+            backend.train(b)
+            grow_s[k] += time.perf_counter() - start
+    warmup = 3
+    batches = [tf.constant(keys.next(new_fraction=0.1)) for _ in range(repeats + warmup)]
+    probes = [tf.constant(keys.next(new_fraction=0.0)) for _ in range(repeats + warmup)]
+    variants = {}
+    for k, backend in backends.items():
+        for op, fn, data in (("update", backend.update, batches), ("lookup", backend.lookup, probes),
+                             ("record", backend.record, probes)):
+            it = iter(data)
+            variants[f"{k}_{op}"] = lambda fn=fn, it=it: fn(next(it)).numpy()
+    times = time_side_by_side(variants, repeats, warmup=warmup)
+    out = {k: {f"{op}s_per_s": round(batch / (times[f"{k}_{op}"]["median_ms"] / 1e3))
+               for op in ("update", "lookup", "record")} for k in BACKENDS}
+    for k in BACKENDS:
+        out[k]["rows"] = backends[k].rows()
+        out[k]["grow_s"] = round(grow_s[k], 2)
+    for op in ("update", "lookup", "record"):
+        out[f"{op}_speedup"] = round(out["engine"][f"{op}s_per_s"] / out["tfra"][f"{op}s_per_s"], 2)
+    out["timings_ms"] = times
+    return out
+
+
+def memory_worker(kind: str, rows: int, batch: int, checkpoints) -> dict:
+    """One backend grows to ``rows`` (50% new keys per batch, statistics recorded);
+    RSS and (engine) bytes_held at each checkpoint."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    tf.config.threading.set_intra_op_parallelism_threads(2)
+    backend = Backend(kind)
+    keys = ZipfKeys(batch, seed=2)
+    backend.train(tf.constant(keys.next(0.5)[:1000]))  # kernels and functions loaded
+    base = rss_bytes()
+    points, todo = [], sorted(checkpoints)
+    start = time.perf_counter()
+    while todo:
+        backend.train(tf.constant(keys.next(new_fraction=0.5)))
+        stored = backend.rows()
+        if stored >= todo[0]:
+            todo.pop(0)
+            point = {"rows": stored, "rss_growth_bytes": rss_bytes() - base,
+                     "seconds": round(time.perf_counter() - start, 1)}
+            point["bytes_per_row_rss"] = round(point["rss_growth_bytes"] / stored, 1)
+            if kind == "engine":
+                held = int(backend.table.bytes_held().numpy())
+                point["bytes_held_per_row"] = round(held / stored, 1)
+                point["bytes_held_vs_rss"] = round(held / point["rss_growth_bytes"], 3)
+            points.append(point)
+            print(f"{kind}: {point}", file=sys.stderr, flush=True)
+    return {"points": points}
+
+
+def run_worker(args) -> dict:
+    """A worker in a fresh process (its own TF thread pool and RSS); its JSON result."""
+    cmd = [sys.executable, "-m", "tf_fusedemb.benchmarks.storage", "--worker", *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"worker {' '.join(args)} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------ main
+def plot(result: dict, path: str) -> str:
+    from tf_fusedemb.benchmarks import plots  # pylint: disable=import-outside-toplevel
+    fig, (mem_ax, thr_ax) = plots.new_figure(12, 5, ncols=2)
+    for kind, mem in result["memory"].items():
+        pts = mem["points"]
+        mem_ax.plot([p["rows"] for p in pts], [p["bytes_per_row_rss"] for p in pts], "o-",
+                    label=f"{kind} (RSS)")
+        if kind == "engine":
+            mem_ax.plot([p["rows"] for p in pts], [p["bytes_held_per_row"] for p in pts], "x--",
+                        label="engine memory() (bytes_held)")
+    mem_ax.axhline(170, color="gray", linestyle=":", label="target 170")
+    mem_ax.set_xscale("log")
+    mem_ax.set(xlabel="stored rows", ylabel="bytes per row", title="memory, dim 16 Adagrad + statistics")
+    mem_ax.legend(fontsize=8)
+    mem_ax.grid(True, alpha=0.3)
+    labels, x = [], 0
+    for threads, res in sorted(result["throughput"].items()):
+        for op in ("update", "lookup", "record"):
+            for i, kind in enumerate(BACKENDS):
+                thr_ax.bar(x + 0.4 * i, res[kind][f"{op}s_per_s"] / 1e6, 0.4,
+                           color=f"C{i}", label=kind if x == 0 else None)
+            labels.append(f"{op}\n{threads}")
+            x += 1
+    thr_ax.set_xticks(np.arange(x) + 0.2)
+    thr_ax.set_xticklabels(labels, fontsize=7)
+    thr_ax.set(ylabel="M rows/s", title="100k-key batches (median)")
+    thr_ax.legend(fontsize=8)
+    return plots.write_figure(fig, path)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=10_000_000, help="memory: rows to grow to")
+    p.add_argument("--throughput-rows", type=int, default=2_000_000)
+    p.add_argument("--batch", type=int, default=100_000)
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--plot", default="storage_benchmark.png")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        kind, *rest = args.worker
+        if kind == "throughput":
+            res = throughput_worker(int(rest[0]), args.throughput_rows, args.batch, args.repeats)
+        else:
+            checkpoints = [c for c in (500_000, 1_000_000, 2_000_000, 5_000_000, args.rows)
+                           if c <= args.rows]
+            res = memory_worker(kind, args.rows, args.batch, checkpoints)
+        print(json.dumps(res))
+        return
+    common = ["--rows", str(args.rows), "--throughput-rows", str(args.throughput_rows),
+              "--batch", str(args.batch), "--repeats", str(args.repeats)]
+    result = {"dim": DIM, "optimizer": "adagrad", "batch": args.batch,
+              "throughput": {f"threads_{t}": run_worker(["throughput", str(t)] + common)
+                             for t in args.threads},
+              "memory": {k: run_worker([k] + common) for k in BACKENDS}}
+    last = {k: m["points"][-1] for k, m in result["memory"].items()}
+    result["bytes_per_row_at_max"] = {k: v["bytes_per_row_rss"] for k, v in last.items()}
+    result["engine_bytes_held_vs_rss"] = last["engine"].get("bytes_held_vs_rss")
+    if args.plot:
+        result["plot"] = plot(result, args.plot)
+    from tf_fusedemb.benchmarks.timing import emit  # pylint: disable=import-outside-toplevel
+    emit(result, args.json)
+
+
+if __name__ == "__main__":
+    main()
