@@ -190,3 +190,42 @@ def test_main_job_runs_on_two_hosts_through_the_cluster_command(tmp_path):
     assert result["export"]["checkpoint_step"] == 30, result["export"]
     assert result["export"]["max_abs_diff_vs_trained"] <= 1e-5, result["export"]
     assert os.path.isfile(tmp_path / "export" / "saved_model.pb")
+
+
+END_SCRIPT = r"""
+import sys, time
+import tensorflow as tf
+from tf_fusedemb.comm import get_communicator
+comm = get_communicator()
+node = (0, 1) if comm.rank < 2 else (2, 3)
+assert list(node) in comm.process_sets, comm.process_sets
+x = tf.constant([[float(comm.rank)], [comm.rank + 0.5]])
+comm.alltoall(x, tf.constant([1, 1]), "end_test_intra_node", members=node)  # the last one
+if sys.argv[1] == "end_job":
+    comm.end_job()
+print(f"END {time.monotonic():.3f}", flush=True)
+if comm.rank == 0:  # work outside Horovod after the last collective (like train.py's export)
+    time.sleep(float(sys.argv[2]))
+"""
+TAIL_S = 45  # rank 0's work after the job's last collective
+
+
+@pytest.mark.timeout(900)
+def test_normal_end_with_process_sets_is_prompt(cluster):
+    """On 2 x 2 with process sets, a normal end is prompt: after ``end_job`` (every rank
+    agrees its last collective is done; train.py calls it after evaluation) ranks 1-3 exit
+    within seconds of their last collective, while rank 0 still works outside Horovod for
+    45 s. Without it they wait at exit until rank 0 is done (up to
+    TF_FUSEDEMB_EXIT_WAIT_S = 120 s), which is what the agreement removes."""
+    def end_to_exit(mode):
+        result = run_on_cluster(cluster, ["-c", END_SCRIPT, mode, str(TAIL_S)])
+        ends = {r: float(l.split()[1]) for r, lines in result.stdout.items() for l in lines
+                if l.startswith("END ")}
+        assert sorted(ends) == list(range(WORLD)), result.stdout
+        return {r: result.exited_at[r] - ends[r] for r in range(WORLD)}
+    agreed = end_to_exit("end_job")
+    assert agreed[0] >= TAIL_S, agreed
+    assert all(agreed[r] < 25 for r in (1, 2, 3)), agreed  # old wait: 120 s
+    implicit = end_to_exit("no_end_job")
+    print(f"last collective -> exit, s: with end_job {agreed}, without {implicit}")
+    assert all(implicit[r] >= TAIL_S - 5 for r in (1, 2, 3)), implicit

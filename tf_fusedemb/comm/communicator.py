@@ -63,6 +63,13 @@ class Communicator:
         del activity
         return contextlib.nullcontext()
 
+    def end_job(self):
+        """Collective, once, after this rank's last collective of the job: returns when
+        every rank has called it (or exited normally). Each rank's exit then shuts
+        Horovod down at once instead of waiting for the other ranks to exit (see
+        :mod:`tf_fusedemb.comm.watchdog`, "The end of a job"); no collective may follow.
+        A no-op in one process."""
+
 
 class LocalCommunicator(Communicator):
     """World size 1: collectives are identities and nothing is counted as sent."""
@@ -123,6 +130,14 @@ class HorovodCommunicator(Communicator):
         if self._watchdog is None:
             return contextlib.nullcontext()
         return self._watchdog.watch(activity)
+
+    def end_job(self):
+        if self._watchdog is not None:
+            self._watchdog.end_of_job()
+            return
+        with tf.init_scope():  # no watchdog: a global collective is the agreement
+            self._hvd.allreduce(tf.constant(0, tf.int32), op=self._hvd.Sum,
+                                name="fusedemb/end_of_job")
 
     def _collective(self, members):
         """``f(x, send int32[k], name) -> (received, recv int32[k])`` among ``members``:

@@ -23,13 +23,25 @@ saying goodbye is seen within milliseconds, whatever this rank is doing. Then it
 
 A rank that exits normally says goodbye first (at interpreter exit, before Horovod's own
 shutdown), and one that exits with an uncaught exception says so with the exception, so
-finishing or failing is told apart from being lost. When the job uses Horovod process sets
-(the hierarchical exchange's node and rail sets), a rank that exits normally then waits
-until every peer is gone too (at most ``TF_FUSEDEMB_EXIT_WAIT_S`` s, default 120): Horovod's
-shutdown on one rank aborts the collectives still running in process sets it is not part
-of, so a rank done with its last exchange must not shut Horovod down while another node
-still runs that exchange's intra-node stage. Connections use TCP keep-alive, so
+finishing or failing is told apart from being lost. Connections use TCP keep-alive, so
 a peer whose host vanishes is noticed too (within about 25 s).
+
+The end of a job. When the job uses Horovod process sets (the hierarchical exchange's
+node and rail sets), Horovod's shutdown on one rank aborts the collectives still running
+in process sets it is not part of, so a rank done with its last exchange must not shut
+Horovod down while another node still runs that exchange's intra-node stage. The ranks
+therefore agree on the end over these connections:
+
+* :meth:`PeerWatchdog.end_of_job` (``Communicator.end_job()``; ``train.py`` calls it
+  after its last collective): this rank tells every peer it has run its last collective
+  ("end", before any goodbye) and waits until every peer has said the same (or exited
+  normally). Then no collective runs anywhere, so each rank shuts Horovod down at its exit
+  at once, whatever the others still do outside Horovod (rank 0's export, tearing down
+  tf.data iterators): the job ends together and promptly. A peer lost or failed
+  meanwhile is named at once (:class:`PeerLostError`), as in any collective.
+* A job that never calls it agrees at interpreter exit: a rank that exits normally waits
+  until every peer has ended or is gone (at most ``TF_FUSEDEMB_EXIT_WAIT_S`` s, default
+  120), then shuts Horovod down.
 
 Environment: ``TF_FUSEDEMB_WATCHDOG=0`` disables the watchdog; it is off under Horovod
 elastic (``HOROVOD_ELASTIC=1``), where losing a worker is survivable.
@@ -56,6 +68,7 @@ DEFAULT_EXIT_WAIT_S = 120.0
 _CONNECT_TIMEOUT_S = 120.0  # every rank reaches the mesh set-up within this (slow starts)
 _EXPLAIN_WAIT_S = 5.0  # a collective's error may arrive before the watchdog's notice
 _BYE = b"B"  # first byte of the goodbye message; the rest is a failure reason (or empty)
+_END = b"E"  # "my last collective is done" (end_of_job), sent before the goodbye
 _STOPPED = "stopped after losing a peer"  # the reason of a rank that lost one too: not news
 _NODE = re.compile(r"\{\{node ([^}]+)\}\}")
 
@@ -166,7 +179,10 @@ class PeerWatchdog:
         self._lock = threading.Lock()
         self._lost, self._failed, self._finished, self._stopped = {}, {}, set(), set()
         self._gone = set()  # peers whose connection closed, for any reason
-        self._all_gone = threading.Event()
+        self._ended = set()  # peers that said their last collective is done (end_of_job)
+        self._all_ended = threading.Event()  # every peer ended or gone
+        self._end_news = threading.Condition(self._lock)  # an end, goodbye or loss arrived
+        self._job_ended = False  # every rank agreed on the end (end_of_job returned True)
         self._changed = threading.Event()
         self._activity, self._last_activity = [], "start-up"
         self._closing = False
@@ -271,6 +287,52 @@ class PeerWatchdog:
         self._changed.wait(timeout)
         return self.lost()
 
+    # ---- the end of the job ----------------------------------------------------------
+    def end_of_job(self, timeout_s=None):
+        """Collective, after this rank's last collective: tells every peer so and waits
+        until every peer has too (or has exited normally). Returns True then: Horovod's
+        shutdown at this rank's exit no longer waits for the others (module doc), and no
+        collective may follow. Returns False (a warning on stderr) when some peer has not
+        ended ``timeout_s`` s later (None: TF_FUSEDEMB_EXIT_WAIT_S, or 120 s); the exit
+        then waits as a job without this call does.
+
+        Raises:
+          PeerLostError: a peer died, failed or stopped before it ended.
+        """
+        if self._job_ended:
+            return True
+        if os.getpid() != self._pid or self._closing:
+            return False
+        if timeout_s is None:
+            timeout_s = self.exit_wait_s or DEFAULT_EXIT_WAIT_S
+        for sock in list(self._conns.values()):
+            try:  # one byte into an idle socket's buffer: never blocks
+                sock.send(_END)
+            except OSError:
+                pass  # a peer gone: its loss (or goodbye) is what the wait below reports
+        deadline = time.monotonic() + timeout_s
+        peers = set(range(self.size)) - {self.rank}
+        with self._lock:
+            while True:
+                if self._lost or self._failed or self._stopped:
+                    failed = dict(self._failed)
+                    failed.update({r: _STOPPED for r in self._stopped})
+                    error = PeerLostError(self.size, "the end of the job (end_of_job)",
+                                          lost=self._lost, failed=failed)
+                    break
+                if peers <= self._ended | self._finished:
+                    self._job_ended = True
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    running = sorted(peers - self._ended - self._finished)
+                    _stderr(f"tf_fusedemb: rank {self.rank} ended its job; "
+                            f"{_ranks(running, self.size)} had not after {timeout_s:g} s: "
+                            "its exit waits for them (TF_FUSEDEMB_EXIT_WAIT_S)")
+                    return False
+                self._end_news.wait(min(left, 1.0))
+        raise error
+
     # ---- exit ------------------------------------------------------------------------
     def close(self, reason=""):
         """Says goodbye to every peer (``reason``: why this rank stops, empty for a
@@ -292,18 +354,25 @@ class PeerWatchdog:
         else:
             self.close("" if error is None else f"{type(error).__name__}: {error}"[:500])
         if self._exit_process and self.lost():
+            if self._job_ended and error is None:  # its work was complete: not a failure
+                _stderr(f"tf_fusedemb: rank {self.rank} finished; {_ranks(self.lost(), self.size)}"
+                        f" {_was(self.lost())} lost after the end of the job; exiting without "
+                        "Horovod's shutdown")
+                _flush_std()
+                os._exit(0)  # pylint: disable=protected-access
             _flush_std()
             os._exit(EXIT_PEER_LOST)  # pylint: disable=protected-access
-        if error is None and self.exit_wait_s != 0:
+        if error is None and self.exit_wait_s != 0 and not self._job_ended:
             self._wait_for_peers_to_exit()
 
     def _wait_for_peers_to_exit(self):
-        """A normal exit waits for the peers (see the module doc: process sets). A peer
+        """A normal exit of a job that did not agree on its end (:meth:`end_of_job`) waits
+        until every peer has ended or is gone (see the module doc: process sets). A peer
         lost meanwhile: this rank's own work is complete, so it exits 0 without Horovod's
         shutdown, which would wait for the dead peer."""
-        if not self._all_gone.wait(self.exit_wait_s):
+        if not self._all_ended.wait(self.exit_wait_s):
             with self._lock:
-                running = sorted(set(range(self.size)) - self._gone - {self.rank})
+                running = sorted(set(range(self.size)) - self._gone - self._ended - {self.rank})
             _stderr(f"tf_fusedemb: rank {self.rank} finished; {_ranks(running, self.size)} "
                     f"still running after {self.exit_wait_s:g} s ({EXIT_WAIT_ENV}): shutting "
                     "Horovod down now aborts their collectives in progress")
@@ -339,16 +408,31 @@ class PeerWatchdog:
                 except OSError:
                     data = b""  # reset by the peer's kernel: as good as closed
                 if data:
-                    received[peer] += data[:2000]
+                    received[peer] = self._take_ends(peer, received[peer] + data[:2000])
                     continue
                 selector.unregister(sock)
                 self._on_gone(peer, received[peer])
 
+    def _take_ends(self, peer, received):
+        """Records a peer's "end" (it leads the stream, before any goodbye); returns the
+        rest of what was received."""
+        if received.startswith(_END):
+            with self._lock:
+                self._ended.add(peer)
+                self._note_end_news()
+            received = received.lstrip(_END)
+        return received
+
+    def _note_end_news(self):
+        """(Lock held.) Wakes end_of_job; sets _all_ended when every peer ended or left."""
+        if len(self._gone | self._ended) == self.size - 1:
+            self._all_ended.set()
+        self._end_news.notify_all()
+
     def _on_gone(self, peer, message):
         with self._lock:
             self._gone.add(peer)
-            if len(self._gone) == self.size - 1:
-                self._all_gone.set()
+            self._note_end_news()
             if self._closing:  # this rank is exiting: a goodbye is no news, and a loss
                 if not message.startswith(_BYE):  # is recorded, not announced
                     self._lost[peer] = time.monotonic()
@@ -362,6 +446,7 @@ class PeerWatchdog:
                     self._failed[peer] = reason
                 else:
                     self._finished.add(peer)
+                self._end_news.notify_all()
             self._changed.set()
             return
         forced = "" if not self._exit_process or self.timeout_s is None else \
@@ -374,6 +459,7 @@ class PeerWatchdog:
         with self._lock:
             self._lost[peer] = time.monotonic()
             first = len(self._lost) == 1
+            self._end_news.notify_all()
         self._changed.set()
         if first and self._exit_process and self.timeout_s is not None:
             self._timer = threading.Timer(self.timeout_s, self._force_exit)

@@ -35,12 +35,15 @@ class JobResult:
         seconds: float, wall time from the first start to the last exit.
         stdout: {rank: [line, ...]}, every line each rank wrote, without the prefix.
         stderr: {rank: [line, ...]}.
+        exited_at: {rank: time.monotonic() when its exit was seen (within 50 ms)}, for the
+            ranks that exited by themselves (not those killed after a failure or timeout).
     """
     returncode: int
     failed_rank: Optional[int]
     seconds: float
     stdout: Dict[int, List[str]]
     stderr: Dict[int, List[str]]
+    exited_at: Dict[int, float] = dataclasses.field(default_factory=dict)
 
     def text(self, rank: int, stream: str = "stdout") -> str:
         """The whole output of ``rank`` on ``stream`` ("stdout" or "stderr") as one string."""
@@ -149,6 +152,7 @@ def run_job(command: Sequence[str], plan: Sequence, rendezvous_address: str,
     start = time.monotonic()
     timed_out: Optional[List[int]] = None  # ranks still running at the timeout
     failed: Optional[int] = None
+    exited_at: Dict[int, float] = {}
     try:
         server.init(plan)
         run_env = create_run_env_vars(rendezvous_address, [HOST_IFACE], port)
@@ -176,6 +180,10 @@ def run_job(command: Sequence[str], plan: Sequence, rendezvous_address: str,
                 pumps.append(t)
         while True:
             codes = [p.poll() for p in procs]
+            now = time.monotonic()
+            for r, c in enumerate(codes):
+                if c is not None:
+                    exited_at.setdefault(r, now)
             failed = next((r for r, c in enumerate(codes) if c), None)  # lowest failed rank
             if failed is not None or all(c is not None for c in codes):
                 break
@@ -192,6 +200,6 @@ def run_job(command: Sequence[str], plan: Sequence, rendezvous_address: str,
     if timed_out is not None:
         raise ClusterTimeout(f"job timed out after {timeout:g} s with ranks {timed_out} still "
                              f"running; every rank was killed: {list(command)}",
-                             JobResult(124, None, seconds, out, err))
+                             JobResult(124, None, seconds, out, err, exited_at))
     code = 0 if failed is None else _status(procs[failed].returncode)
-    return JobResult(code, failed, seconds, out, err)
+    return JobResult(code, failed, seconds, out, err, exited_at)
