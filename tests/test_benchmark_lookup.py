@@ -1,5 +1,5 @@
 """End to end: ``python -m tf_fusedemb.benchmarks.lookup --json`` relaunches itself under
-horovodrun (2 Gloo workers), trains all four variants and prints one JSON object last.
+horovodrun (2 Gloo workers), trains all five variants and prints one JSON object last.
 Structure and communication counts are asserted, never speed."""
 import json
 import os
@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO_ROOT
 
-VARIANTS = ("fused", "unfused", "tfra", "tfra_fused")
+VARIANTS = ("fused", "fused_tfra_backend", "unfused", "tfra", "tfra_fused")
 PER_VARIANT = ("step_ms", "alltoall_rounds_per_step", "graph_alltoall_ops", "bytes_per_step",
                "mean_message_bytes", "messages_per_step", "groups", "loss_first", "loss_last")
 
@@ -51,7 +51,8 @@ def test_structure(result):
         assert v["bytes_per_step"] > 0 and v["mean_message_bytes"] > 0, name
         assert np.isfinite(v["loss_first"]) and np.isfinite(v["loss_last"]), name
         assert v["traces"] == 1, name  # variables built before tracing: one trace
-    for key in ("speedup_vs_tfra", "speedup_vs_tfra_fused", "fused_vs_unfused"):
+    for key in ("speedup_vs_tfra", "speedup_vs_tfra_fused", "speedup_vs_tfra_backend",
+                "fused_vs_unfused"):
         assert result[key] > 0, key
 
 
@@ -62,6 +63,7 @@ def test_alltoall_rounds(result):
     # 3 per fused group: keys, rows, row gradients; counted at run time and in the graph.
     assert v["fused"]["alltoall_rounds_per_step"] == 3
     assert v["fused"]["graph_alltoall_ops"] == 3
+    assert v["fused_tfra_backend"]["alltoall_rounds_per_step"] == 3  # same step, TFRA tables
     assert v["unfused"]["alltoall_rounds_per_step"] == 78
     assert v["unfused"]["graph_alltoall_ops"] == 78
     # TFRA: key + row AlltoAll per feature forward, one row-gradient AlltoAll backward.
@@ -79,6 +81,9 @@ def test_fused_and_unfused_agree(result):
     assert v["fused"]["bytes_per_step"] == v["unfused"]["bytes_per_step"]
     # ...and train identically (same batches, seeded dense weights, per-key row init).
     assert result["fused_unfused_max_loss_diff"] <= 1e-5
+    # The engine and the TFRA backend compute the same step.
+    assert result["fused_backends_max_loss_diff"] <= 1e-5
+    assert v["fused"]["bytes_per_step"] == v["fused_tfra_backend"]["bytes_per_step"]
 
 
 def test_criteo_reader(tmp_path):

@@ -30,8 +30,12 @@ Variants, all built and trained in the same worker processes, on the same batche
 
 * ``fused``: ``FusedEmbedding`` with ``plan_fusion``'s groups (1 group here), trained by
   ``tf_fusedemb.models.train_step`` (global-mean loss, one grouped dense AllReduce, rows
-  updated on their owners). 3 AlltoAll rounds per group and step.
-* ``unfused``: the same layer with ``unfused_plan`` (26 groups): 78 rounds.
+  updated on their owners), its tables on our storage engine (``storage="engine"``).
+  3 AlltoAll rounds per group and step.
+* ``fused_tfra_backend``: the same fused step with the tables on the TFRA backend
+  (``TableSpec(storage="tfra")``: TFRA hash tables for rows and slots, core-TF hash tables
+  for the access statistics): what the storage engine alone changes.
+* ``unfused``: the ``fused`` layer with ``unfused_plan`` (26 groups): 78 rounds.
 * ``tfra``: TFRA's ``dynamic_embedding.keras.layers.HvdAllToAllEmbedding``, one layer per
   feature, trained with ``DynamicEmbeddingOptimizer(tf_keras Adagrad, synchronous=True)``
   (TFRA's Horovod path: each dense gradient AllReduced with ``hvd.allreduce(Sum)``,
@@ -82,7 +86,7 @@ from tf_fusedemb.benchmarks.launcher import (add_launch_args, add_workload_args,
 from tf_fusedemb.benchmarks.lookup_data import DEFAULT_CRITEO  # noqa: F401  (re-export)
 
 RESULT_MARKER = "LOOKUP_BENCHMARK_RESULT "
-VARIANTS = ("fused", "unfused", "tfra", "tfra_fused")
+VARIANTS = ("fused", "fused_tfra_backend", "unfused", "tfra", "tfra_fused")
 
 
 def parse_args(argv=None):

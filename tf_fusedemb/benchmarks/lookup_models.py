@@ -21,10 +21,12 @@ HIDDEN = (256, 128)
 CATEGORY_BITS = 16
 
 
-def feature_specs(learning_rate, dim=DIM):
-    """26 one-hot Criteo features, one dynamic table each, Adagrad, uniform(-0.05, 0.05)."""
+def feature_specs(learning_rate, dim=DIM, storage=None):
+    """26 one-hot Criteo features, one dynamic table each, Adagrad, uniform(-0.05, 0.05);
+    ``storage``: the tables' backend (TableSpec.storage, None: the default)."""
     return [FeatureSpec(c, TableSpec(c, dim, OptimizerSpec.adagrad(learning_rate),
-                                     InitializerSpec.uniform(-0.05, 0.05)), "sum")
+                                     InitializerSpec.uniform(-0.05, 0.05), storage=storage),
+                        "sum")
             for c in CATEGORICAL]
 
 

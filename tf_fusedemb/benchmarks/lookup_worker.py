@@ -1,5 +1,5 @@
 """The Horovod worker of ``python -m tf_fusedemb.benchmarks.lookup`` (see its docstring):
-builds the four variants in one process, times them side by side and returns rank 0's
+builds the variants in one process, times them side by side and returns rank 0's
 result dict (None on other ranks)."""
 import functools
 import os
@@ -63,15 +63,16 @@ class Variant:
 
 def build_variants(names, comm, hvd, lr):
     """{name: Variant} for the requested variant names, in a fixed order."""
-    specs = lookup_models.feature_specs(lr)
+    specs = lookup_models.feature_specs(lr, storage="engine")
+    tfra_specs = lookup_models.feature_specs(lr, storage="tfra")
     loss = tf_keras.losses.BinaryCrossentropy(from_logits=True)
     # TFRA's step sums per-example losses itself (labels and logits are both [B, 1]).
     per_example = tf_keras.losses.BinaryCrossentropy(
         from_logits=True, reduction=tf_keras.losses.Reduction.NONE)
     out = {}
 
-    def fused_variant(name, plan):
-        layer = FusedEmbedding(specs, plan=plan, name=f"{name}_embedding")
+    def fused_variant(name, plan, features=specs):
+        layer = FusedEmbedding(features, plan=plan, name=f"{name}_embedding")
         model = lookup_models.CriteoNet(layer, name=f"{name}_net")
         optimizer = tf_keras.optimizers.Adagrad(lr)
         model.build_variables(optimizer)
@@ -104,6 +105,8 @@ def build_variants(names, comm, hvd, lr):
     for name in names:
         if name == "fused":
             out[name] = fused_variant(name, plan)
+        elif name == "fused_tfra_backend":
+            out[name] = fused_variant(name, plan_fusion(tfra_specs), tfra_specs)
         elif name == "unfused":
             out[name] = fused_variant(name, unfused_plan(specs))
         elif name == "tfra":
@@ -268,6 +271,8 @@ def run(args):
         return None
     result["speedup_vs_tfra"] = ratio("tfra", "fused")
     result["speedup_vs_tfra_fused"] = ratio("tfra_fused", "fused")
+    # The same fused step, its tables on the TFRA backend: the storage engine's share.
+    result["speedup_vs_tfra_backend"] = ratio("fused_tfra_backend", "fused")
     result["fused_vs_unfused"] = ratio("unfused", "fused")
     if "fused" in variants and "unfused" in variants:
         # Same batches, same seeded dense weights and plan-independent row initialisation:
@@ -276,6 +281,12 @@ def run(args):
         n = min(len(a), len(b))
         result["fused_unfused_max_loss_diff"] = float(np.max(np.abs(np.subtract(a[:n],
                                                                               b[:n]))))
+    if "fused" in variants and "fused_tfra_backend" in variants:
+        # The two backends compute the same step (same rows, same optimizer formulas).
+        a, b = variants["fused"].losses, variants["fused_tfra_backend"].losses
+        n = min(len(a), len(b))
+        result["fused_backends_max_loss_diff"] = float(np.max(np.abs(np.subtract(a[:n],
+                                                                                b[:n]))))
     return result
 
 
