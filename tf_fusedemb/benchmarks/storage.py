@@ -10,7 +10,9 @@ unique keys: a Zipf mix of hits (ranks of the stored keys, exponent 1.05) and ne
   count runs in its own worker process): both backends in one process grow to
   ``--throughput-rows`` rows on the same batches, then ``--repeats`` rounds time one
   update batch (90% hits), one lookup batch and one statistics record per backend, in a
-  shuffled order per round (time_side_by_side). rows/s = keys / median time.
+  shuffled order per round (time_side_by_side). rows/s = keys / median wall time; also
+  per CPU second (keys / median process CPU time of the call, all threads): on a shared
+  machine the wall time measures the load as much as the code.
 * Memory, per backend (RSS is per process): a worker grows the table to ``--rows``
   (10M) with batches of 50% new keys, recording statistics, and reads the process's RSS
   at checkpoints: bytes per row = (RSS - RSS before the table) / stored rows; for the
@@ -39,9 +41,10 @@ Hashed = collections.namedtuple("Hashed", ["lookup_keys", "lookup_ids", "lookup_
 
 # ------------------------------------------------------------------ workload
 class ZipfKeys:
-    """Batches of unique keys: Zipf-distributed hits on the keys stored so far (rank r
-    drawn with probability ~ r^-a over insertion order, shuffled once by a hash so hot
-    keys are spread over shards) plus fresh keys.
+    """Batches of unique keys: hits on the keys stored so far plus fresh keys. Hits are
+    Zipf-distributed ranks (probability ~ r^-a over insertion order; keys are mix64 of
+    the rank, so hot keys spread over shards); the heavy tail yields few distinct ranks,
+    so a batch's remaining hits are drawn uniformly among the stored keys.
 
     Args:
       batch: keys per batch. seed: generator seed. exponent: Zipf exponent a > 1.
@@ -59,14 +62,24 @@ class ZipfKeys:
 
     def next(self, new_fraction: float) -> np.ndarray:
         """int64[batch] unique keys, ``new_fraction`` of them never seen before."""
-        new = int(self.batch * new_fraction) if self.next_id else self.batch
-        hits = np.empty(0, np.int64)
-        if self.batch - new > 0:
-            ranks = self.rng.zipf(self.exponent, 3 * (self.batch - new)) - 1
-            hits = np.unique(ranks[ranks < self.next_id])[:self.batch - new]
+        need = min(self.batch - int(self.batch * new_fraction), self.next_id)
+        hits = self._hits(need)
         fresh = np.arange(self.next_id, self.next_id + self.batch - len(hits), dtype=np.int64)
         self.next_id += len(fresh)
         return self.rng.permutation(self._key(np.concatenate([hits, fresh])))
+
+    def _hits(self, need: int) -> np.ndarray:
+        """``need`` distinct stored ids: Zipf ranks first; when the heavy tail yields too
+        few distinct ones, the rest uniformly among the stored ids."""
+        hits = np.empty(0, np.int64)
+        for _ in range(4):
+            if len(hits) >= need:
+                break
+            ranks = self.rng.zipf(self.exponent, 2 * need) - 1
+            hits = np.unique(np.concatenate([hits, ranks[ranks < self.next_id]]))
+        while len(hits) < need:
+            hits = np.union1d(hits, self.rng.integers(0, self.next_id, need - len(hits)))
+        return self.rng.permutation(hits)[:need]
 
 
 # ------------------------------------------------------------------ one backend's ops
@@ -143,22 +156,38 @@ def throughput_worker(threads: int, rows: int, batch: int, repeats: int) -> dict
     warmup = 3
     batches = [tf.constant(keys.next(new_fraction=0.1)) for _ in range(repeats + warmup)]
     probes = [tf.constant(keys.next(new_fraction=0.0)) for _ in range(repeats + warmup)]
-    variants = {}
+    variants, cpu = {}, collections.defaultdict(list)
     for k, backend in backends.items():
         for op, fn, data in (("update", backend.update, batches), ("lookup", backend.lookup, probes),
                              ("record", backend.record, probes)):
-            it = iter(data)
-            variants[f"{k}_{op}"] = lambda fn=fn, it=it: fn(next(it)).numpy()
+            variants[f"{k}_{op}"] = _cpu_timed(fn, iter(data), cpu[f"{k}_{op}"])
     times = time_side_by_side(variants, repeats, warmup=warmup)
-    out = {k: {f"{op}s_per_s": round(batch / (times[f"{k}_{op}"]["median_ms"] / 1e3))
-               for op in ("update", "lookup", "record")} for k in BACKENDS}
+    out = {k: {} for k in BACKENDS}
+    for k in BACKENDS:
+        for op in ("update", "lookup", "record"):
+            name = f"{k}_{op}"
+            out[k][f"{op}s_per_s"] = round(batch / (times[name]["median_ms"] / 1e3))
+            out[k][f"{op}s_per_cpu_s"] = round(batch / float(np.median(cpu[name][warmup:])))
     for k in BACKENDS:
         out[k]["rows"] = backends[k].rows()
         out[k]["grow_s"] = round(grow_s[k], 2)
     for op in ("update", "lookup", "record"):
-        out[f"{op}_speedup"] = round(out["engine"][f"{op}s_per_s"] / out["tfra"][f"{op}s_per_s"], 2)
+        for unit in ("s", "cpu_s"):
+            key = f"{op}s_per_{unit}"
+            out[f"{op}_speedup" + ("_cpu" if unit == "cpu_s" else "")] = round(
+                out["engine"][key] / out["tfra"][key], 2)
     out["timings_ms"] = times
     return out
+
+
+def _cpu_timed(fn, batches, cpu_seconds):
+    """A zero-argument call of ``fn`` on the next batch that appends its process CPU time
+    (all threads) to ``cpu_seconds``."""
+    def run():
+        start = time.process_time()
+        fn(next(batches)).numpy()
+        cpu_seconds.append(time.process_time() - start)
+    return run
 
 
 def memory_worker(kind: str, rows: int, batch: int, checkpoints) -> dict:
@@ -237,6 +266,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--plot", default="storage_benchmark.png")
+    p.add_argument("--parts", nargs="+", choices=("throughput", "memory"),
+                   default=["throughput", "memory"])
     p.add_argument("--json", action="store_true")
     p.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -252,13 +283,16 @@ def main(argv=None):
         return
     common = ["--rows", str(args.rows), "--throughput-rows", str(args.throughput_rows),
               "--batch", str(args.batch), "--repeats", str(args.repeats)]
-    result = {"dim": DIM, "optimizer": "adagrad", "batch": args.batch,
-              "throughput": {f"threads_{t}": run_worker(["throughput", str(t)] + common)
-                             for t in args.threads},
-              "memory": {k: run_worker([k] + common) for k in BACKENDS}}
-    last = {k: m["points"][-1] for k, m in result["memory"].items()}
-    result["bytes_per_row_at_max"] = {k: v["bytes_per_row_rss"] for k, v in last.items()}
-    result["engine_bytes_held_vs_rss"] = last["engine"].get("bytes_held_vs_rss")
+    result = {"dim": DIM, "optimizer": "adagrad", "batch": args.batch, "throughput": {},
+              "memory": {}}
+    if "throughput" in args.parts:
+        result["throughput"] = {f"threads_{t}": run_worker(["throughput", str(t)] + common)
+                                for t in args.threads}
+    if "memory" in args.parts:
+        result["memory"] = {k: run_worker([k] + common) for k in BACKENDS}
+        last = {k: m["points"][-1] for k, m in result["memory"].items()}
+        result["bytes_per_row_at_max"] = {k: v["bytes_per_row_rss"] for k, v in last.items()}
+        result["engine_bytes_held_vs_rss"] = last["engine"].get("bytes_held_vs_rss")
     if args.plot:
         result["plot"] = plot(result, args.plot)
     from tf_fusedemb.benchmarks.timing import emit  # pylint: disable=import-outside-toplevel
