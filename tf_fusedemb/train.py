@@ -32,6 +32,7 @@ from tf_fusedemb.training import KerasLoss, train_step  # noqa: E402
 from tf_fusedemb.training import faults  # noqa: E402
 from tf_fusedemb.training.checkpoint import CheckpointManager  # noqa: E402
 from tf_fusedemb.training.progress import progress_bar  # noqa: E402
+from tf_fusedemb.training.replicas import replicas_of  # noqa: E402
 from tf_fusedemb.training.tracing import RankInvariantFunction  # noqa: E402
 
 
@@ -155,6 +156,7 @@ def train(args):
     # No AutoGraph: the step has no tensor-dependent Python control flow, and converting
     # all of tf_keras under it makes the first trace ~10x slower.
     # Traced once with unknown batch dimensions: the same graph on every rank.
+    replicas_of(model)  # the dense-state broadcast's variables, before the step is traced
     step_fn = RankInvariantFunction(lambda x, y: train_step(model, x, y, loss_fn, optimizer))
     pipeline = make_pipeline(model, loss_fn, optimizer, args.pipeline) \
         if args.pipeline else None

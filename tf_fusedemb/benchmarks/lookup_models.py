@@ -13,6 +13,7 @@ import tf_keras
 from tf_fusedemb.benchmarks.lookup_data import CATEGORICAL, DENSE
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FeatureSpec, InitializerSpec, OptimizerSpec, TableSpec
+from tf_fusedemb.training.replicas import replicas_of
 
 DIM = 16
 HIDDEN = (256, 128)
@@ -55,6 +56,7 @@ class CriteoNet(tf_keras.Model):
             layer.build((None, width))
             width = units
         optimizer.build(self.trainable_variables)
+        replicas_of(self)  # the dense-state broadcast's flags (training.replicas)
 
     def call(self, x, training=False):
         embs = self.embedding({c: x[c] for c in CATEGORICAL})

@@ -45,6 +45,7 @@ from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
 from tf_fusedemb.pipeline.options import PipelineOptions
 from tf_fusedemb.training import keysets
 from tf_fusedemb.training.micro_batches import micro_batch_slices, slice_rows
+from tf_fusedemb.training.replicas import replicas_of
 from tf_fusedemb.training.step import (DENSE_GRADS, Schedule, after, as_keras_loss,
                                        top_layers_split, train_step)
 from tf_fusedemb.training.tracing import RankInvariantFunction
@@ -92,6 +93,7 @@ class NestedPipeline:
         self._pending = None  # delayed row updates of the last step
         self._dense_pending = None  # the last step's dense gradients, not yet applied
         self._optimizer_built = False  # its slots created eagerly (see _build_optimizer)
+        replicas_of(model)  # its variables before the first trace (one trace, not two)
         self._step_fn = RankInvariantFunction(self._step)
         self._prefetch_fn = RankInvariantFunction(self._prefetch)
         self._flush_fn = RankInvariantFunction(self._flush)

@@ -190,7 +190,10 @@ _REPLICAS = weakref.WeakKeyDictionary()
 
 def replicas_of(model, check_every: Optional[int] = None) -> DenseReplicas:
     """The one :class:`DenseReplicas` of ``model`` (made on first use; ``check_every``
-    applies when given)."""
+    applies when given). It holds two variables: made inside a ``tf.function``'s first
+    trace (a custom loop's first ``train_step``), they make TensorFlow trace once more;
+    call this before tracing to avoid it (``FusedModel.compile``, ``NestedPipeline`` and
+    ``train.py`` do)."""
     replicas = _REPLICAS.get(model)
     if replicas is None:
         replicas = _REPLICAS[model] = DenseReplicas(model, check_every)
