@@ -34,7 +34,7 @@ _POLICY_FIELDS = ("admission", "eviction")  # TableSpec fields outside the stora
 # keeps its dense variables ("static"). Which backend holds the rows is outside the
 # storage layout too: a checkpoint written with one restores onto the other.
 STORAGES = ("engine", "tfra")
-DEFAULT_STORAGE = "tfra"  # of dynamic tables, when TableSpec(storage=None)
+DEFAULT_STORAGE = "engine"  # of dynamic tables, when TableSpec(storage=None)
 _STATIC_STORAGE = "static"
 _PLAN_FORMAT = 1  # bump when to_dict() changes shape: old fingerprints then no longer match
 
