@@ -23,8 +23,9 @@ class FusedEmbedding(tf_keras.layers.Layer):
 
     Features whose tables share (dim, optimizer, initializer, key dtype, storage: static
     or a dynamic backend, ``TableSpec.storage``) are fused into one group
-    (``tf_fusedemb.specs.plan_fusion``); each group makes one AlltoAll for keys, one for rows and, in training, one for gradients. Single-process
-    (no Horovod) and ``horovodrun -np N`` run the same code. Constructing the layer (or
+    (``tf_fusedemb.specs.plan_fusion``); each group makes one AlltoAll for keys, one for
+    rows and, in training, one for gradients. Single-process (no Horovod) and
+    ``horovodrun -np N`` run the same code. Constructing the layer (or
     ``from_config``, ``clone_model``) runs no collective, so one rank may build models
     alone; the ranks compare their features and exchange choices at the layer's first
     call with real tensors (``agree_across_ranks``).
