@@ -32,6 +32,7 @@ from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import describe_plan_difference
 from tf_fusedemb.training import faults
+from tf_fusedemb.training.replicas import dense_variables, replicas_of
 
 LATEST = "latest"
 
@@ -55,9 +56,8 @@ class CheckpointManager:
         self.comm = communicator or get_communicator()
         self.layers = fused_embedding_layers(model)
         self.groups = [(li, g) for li, layer in enumerate(self.layers) for g in layer.groups]
-        embedding_vars = {id(v) for _, g in self.groups for v in g.variables}
-        dense = [v for v in model.variables if id(v) not in embedding_vars]
-        trackables = dict(extra or {}, dense=dense)
+        self._replicas = replicas_of(model)
+        trackables = dict(extra or {}, dense=dense_variables(model))
         # What a restore compares first, to name a different model in one line.
         self._dense_vars = trackables["dense"]
         self._model_name = f"{type(model).__name__} '{model.name}'"
@@ -158,6 +158,9 @@ class CheckpointManager:
         for li, g in self.groups:
             self._import_group(g, f"l{li}/{g.group.name}/", shards)
         self._dense.read(os.path.join(path, "dense")).expect_partial()
+        # Every rank read the same dense values; the next step still makes them rank 0's
+        # bit for bit (tf_fusedemb.training.replicas), whatever happened before.
+        self._replicas.resync()
         return meta
 
     def _check_same_model(self, path, meta):
