@@ -282,11 +282,6 @@ class PeerWatchdog:
         with self._lock:
             return bool(self._lost or self._failed or self._finished or self._stopped)
 
-    def wait_for_loss(self, timeout):
-        """Blocks until some peer is gone (or ``timeout`` s); returns the lost ranks."""
-        self._changed.wait(timeout)
-        return self.lost()
-
     # ---- the end of the job ----------------------------------------------------------
     def end_of_job(self, timeout_s=None):
         """Collective, after this rank's last collective: tells every peer so and waits
@@ -513,8 +508,4 @@ def start_watchdog(rank, size, allgather_object, wait_at_exit=False):
         _stderr(f"tf_fusedemb: WARNING: {e}; running without the peer watchdog")
         return None
     atexit.register(_WATCHDOG.at_exit)  # after hvd.init's atexit: runs before its shutdown
-    return _WATCHDOG
-
-
-def current_watchdog():
     return _WATCHDOG

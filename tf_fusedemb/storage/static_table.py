@@ -61,18 +61,6 @@ def _owner_masks(vocabulary_size, rank, num_ranks, owner_ids):
         yield keys, hashing.owner_rank(ids, num_ranks) == rank
 
 
-def owned_keys_of_rank(vocabulary_size: int, rank: int, num_ranks: int,
-                       owner_ids=None) -> np.ndarray:
-    """The keys in [0, vocabulary_size) owned by ``rank``: int64[V_owned], ascending.
-
-    Args:
-      owner_ids: None (a key's owner is decided by the key itself), a callable mapping
-        int64[k] keys to the int64[k] IDs the owner is decided by, or an int64[V] array.
-    """
-    return np.concatenate([keys[owned] for keys, owned in
-                           _owner_masks(vocabulary_size, rank, num_ranks, owner_ids)])
-
-
 def _pack_bits(mask: np.ndarray) -> np.ndarray:
     """int64[ceil(len / 64)]: bit i % 64 of word i // 64 = mask[i]."""
     padded = np.zeros(-(-len(mask) // _WORD) * _WORD, np.uint8)
