@@ -77,11 +77,11 @@ LINK_MBIT ?= 1000
 ifeq ($(HOSTS),1)
 # horovodrun's own Gloo check imports TensorFlow in a child whose C++ log lines Horovod cannot
 # mute: the launcher runs with C++ logs off, the workers with the usual level 2.
-# PIN=1 pins each rank to its share of the cores, with thread counts to match (as on emulated
-# hosts; tf_fusedemb/testing/cluster/pinned.py). Off by default: on a shared 2-core machine
-# a pinned rank waits for its one core while the other is free (main job 17-19k samples/s
-# pinned against 30k unpinned at load 4-8).
-PIN ?= 0
+# Each rank is pinned to its share of the cores, with thread counts to match (as on emulated
+# hosts; tf_fusedemb/testing/cluster/pinned.py): on a quiet 2-core machine the main job ran at
+# 65-72k samples/s pinned against 50-53k unpinned. PIN=0 turns it off for a machine shared
+# with other work, where a pinned rank waits for its core (17-19k against 30k at load 4-8).
+PIN ?= 1
 TRAIN_LAUNCH = TF_CPP_MIN_LOG_LEVEL=3 $(VENV)/bin/horovodrun -np $(NP) --gloo -H localhost:$(NP) \
 	env TF_CPP_MIN_LOG_LEVEL=2 $(if $(filter 1 yes true,$(PIN)),$(PY) -m tf_fusedemb.testing.cluster.pinned)
 else
