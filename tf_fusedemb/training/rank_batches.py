@@ -24,9 +24,8 @@ Two mechanisms, both collective:
 """
 import logging
 import math
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
-import numpy as np
 import tensorflow as tf
 
 __all__ = ["RankBatches", "StepsAgreement", "agree_on_steps", "empty_batch"]
@@ -72,7 +71,6 @@ class RankBatches:
         if until not in UNTIL:
             raise ValueError(f"until must be one of {UNTIL}, got {until!r}")
         self.comm, self.until, self.what = comm, until, what
-        self.left_over: Dict[int, int] = {}  # rank -> batches it held when training ended
 
     def next(self, iterator) -> Any:
         """This step's batch (or an empty one, see ``until``); raises StopIteration on
@@ -86,8 +84,6 @@ class RankBatches:
         flags = self.comm.allgather(tf.reshape(tf.cast(have, tf.int32), [1]), AGREEMENT)
         flags = flags.numpy()
         if self.until == "shortest" and not flags.all():
-            for rank in np.flatnonzero(flags):
-                self.left_over[int(rank)] = self.left_over.get(int(rank), 0) + 1
             if flags.any() and self.comm.rank == 0:
                 _log.warning("%s: the epoch ended for every rank when rank(s) %s ran out of "
                              "data; rank(s) %s had at least one batch more, left unused",

@@ -118,9 +118,9 @@ class DenseReplicas:
         model = self._model()
         if x is not None and not model.built:
             _build_by_tracing(model, x)
-        variables = dense_variables(model) + _optimizer_variables(optimizer)
+        dense = dense_variables(model)
         synced = tf.cond(self._synced, lambda: tf.constant(True),
-                         lambda: self._broadcast(comm, variables))
+                         lambda: self._broadcast(comm, dense + _optimizer_variables(optimizer)))
         if not training:
             return synced
         with tf.control_dependencies([synced]):
@@ -128,7 +128,7 @@ class DenseReplicas:
         due = tf.equal(step, 1)
         if self.check_every is not None:
             due = tf.logical_or(due, tf.equal(step % self.check_every, 0))
-        checked = tf.cond(due, lambda: self._check(comm, dense_variables(model)),
+        checked = tf.cond(due, lambda: self._check(comm, dense),
                           lambda: tf.constant(True))
         return tf.logical_and(synced, checked)
 
