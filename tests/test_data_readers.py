@@ -309,3 +309,34 @@ def test_equal_steps_and_ragged_batch(tmp_path):
     path = tmp_path / "lines.txt"
     path.write_text("a\n" * 22 + "a")                  # the last line has no newline
     assert pipeline.count_lines([str(path)]) == 23
+
+
+@pytest.mark.parametrize("rows,batch,repeat,drop", [
+    (1003, 64, True, True), (1003, 64, False, True), (1003, 64, False, False),
+    (10, 64, True, True), (0, 8, False, False), (128, 64, False, False)])
+def test_array_batches_equal_tf_data_batching(rows, batch, repeat, drop):
+    """The same batches, in the same order and with the same static shapes, as tf.data's
+    own from_tensor_slices[.repeat()].batch(), including wrap-around across epochs."""
+    rng = np.random.default_rng(rows)
+    arrays = ({"ids": rng.integers(-2**62, 2**62, size=rows, dtype=np.int64),
+               "dense": rng.random((rows, 3)).astype(np.float32)},
+              rng.random((rows, 1)).astype(np.float32))
+    ref = tf.data.Dataset.from_tensor_slices(arrays)
+    ref = (ref.repeat() if repeat else ref).batch(batch, drop_remainder=drop)
+    got = pipeline.array_batches(arrays, batch, repeat=repeat, drop_remainder=drop)
+    assert got.element_spec == ref.element_spec
+    want = list(ref.take(40))
+    have = list(got.take(40))
+    assert len(have) == len(want)
+    for w, h in zip(want, have):
+        for a, b in zip(tf.nest.flatten(w), tf.nest.flatten(h)):
+            np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_array_batches_bad_input():
+    with pytest.raises(ValueError, match="first dimension"):
+        pipeline.array_batches((np.zeros(3), np.zeros(4)), 2)
+    with pytest.raises(ValueError, match="positive"):
+        pipeline.array_batches(np.zeros(3), 0)
+    with pytest.raises(ValueError, match="zero rows"):
+        pipeline.array_batches(np.zeros(0), 2, repeat=True)

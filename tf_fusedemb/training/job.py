@@ -7,9 +7,9 @@ or lists (for the serving signature).
 """
 import os
 
-import tensorflow as tf
 
 from tf_fusedemb.data.criteo import CRITEO_CATEGORICAL, CRITEO_DENSE, dense_log1p
+from tf_fusedemb.data.pipeline import array_batches
 from tf_fusedemb.specs import OptimizerSpec
 
 DATASETS = ("synthetic", "criteo", "movielens", "avazu")
@@ -30,10 +30,8 @@ def _from_frame(feats, label, batch, rank, size, repeat):
     # Contiguous rank slices of equal length, so every rank makes the same number of steps.
     per_rank = len(label) // size
     lo, hi = rank * per_rank, (rank + 1) * per_rank
-    ds = tf.data.Dataset.from_tensor_slices(({k: v[lo:hi] for k, v in feats.items()},
-                                             label[lo:hi]))
-    ds = ds.repeat() if repeat else ds
-    return ds.batch(batch, drop_remainder=repeat).prefetch(tf.data.AUTOTUNE)
+    return array_batches(({k: v[lo:hi] for k, v in feats.items()}, label[lo:hi]), batch,
+                         repeat=repeat, drop_remainder=repeat)
 
 
 def make_data(name, path, batch_size, rank, size, rows=200_000, eval_rows=20_000, seed=0):
