@@ -8,6 +8,7 @@ e.g. the AddressSanitizer/UBSan build of ``make sanitize``.
 """
 import os
 import threading
+from typing import Any, Callable, Optional
 
 import tensorflow as tf
 
@@ -22,15 +23,15 @@ OP_NAMES = ("SegmentUnique", "RankwiseSort", "OwnerRank", "CategoryHash",
             "RecoveryGather", "RecoveryPool", "RecoveryPoolGrad") + ENGINE_OP_NAMES
 
 _lock = threading.Lock()
-_library = None
+_library: Optional[Any] = None  # the module of raw ops tf.load_op_library returns
 
 
-def is_loaded():
+def is_loaded() -> bool:
     """True once the op library has been loaded into this process."""
     return _library is not None
 
 
-def library_path():
+def library_path() -> str:
     """The library to load: ``$TF_FUSEDEMB_OPS_LIBRARY`` if set, else the built-in one."""
     return os.environ.get(LIBRARY_ENV) or LIBRARY_PATH
 
@@ -38,7 +39,7 @@ def library_path():
 # Not converted by AutoGraph: the first op call may come from inside a traced function, and
 # AutoGraph cannot read the source of os.path.exists (frozen in Python 3.11) and warns.
 @tf.autograph.experimental.do_not_convert
-def load_library():
+def load_library() -> Any:
     """Loads the op library once (thread-safe) and returns its module of raw ops."""
     global _library
     if _library is None:
@@ -53,13 +54,13 @@ def load_library():
     return _library
 
 
-def raw_op(name):
+def raw_op(name: str) -> Callable[..., Any]:
     """The generated Python function of op ``FusedEmb>{name}``."""
     snake = "fused_emb_" + "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
     return getattr(load_library(), snake)
 
 
-def register_ops():
+def register_ops() -> Any:
     """Loads the library and the gradient registrations; call before loading a SavedModel."""
     from tf_fusedemb import ops  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
     return load_library()

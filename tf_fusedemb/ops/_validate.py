@@ -1,15 +1,21 @@
 """Argument checks shared by the op wrappers: clear errors that name the argument."""
+from typing import TypeAlias
+
 import tensorflow as tf
+
+# What the op wrappers accept where a tensor goes: a tensor, a numpy array, a (nested) list or a
+# Python scalar, converted with tf.convert_to_tensor (TensorFlow ships no stubs: Any to mypy).
+TensorLike: TypeAlias = tf.types.experimental.TensorLike
 
 KEY_DTYPES = (tf.int32, tf.int64)
 
 
-def invalid(message):
+def invalid(message: str) -> tf.errors.InvalidArgumentError:
     """An InvalidArgumentError raised from Python with ``message``."""
     return tf.errors.InvalidArgumentError(None, None, message)
 
 
-def key_tensor(value, arg_name):
+def key_tensor(value: TensorLike, arg_name: str) -> tf.Tensor:
     """``value`` as an int32/int64 tensor, or an error naming ``arg_name``."""
     t = tf.convert_to_tensor(value)
     if t.dtype not in KEY_DTYPES:
@@ -17,7 +23,7 @@ def key_tensor(value, arg_name):
     return t
 
 
-def int_tensor(value, dtype, arg_name):
+def int_tensor(value: TensorLike, dtype: tf.DType, arg_name: str) -> tf.Tensor:
     """``value`` cast to the integer ``dtype``; rejects floats, strings and bools.
 
     A narrowing cast (int64 -> int32, uint64 -> int64, ...) is checked: a value outside
@@ -50,7 +56,7 @@ def int_tensor(value, dtype, arg_name):
         return tf.cast(t, dtype)
 
 
-def float_tensor(value, arg_name):
+def float_tensor(value: TensorLike, arg_name: str) -> tf.Tensor:
     """``value`` as a float32/float64 tensor (the dtypes the recovery kernels take)."""
     t = tf.convert_to_tensor(value)
     if t.dtype not in (tf.float32, tf.float64):

@@ -14,11 +14,13 @@ Collision behaviour:
     each call reports how many (category, id) pairs met a key held by another pair.
 """
 import collections
+from typing import Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 
 from tf_fusedemb.ops import _loader, _validate, hashing
+from tf_fusedemb.ops._validate import TensorLike
 
 CategoryHashResult = collections.namedtuple(
     "CategoryHashResult", ["lookup_keys", "lookup_ids", "lookup_segment_ids", "inverse",
@@ -26,7 +28,9 @@ CategoryHashResult = collections.namedtuple(
 MODES = ("hashed", "packed")
 
 
-def category_hash(ids, segment_ids, categories, mode="hashed", id_bits=None, name=None):
+def category_hash(ids: TensorLike, segment_ids: TensorLike, categories: Sequence[str],
+                  mode: str = "hashed", id_bits: Optional[int] = None,
+                  name: Optional[str] = None) -> CategoryHashResult:
     """Unified keys H(category, id) of received keys, deduplicated.
 
     Args:
@@ -63,13 +67,16 @@ def category_hash(ids, segment_ids, categories, mode="hashed", id_bits=None, nam
             id_bits=-1 if id_bits is None else int(id_bits)))
 
 
-def category_key_strings(segment_ids, ids, categories):
-    """Readable "name/ID" strings of (category, id) pairs, for reports: tf.string[n]."""
+def category_key_strings(segment_ids: TensorLike, ids: TensorLike,
+                         categories: Sequence[str]) -> tf.Tensor:
+    """Readable "name/ID" strings of (category, id) pairs, for reports.
+
+    ``segment_ids``: int32[n] category index, ``ids``: int[n]; returns tf.string[n]."""
     names = tf.constant([str(c) for c in categories])
     return tf.strings.join([tf.gather(names, segment_ids), tf.strings.as_string(ids)], "/")
 
 
-def collision_partner(x, category_a, category_b):
+def collision_partner(x: int, category_a: str, category_b: str) -> int:
     """The one ID y of ``category_b`` whose hashed key equals that of ID x of ``category_a``."""
     delta = int(hashing.category_tag(category_a) ^ hashing.category_tag(category_b))
     y = (int(x) & 0xFFFFFFFFFFFFFFFF) ^ delta

@@ -13,11 +13,12 @@ Example::
     rows = engine.apply_gradients(keys, keys, grads, step=1)         # one pass per key
 """
 import itertools
-from typing import Dict, NamedTuple, Tuple
+from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
 from tf_fusedemb.ops import _loader
+from tf_fusedemb.ops._validate import TensorLike
 from tf_fusedemb.specs import InitializerSpec, OptimizerSpec
 
 __all__ = ["DEFAULT_NUM_SHARDS", "EmbeddingEngine", "EngineExport", "EngineKeyFields",
@@ -56,11 +57,11 @@ class EngineSize(NamedTuple):
     bytes_held: tf.Tensor
 
 
-def _op(name):
+def _op(name: str):
     return _loader.raw_op(name)
 
 
-def _keys(keys, what="keys") -> tf.Tensor:
+def _keys(keys: TensorLike, what: str = "keys") -> tf.Tensor:
     keys = tf.convert_to_tensor(keys)
     if keys.dtype not in (tf.int32, tf.int64):
         raise TypeError(f"{what} must be int64, got {keys.dtype.name}")
@@ -120,13 +121,14 @@ class EmbeddingEngine(tf.saved_model.experimental.TrackableResource):
         tf.raw_ops.DestroyResourceOp(resource=self.resource_handle, ignore_lookup_error=True)
 
     # ------------------------------------------------------------ rows
-    def lookup(self, keys, init_keys) -> tf.Tensor:
+    def lookup(self, keys: TensorLike, init_keys: TensorLike) -> tf.Tensor:
         """Rows of ``keys: int64[u]``; a key without a stored row gets the initial row of
         its ``init_keys: int64[u]`` entry and is NOT inserted. Returns float32[u, dim]."""
         return _op("EngineLookup")(self.resource_handle, _keys(keys), _keys(init_keys, "init_keys"),
                                    dim=self.dim)
 
-    def apply_gradients(self, keys, init_keys, grads, step, min_counts=None) -> tf.Tensor:
+    def apply_gradients(self, keys: TensorLike, init_keys: TensorLike, grads: TensorLike,
+                        step: TensorLike, min_counts: Optional[TensorLike] = None) -> tf.Tensor:
         """One optimizer step per key in one pass (read, update, write).
 
         Args:
@@ -146,26 +148,29 @@ class EmbeddingEngine(tf.saved_model.experimental.TrackableResource):
             tf.convert_to_tensor(grads, tf.float32), tf.cast(step, tf.int64), min_counts,
             dim=self.dim)
 
-    def gather_rows(self, keys):
+    def gather_rows(self, keys: TensorLike) -> Tuple[tf.Tensor, tf.Tensor]:
         """(values float32[u, dim], slots float32[u, num_slots, dim]) of STORED ``keys``
         int64[u]; fails naming a key without a stored row."""
-        return tuple(_op("EngineGatherRows")(self.resource_handle, _keys(keys), dim=self.dim,
-                                             num_slots=self.num_slots))
+        values, slots = _op("EngineGatherRows")(self.resource_handle, _keys(keys), dim=self.dim,
+                                                num_slots=self.num_slots)
+        return values, slots
 
-    def write_rows(self, keys, values, slots):
+    def write_rows(self, keys: TensorLike, values: TensorLike,
+                   slots: TensorLike) -> Optional[tf.Operation]:
         """Stores rows and slots of unique ``keys`` int64[u] (values float32[u, dim], slots
         float32[u, num_slots, dim]); statistics unchanged. Returns the op (None eagerly)."""
         return _op("EngineWriteRows")(self.resource_handle, _keys(keys),
                                       tf.convert_to_tensor(values, tf.float32),
                                       tf.convert_to_tensor(slots, tf.float32))
 
-    def remove_rows(self, keys):
+    def remove_rows(self, keys: TensorLike) -> Optional[tf.Operation]:
         """Drops the rows and slots of ``keys`` int64[u] (absent ones ignored); their
         statistics stay. Returns the op (None eagerly)."""
         return _op("EngineRemoveRows")(self.resource_handle, _keys(keys))
 
     # ------------------------------------------------------------ statistics
-    def record(self, keys, tables, ids, counts, last_steps, overwrite_last_step: bool):
+    def record(self, keys: TensorLike, tables: TensorLike, ids: TensorLike, counts: TensorLike,
+               last_steps: TensorLike, overwrite_last_step: bool) -> Optional[tf.Operation]:
         """Adds statistics of unique ``keys`` int64[u]: ``tables`` int[u] in [0, 65535),
         ``ids`` int64[u], ``counts`` int64[u] >= 0 (added). ``last_steps`` (int64 scalar or
         [u]) become the last steps of keys not tracked before, and of all keys when
@@ -175,11 +180,11 @@ class EmbeddingEngine(tf.saved_model.experimental.TrackableResource):
             tf.cast(ids, tf.int64), tf.cast(counts, tf.int64), tf.cast(last_steps, tf.int64),
             overwrite_last_step=overwrite_last_step)
 
-    def forget(self, keys):
+    def forget(self, keys: TensorLike) -> Optional[tf.Operation]:
         """Forgets the statistics of ``keys`` int64[u]; their rows stay. Returns the op."""
         return _op("EngineForget")(self.resource_handle, _keys(keys))
 
-    def find(self, keys) -> EngineKeyFields:
+    def find(self, keys: TensorLike) -> EngineKeyFields:
         """EngineKeyFields of ``keys`` int64[u] (any keys, duplicates allowed)."""
         return EngineKeyFields(*_op("EngineFind")(self.resource_handle, _keys(keys)))
 
@@ -194,12 +199,13 @@ class EmbeddingEngine(tf.saved_model.experimental.TrackableResource):
         """EngineSize: stored rows, tracked keys and bytes held."""
         return EngineSize(*_op("EngineSize")(self.resource_handle))
 
-    def slots_dict(self, slots, slot_names) -> Dict[str, tf.Tensor]:
+    def slots_dict(self, slots: tf.Tensor, slot_names: Sequence[str]) -> Dict[str, tf.Tensor]:
         """``slots`` float32[u, num_slots, dim] as {name: float32[u, dim]}."""
         return {n: slots[:, i, :] for i, n in enumerate(slot_names)}
 
     @staticmethod
-    def stack_slots(slots: Dict[str, tf.Tensor], slot_names, num_rows, dim) -> tf.Tensor:
+    def stack_slots(slots: Dict[str, tf.Tensor], slot_names: Sequence[str], num_rows: TensorLike,
+                    dim: int) -> tf.Tensor:
         """{name: float32[u, dim]} as float32[u, num_slots, dim] (in ``slot_names`` order)."""
         if not slot_names:
             return tf.zeros(tf.stack([tf.cast(num_rows, tf.int32), 0, dim]), tf.float32)

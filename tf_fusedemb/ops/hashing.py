@@ -10,35 +10,41 @@ and tests compute the same values without the op library.
 * hashed unified key ``H(c, id) = mix64(uint64(id) ^ tag(c))`` as int64.
 * packed unified key ``(c << id_bits) | id`` with ``id_bits = 63 - ceil(log2(M))``.
 """
+from typing import TYPE_CHECKING, Optional, Sequence
+
 import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:  # TensorFlow is imported only by tf_mix64 (host code needs numpy alone)
+    import tensorflow as tf
 
 _M1 = np.uint64(0xFF51AFD7ED558CCD)
 _M2 = np.uint64(0xC4CEB9FE1A85EC53)
 _S33 = np.uint64(33)
 
 
-def mix64(x):
+def mix64(x: npt.ArrayLike) -> np.ndarray:
     """fmix64 of ``x`` (any integer array, reinterpreted as uint64) -> uint64 array."""
-    x = np.asarray(x)
+    a = np.asarray(x)
     # Signed IDs are reinterpreted as in C++: int64 -> uint64 keeps the bits.
-    x = x.astype(np.uint64) if x.dtype == np.uint64 else x.astype(np.int64).view(np.uint64)
+    u = a.astype(np.uint64) if a.dtype == np.uint64 else a.astype(np.int64).view(np.uint64)
     with np.errstate(over="ignore"):
-        x = x ^ (x >> _S33)
-        x = x * _M1
-        x = x ^ (x >> _S33)
-        x = x * _M2
-        x = x ^ (x >> _S33)
-    return x
+        u = u ^ (u >> _S33)
+        u = u * _M1
+        u = u ^ (u >> _S33)
+        u = u * _M2
+        u = u ^ (u >> _S33)
+    return u
 
 
-def owner_rank(ids, num_ranks):
+def owner_rank(ids: npt.ArrayLike, num_ranks: int) -> np.ndarray:
     """Owner rank of each ID: ``mix64(uint64(id)) % num_ranks`` -> int32 array."""
     if num_ranks <= 0:
         raise ValueError(f"num_ranks must be positive, got {num_ranks}")
     return (mix64(ids) % np.uint64(num_ranks)).astype(np.int32)
 
 
-def category_tag(name):
+def category_tag(name: str) -> np.uint64:
     """64-bit tag of a category name: ``mix64(fnv1a64(name.encode()))`` -> np.uint64."""
     h = 0xCBF29CE484222325
     for byte in name.encode("utf-8"):
@@ -46,13 +52,13 @@ def category_tag(name):
     return mix64(np.array([h], dtype=np.uint64))[0]
 
 
-def category_tags(names):
+def category_tags(names: Sequence[str]) -> np.ndarray:
     """Tags of the category ``names`` as int64[M] (the uint64 bits reinterpreted), the form
     graphs take them in (``tf.constant``; TF has no uint64 XOR on CPU)."""
     return np.array([category_tag(n) for n in names], dtype=np.uint64).view(np.int64)
 
 
-def hashed_unified_keys(ids, category_names):
+def hashed_unified_keys(ids: npt.ArrayLike, category_names: Sequence[str]) -> np.ndarray:
     """Hashed unified keys ``mix64(uint64(id) ^ tag(c))`` as int64; ``category_names[i]``
     is the category of ``ids[i]``."""
     tags = category_tags(category_names).view(np.uint64)
@@ -60,12 +66,13 @@ def hashed_unified_keys(ids, category_names):
     return mix64(ids ^ tags).view(np.int64)
 
 
-def default_id_bits(num_categories):
+def default_id_bits(num_categories: int) -> int:
     """Bits left for IDs by packed mode: ``63 - ceil(log2(M))``."""
     return 63 - int(num_categories - 1).bit_length()
 
 
-def packed_unified_keys(ids, segment_ids, num_categories, id_bits=None):
+def packed_unified_keys(ids: npt.ArrayLike, segment_ids: npt.ArrayLike, num_categories: int,
+                        id_bits: Optional[int] = None) -> np.ndarray:
     """Exact packed keys ``(segment << id_bits) | id`` as int64 (IDs must fit)."""
     bits = default_id_bits(num_categories) if id_bits is None else id_bits
     ids = np.asarray(ids, dtype=np.int64)
@@ -74,7 +81,7 @@ def packed_unified_keys(ids, segment_ids, num_categories, id_bits=None):
     return (np.asarray(segment_ids, dtype=np.int64) << np.int64(bits)) | ids
 
 
-def tf_mix64(x):
+def tf_mix64(x: "tf.Tensor") -> "tf.Tensor":
     """Pure-TF fmix64 on an int64/int32 tensor -> uint64 tensor (for reference routes)."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     x = tf.bitcast(tf.cast(x, tf.int64), tf.uint64)

@@ -1,15 +1,18 @@
 """``rankwise_sort`` and ``owner_rank``: routing keys to their owner ranks (step a.3)."""
 import collections
+from typing import Optional
 
 import tensorflow as tf
 
 from tf_fusedemb.ops import _loader, _validate
+from tf_fusedemb.ops._validate import TensorLike
 
 RankwiseSortResult = collections.namedtuple(
     "RankwiseSortResult", ["sorted_keys", "sorted_segment_ids", "rank_splits", "indices"])
 
 
-def rankwise_sort(keys, segment_splits, num_ranks, name=None):
+def rankwise_sort(keys: TensorLike, segment_splits: TensorLike, num_ranks: TensorLike,
+                  name: Optional[str] = None) -> RankwiseSortResult:
     """Stable counting sort of keys by owner rank, ready for ``hvd.alltoall``.
 
     The owner of a key is ``mix64(uint64(key)) % num_ranks`` (see
@@ -36,7 +39,8 @@ def rankwise_sort(keys, segment_splits, num_ranks, name=None):
         return RankwiseSortResult(*_loader.raw_op("RankwiseSort")(keys, splits, ranks))
 
 
-def owner_rank(keys, num_ranks, name=None):
+def owner_rank(keys: TensorLike, num_ranks: TensorLike,
+               name: Optional[str] = None) -> tf.Tensor:
     """Owner rank of each key, int32 with the shape of ``keys`` (the rule of rankwise_sort)."""
     with tf.name_scope(name or "owner_rank"):
         keys = _validate.key_tensor(keys, "keys")

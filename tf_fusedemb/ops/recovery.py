@@ -4,13 +4,17 @@
 ``recovery_pool`` gathers and pools (sum/mean/sqrtn) per sample for a whole group in
 one kernel; ``recover_features`` is what a layer calls for one fused group.
 """
+from typing import List, Optional, Sequence, Tuple
+
 import tensorflow as tf
 
 from tf_fusedemb.ops import _loader, _validate
+from tf_fusedemb.ops._validate import TensorLike
 from tf_fusedemb.specs import COMBINERS
 
 
-def recovery_gather(rows, sort_indices, unique_inverse, name=None):
+def recovery_gather(rows: TensorLike, sort_indices: TensorLike, unique_inverse: TensorLike,
+                    name: Optional[str] = None) -> Tuple[tf.Tensor, tf.Tensor]:
     """Rows of the fused layout from the received rank-sorted rows.
 
     Args:
@@ -30,8 +34,9 @@ def recovery_gather(rows, sort_indices, unique_inverse, name=None):
         return _loader.raw_op("RecoveryGather")(rows, sort_indices, unique_inverse)
 
 
-def recovery_pool(rows, recover_indices, pool_splits, feature_pool_splits, combiners,
-                  name=None):
+def recovery_pool(rows: TensorLike, recover_indices: TensorLike, pool_splits: TensorLike,
+                  feature_pool_splits: TensorLike, combiners: Sequence[str],
+                  name: Optional[str] = None) -> tf.Tensor:
     """Gather and pool the rows of all features of a group in one kernel.
 
     Args:
@@ -56,7 +61,9 @@ def recovery_pool(rows, recover_indices, pool_splits, feature_pool_splits, combi
         return _loader.raw_op("RecoveryPool")(rows, rec, splits, fsplits, combiners=combiners)
 
 
-def recover_features(rows, sort_indices, unique_inverse, feature_row_splits, combiners):
+def recover_features(rows: TensorLike, sort_indices: TensorLike, unique_inverse: TensorLike,
+                     feature_row_splits: Sequence[tf.Tensor],
+                     combiners: Sequence[Optional[str]]) -> List[tf.Tensor]:
     """Per-feature embeddings of one fused group, with one pooling kernel for the group.
 
     Args:

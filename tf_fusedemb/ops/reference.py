@@ -3,18 +3,21 @@
 They are the baselines of ``tf_fusedemb.benchmarks.ops`` and an independent
 reference for the tests. None of them loads the op library except where noted.
 """
+from typing import List, Tuple
+
 import tensorflow as tf
 
 from tf_fusedemb.ops import hashing
 
 
-def segment_ids_from_splits(segment_splits):
+def segment_ids_from_splits(segment_splits: tf.Tensor) -> tf.Tensor:
     """int32[n] segment of each key from int64[M+1] row splits."""
     lengths = segment_splits[1:] - segment_splits[:-1]
     return tf.repeat(tf.range(tf.size(lengths), dtype=tf.int32), lengths)
 
 
-def per_segment_unique(keys, segment_splits, num_segments):
+def per_segment_unique(keys: tf.Tensor, segment_splits: tf.Tensor,
+                       num_segments: int) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
     """Strawman 1: one ``tf.unique`` per category (M op launches), same outputs as
     ``segment_unique``. ``num_segments`` must be a Python int."""
     uniques, inverses, counts, sizes = [], [], [], []
@@ -32,7 +35,7 @@ def per_segment_unique(keys, segment_splits, num_segments):
     return tf.concat(uniques, 0), splits, tf.concat(inverses, 0), tf.concat(counts, 0)
 
 
-def hashed_unique(keys, segment_splits):
+def hashed_unique(keys: tf.Tensor, segment_splits: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
     """Strawman 2: one ``tf.unique`` over keys hashed with their category (the paper's
     lossy scheme). Returns (unique hashed keys, inverse). Hash: ``mix64(key ^ tag_s)``
     with a per-segment 64-bit tag, in pure TF."""
@@ -43,18 +46,19 @@ def hashed_unique(keys, segment_splits):
     return unique, inverse
 
 
-def tf_mix64_range(m):
+def tf_mix64_range(m: tf.Tensor) -> tf.Tensor:
     """M distinct 64-bit tags (mix64 of 1..M), uint64[M]."""
     return hashing.tf_mix64(tf.range(1, m + 1, dtype=tf.int64))
 
 
-def owners_pure_tf(keys, num_ranks):
+def owners_pure_tf(keys: tf.Tensor, num_ranks: tf.Tensor) -> tf.Tensor:
     """Owner ranks with the library's hash, in pure TF: int32[n]."""
     return tf.cast(tf.math.floormod(hashing.tf_mix64(keys), tf.cast(num_ranks, tf.uint64)),
                    tf.int32)
 
 
-def argsort_rankwise_sort(keys, segment_splits, num_ranks, owners):
+def argsort_rankwise_sort(keys: tf.Tensor, segment_splits: tf.Tensor, num_ranks: int,
+                          owners: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
     """The argsort route: stable ``tf.argsort`` of the owners, then gathers.
     ``owners`` (int32[n]) is given so the route is timed on sorting alone."""
     perm = tf.argsort(owners, stable=True)
@@ -65,7 +69,9 @@ def argsort_rankwise_sort(keys, segment_splits, num_ranks, owners):
     return sorted_keys, sorted_segs, rank_splits, indices
 
 
-def dynamic_partition_rankwise_sort(keys, segment_splits, num_ranks, owners):
+def dynamic_partition_rankwise_sort(
+        keys: tf.Tensor, segment_splits: tf.Tensor, num_ranks: int,
+        owners: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
     """The dynamic_partition route (what TFRA's HvdAllToAllEmbedding does).
     ``num_ranks`` must be a Python int."""
     positions = tf.range(tf.size(keys, out_type=tf.int32))
@@ -78,7 +84,8 @@ def dynamic_partition_rankwise_sort(keys, segment_splits, num_ranks, owners):
         tf.math.invert_permutation(perm)
 
 
-def scatter_nd_recovery(rows, partition_positions, unique_inverse):
+def scatter_nd_recovery(rows: tf.Tensor, partition_positions: tf.Tensor,
+                        unique_inverse: tf.Tensor) -> tf.Tensor:
     """TFRA's recovery: ``tf.scatter_nd`` the received rows back to unique order by the
     positions ``dynamic_partition`` produced (sorted position -> unique position, the
     inverse of I_s), then ``tf.gather`` by the unique inverse: [n, D]."""
@@ -86,7 +93,8 @@ def scatter_nd_recovery(rows, partition_positions, unique_inverse):
     return tf.gather(unique_rows, unique_inverse)
 
 
-def gather_pool(rows, recover_indices, row_splits, combiner):
+def gather_pool(rows: tf.Tensor, recover_indices: tf.Tensor, row_splits: tf.Tensor,
+                combiner: str) -> tf.Tensor:
     """Pure-TF pooled recovery of one feature: ``tf.sparse.segment_{sum,mean,sqrt_n}``."""
     seg = tf.cast(segment_ids_from_splits(tf.cast(row_splits, tf.int64)), tf.int32)
     fn = {"sum": tf.sparse.segment_sum, "mean": tf.sparse.segment_mean,

@@ -1,15 +1,18 @@
 """``segment_unique``: FusedRec's one-pass, category-aware deduplication (step a.2)."""
 import collections
+from typing import Optional
 
 import tensorflow as tf
 
 from tf_fusedemb.ops import _loader, _validate
+from tf_fusedemb.ops._validate import TensorLike
 
 SegmentUniqueResult = collections.namedtuple(
     "SegmentUniqueResult", ["unique_keys", "unique_segment_splits", "inverse", "counts"])
 
 
-def segment_unique(keys, segment_splits, name=None):
+def segment_unique(keys: TensorLike, segment_splits: TensorLike,
+                   name: Optional[str] = None) -> SegmentUniqueResult:
     """Removes duplicates inside each segment of a fused key vector, in one op.
 
     Equal keys in different segments are kept (a0 and b0 both stay). Segments keep their
