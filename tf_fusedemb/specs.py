@@ -21,7 +21,11 @@ import dataclasses
 import hashlib
 import json
 import math
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, TypeGuard, Union
+
+# Hyper-parameters as given (a mapping or (key, value) pairs); a spec stores them canonical, as a
+# sorted tuple of (key, float) pairs, so that it stays hashable and ordered.
+HParams = Union[Tuple[Tuple[str, float], ...], Mapping[str, float]]
 
 __all__ = ["OptimizerSpec", "InitializerSpec", "AdmissionPolicy", "EvictionPolicy", "TableSpec",
            "FeatureSpec", "FusedGroup", "FusionPlan", "describe_plan_difference", "plan_fusion",
@@ -65,7 +69,7 @@ def _fail(kind: str, name: Any, msg: str):
     raise ValueError(f"{kind} {name!r}: {msg}")
 
 
-def _is_int(v) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -114,9 +118,9 @@ class OptimizerSpec:
     """
     name: str
     learning_rate: float
-    params: tuple = ()
+    params: HParams = ()
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.name not in _OPTIMIZERS:
             _fail("OptimizerSpec", self.name, f"name is not one of {tuple(_OPTIMIZERS)}")
         lr = _number("OptimizerSpec", self.name, "learning_rate", self.learning_rate)
@@ -188,9 +192,9 @@ class InitializerSpec:
         {'mean': 0.0, 'stddev': 0.01}
     """
     name: str = "uniform"
-    params: tuple = ()
+    params: HParams = ()
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.name not in _INITIALIZERS:
             _fail("InitializerSpec", self.name, f"name is not one of {tuple(_INITIALIZERS)}")
         params = _canonical("InitializerSpec", self.name, _INITIALIZERS[self.name], self.params)
@@ -256,7 +260,7 @@ class AdmissionPolicy:
     """
     min_count: int
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _positive_int("AdmissionPolicy", "min_count", self.min_count)
 
     def to_dict(self) -> dict:
@@ -303,7 +307,7 @@ class EvictionPolicy:
     max_rows: Optional[int] = None
     every_steps: int = 1
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _positive_int("EvictionPolicy", "ttl_steps", self.ttl_steps, optional=True)
         _positive_int("EvictionPolicy", "max_rows", self.max_rows, optional=True)
         _positive_int("EvictionPolicy", "every_steps", self.every_steps)
@@ -350,7 +354,7 @@ class TableSpec:
     eviction: Optional[EvictionPolicy] = None
     storage: Optional[str] = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _check_name("TableSpec", self.name)
         if not _is_int(self.dim) or self.dim <= 0:
             _fail("TableSpec", self.name, f"dim must be an int > 0, got {self.dim!r}")
@@ -453,7 +457,7 @@ class FeatureSpec:
     combiner: Optional[str] = "sum"
     max_len: Optional[int] = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _check_name("FeatureSpec", self.name)
         if not isinstance(self.table, TableSpec):
             _fail("FeatureSpec", self.name, f"table must be a TableSpec, got {self.table!r}")
@@ -509,7 +513,7 @@ class FusedGroup:
     name: str
     features: tuple
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _check_name("FusedGroup", self.name)
         object.__setattr__(self, "features", tuple(self.features))
         if not self.features:
@@ -566,7 +570,7 @@ class FusionPlan:
     groups: tuple
     _index: dict = dataclasses.field(init=False, repr=False, compare=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         object.__setattr__(self, "groups", tuple(self.groups))
         index, group_names = {}, set()
         for g in self.groups:
@@ -623,7 +627,7 @@ class FusionPlan:
         """JSON-able; ``policies=False`` leaves the tables' admission/eviction policies
         and storage backends out (the storage layout alone, what a checkpoint must match:
         rows saved from one backend restore onto another)."""
-        d = {"format": _PLAN_FORMAT, "groups": [
+        d: Dict[str, Any] = {"format": _PLAN_FORMAT, "groups": [
             {"name": g.name, "features": [f.to_dict() for f in g.features]} for g in self.groups]}
         if not policies:
             for g in d["groups"]:
