@@ -34,13 +34,17 @@ Example::
     rows = storage.table.lookup(keys, init_keys)       # float32[u, dim]
 """
 import abc
-from typing import (Callable, ClassVar, Dict, NamedTuple, Optional, Protocol, Sequence,
-                    runtime_checkable)
+from typing import (TYPE_CHECKING, Callable, ClassVar, Dict, NamedTuple, Optional, Protocol,
+                    Sequence, Tuple, Union, cast, runtime_checkable)
 
 import numpy as np
 import tensorflow as tf
 
 from tf_fusedemb.specs import FusedGroup, STORAGES
+
+if TYPE_CHECKING:  # the backends import their tables when they create one (TFRA is heavy)
+    from tf_fusedemb.ops.category_hash import CategoryHashResult
+    from tf_fusedemb.storage.engine_table import EngineGroupTable
 
 __all__ = ["BACKENDS", "EngineBackend", "GroupStorage", "StaticBackend", "StaticLayout",
            "StatisticsStorage", "StorageBackend", "TableStorage", "TfraBackend", "backend_for"]
@@ -53,15 +57,20 @@ class TableStorage(Protocol):
 
     dim: int
     step: tf.Variable  # int64 scalar, optimizer steps taken
+    # Optional admission filter, keys int64[u] -> bool[u]: only admitted keys are written
+    # (StorageBackend.install_admission sets it where the update does not decide itself).
+    admission: Optional[Callable[[tf.Tensor], tf.Tensor]]
 
     @property
     def slot_names(self) -> tuple: ...
 
-    def lookup(self, keys, init_keys=None) -> tf.Tensor:
+    def lookup(self, keys: tf.Tensor, init_keys: Optional[tf.Tensor] = None) -> tf.Tensor:
         """float32[u, dim] rows of ``keys`` int64[u]; a key without a stored row gets its
         initial row (of ``init_keys`` int64[u]) and is not inserted."""
 
-    def apply_gradients(self, keys, grads, init_keys=None, step=None, return_rows=False):
+    def apply_gradients(self, keys: tf.Tensor, grads: tf.Tensor,
+                        init_keys: Optional[tf.Tensor] = None, step: Optional[tf.Tensor] = None,
+                        return_rows: bool = False) -> Union[tf.Operation, Tuple[tf.Operation, tf.Tensor]]:
         """One optimizer step on the rows of UNIQUE ``keys`` int64[u] with ``grads``
         float32[u, dim]; inserts new keys. Returns the op, or (op, rows float32[u, dim])."""
 
@@ -72,13 +81,13 @@ class TableStorage(Protocol):
         """Stored rows sorted by key: keys int64[s], values float32[s, dim], per slot
         float32[s, dim]; with ``keys`` int64[k], only the stored ones among them."""
 
-    def load(self, exported: Dict[str, tf.Tensor]):
+    def load(self, exported: Dict[str, tf.Tensor]) -> Optional[tf.Operation]:
         """Writes rows as :meth:`export` returns them (slots optional)."""
 
-    def contains(self, keys) -> tf.Tensor:
+    def contains(self, keys: tf.Tensor) -> tf.Tensor:
         """bool[u]: whether each of ``keys`` int64[u] has a stored row."""
 
-    def remove(self, keys):
+    def remove(self, keys: tf.Tensor) -> Optional[tf.Operation]:
         """Drops the rows and slots of ``keys`` int64[u] (eviction)."""
 
     def size(self) -> tf.Tensor:
@@ -92,13 +101,14 @@ class StatisticsStorage(Protocol):
 
     categories: tuple
 
-    def record(self, hashed, accesses, step=None):
+    def record(self, hashed: "CategoryHashResult", accesses: tf.Tensor,
+               step: Optional[tf.Tensor] = None) -> Optional[tf.Operation]:
         """Adds one step's owner-side accesses (``CategoryHashResult``, int64[n]); an op."""
 
-    def key_metadata(self, keys):
+    def key_metadata(self, keys: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
         """(table int64[u], ID int64[u]) tensors of ``keys``; table -1 if never recorded."""
 
-    def counts_of(self, keys) -> tf.Tensor:
+    def counts_of(self, keys: tf.Tensor) -> tf.Tensor:
         """int64[u] access counts of ``keys``."""
 
     def size(self) -> tf.Tensor:
@@ -110,13 +120,15 @@ class StatisticsStorage(Protocol):
     def export(self) -> Dict[str, np.ndarray]:
         """keys, counts, categories, ids, last_steps, sorted by key."""
 
-    def register(self, keys, categories, ids, step=0):
+    def register(self, keys: np.ndarray, categories: np.ndarray, ids: np.ndarray,
+                 step: int = 0) -> None:
         """Records the identity of stored keys with no access."""
 
-    def remove(self, keys):
+    def remove(self, keys: np.ndarray) -> None:
         """Forgets ``keys`` (their counts leave the category totals)."""
 
-    def load(self, keys, counts, categories, ids, last_steps=None):
+    def load(self, keys: np.ndarray, counts: np.ndarray, categories: np.ndarray, ids: np.ndarray,
+             last_steps: Optional[np.ndarray] = None) -> None:
         """Adds per-key statistics (a checkpoint's share)."""
 
     def category_totals(self) -> Dict[str, int]:
@@ -141,8 +153,8 @@ class StaticLayout(NamedTuple):
     keys and their instance IDs (the exchange routes by ID); this ``rank`` of
     ``num_ranks``."""
     vocabulary_size: int
-    init_keys: Callable
-    owner_ids: Callable
+    init_keys: Callable[[np.ndarray], np.ndarray]
+    owner_ids: Callable[[np.ndarray], np.ndarray]
     rank: int
     num_ranks: int
 
@@ -159,7 +171,7 @@ class StorageBackend(abc.ABC):
         ``static`` is required by, and only by, the static backend."""
 
     def install_admission(self, storage: GroupStorage, min_counts: Sequence[int],
-                          admitted: Callable) -> None:
+                          admitted: Callable[[tf.Tensor], tf.Tensor]) -> None:
         """Makes updates store only admitted keys: per table t a key without a row needs
         an access count >= ``min_counts[t]`` (int64[T]); ``admitted`` (keys int64[u] ->
         bool[u]) is that rule written with the storage's public calls, for backends that
@@ -180,7 +192,8 @@ class TfraBackend(StorageBackend):
 
     name = "tfra"
 
-    def create(self, group, table_name, static=None):
+    def create(self, group: FusedGroup, table_name: str,
+               static: Optional[StaticLayout] = None) -> GroupStorage:
         from tf_fusedemb.storage.dynamic_table import DynamicGroupTable  # loads TFRA
         from tf_fusedemb.storage.statistics import AccessStatistics
         _no_layout(self, group, static)
@@ -195,21 +208,23 @@ class EngineBackend(StorageBackend):
 
     name = "engine"
 
-    def create(self, group, table_name, static=None):
+    def create(self, group: FusedGroup, table_name: str,
+               static: Optional[StaticLayout] = None) -> GroupStorage:
         from tf_fusedemb.storage.engine_table import EngineGroupTable, EngineStatistics
         _no_layout(self, group, static)
         table = EngineGroupTable(table_name, group.dim, group.initializer, group.optimizer)
         return GroupStorage(table, EngineStatistics(group.name, [t.name for t in group.tables],
                                                     table.engine))
 
-    def install_admission(self, storage, min_counts, admitted):
+    def install_admission(self, storage: GroupStorage, min_counts: Sequence[int],
+                          admitted: Callable[[tf.Tensor], tf.Tensor]) -> None:
         # Decided inside the update kernel from the block's count and table: the same rule.
-        storage.table.set_admission(min_counts)
+        _engine_table(storage).set_admission(min_counts)
 
-    def memory_bytes(self, storage, dim):
+    def memory_bytes(self, storage: GroupStorage, dim: int) -> int:
         """The bytes the engine allocated (arena chunks and index arrays) for rows, slots
         and statistics together: what the process really holds for the group."""
-        return int(storage.table.bytes_held().numpy())
+        return int(_engine_table(storage).bytes_held().numpy())
 
 
 class StaticBackend(StorageBackend):
@@ -217,7 +232,8 @@ class StaticBackend(StorageBackend):
 
     name = "static"
 
-    def create(self, group, table_name, static=None):
+    def create(self, group: FusedGroup, table_name: str,
+               static: Optional[StaticLayout] = None) -> GroupStorage:
         from tf_fusedemb.storage.static_table import StaticGroupTable
         from tf_fusedemb.storage.statistics import AccessStatistics
         if static is None:
@@ -227,11 +243,18 @@ class StaticBackend(StorageBackend):
                                  num_ranks=static.num_ranks, owner_ids=static.owner_ids)
         return GroupStorage(table, AccessStatistics(group.name, [t.name for t in group.tables]))
 
-    def install_admission(self, storage, min_counts, admitted):
+    def install_admission(self, storage: GroupStorage, min_counts: Sequence[int],
+                          admitted: Callable[[tf.Tensor], tf.Tensor]) -> None:
         raise ValueError("static tables have no admission (their memory is fixed)")
 
 
-def _no_layout(backend: StorageBackend, group: FusedGroup, static) -> None:
+def _engine_table(storage: GroupStorage) -> "EngineGroupTable":
+    """The table of a storage the engine backend created (EngineBackend.create makes it)."""
+    return cast("EngineGroupTable", storage.table)
+
+
+def _no_layout(backend: StorageBackend, group: FusedGroup,
+               static: Optional[StaticLayout]) -> None:
     if static is not None or group.is_static:
         raise ValueError(f"group '{group.name}': the {backend.name!r} backend is for dynamic "
                          "tables; static tables use the 'static' backend")

@@ -1,8 +1,11 @@
 """DynamicGroupTable: a group's rows and slots in TFRA dynamic embedding hash tables."""
+from typing import Dict, Optional, Sequence
+
 import tensorflow as tf
 
 from tf_fusedemb.storage import serial_insert  # noqa: F401  (before any table exists)
 from tf_fusedemb.storage.initializers import init_rows
+from tf_fusedemb.specs import InitializerSpec, OptimizerSpec
 from tf_fusedemb.storage.group_table import GroupTable, _object_name
 
 __all__ = ["DynamicGroupTable"]
@@ -34,7 +37,8 @@ class DynamicGroupTable(GroupTable):
         validate_unique: check that apply_gradients gets unique keys (debugging).
     """
 
-    def __init__(self, name, dim, initializer, optimizer, devices=None, validate_unique=False):
+    def __init__(self, name: str, dim: int, initializer: InitializerSpec, optimizer: OptimizerSpec,
+                 devices: Optional[Sequence[str]] = None, validate_unique: bool = False):
         super().__init__(name, dim, initializer, optimizer, validate_unique)
         de = _tfra()
         base = _object_name(name)
@@ -48,12 +52,12 @@ class DynamicGroupTable(GroupTable):
             self.values = table("values", 0.0)
             self.slots = {n: table(n, v) for n, v in self.optimizer.initial_slot_values.items()}
 
-    def size(self):
+    def size(self) -> tf.Tensor:
         # Not de.Variable.size(): it caches the size tensor of the first graph that calls
         # it, and a second tf.function then fails with "out of scope".
         return tf.add_n([t.size() for t in self.values.tables])
 
-    def export(self, keys=None):
+    def export(self, keys: Optional[tf.Tensor] = None) -> Dict[str, tf.Tensor]:
         if keys is None:
             # TFRA 0.8.1's CPU export sizes its output by the table's element counter and
             # fills it by iterating the buckets; libcuckoo's counter and iteration can
@@ -70,11 +74,11 @@ class DynamicGroupTable(GroupTable):
             out[n] = self.slots[n].lookup(keys)
         return out
 
-    def contains(self, keys):
+    def contains(self, keys: tf.Tensor) -> tf.Tensor:
         """bool[u]: whether each of ``keys`` int64[u] has a stored row."""
         return self.values.lookup(self._as_keys(keys, "keys"), return_exists=True)[1]
 
-    def remove(self, keys):
+    def remove(self, keys: tf.Tensor) -> Optional[tf.Operation]:
         """Removes the rows of ``keys`` int64[u] and their optimizer slots (absent keys
         are ignored); they read their initial rows again. Returns the op (None eagerly)."""
         keys = self._as_keys(keys, "keys")

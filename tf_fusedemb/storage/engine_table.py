@@ -15,12 +15,14 @@ Example (one group on one rank)::
     stats = EngineStatistics("g0", ["user", "item"], table.engine)
     table.set_admission([2, 1])         # min_count per table, decided inside the update
 """
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import tensorflow as tf
 
 from tf_fusedemb.ops.embedding_engine import DEFAULT_NUM_SHARDS, EmbeddingEngine
+from tf_fusedemb.ops.category_hash import CategoryHashResult
+from tf_fusedemb.specs import InitializerSpec, OptimizerSpec
 from tf_fusedemb.storage import initializers
 from tf_fusedemb.storage.group_table import GroupTable
 from tf_fusedemb.storage.statistics import AccessStatistics
@@ -43,17 +45,17 @@ class EngineGroupTable(GroupTable):
         validate_unique: check that apply_gradients gets unique keys (debugging).
     """
 
-    def __init__(self, name: str, dim: int, initializer, optimizer,
+    def __init__(self, name: str, dim: int, initializer: InitializerSpec, optimizer: OptimizerSpec,
                  num_shards: int = DEFAULT_NUM_SHARDS, validate_unique: bool = False):
         super().__init__(name, dim, initializer, optimizer, validate_unique)
         with tf.init_scope():
             self.engine = EmbeddingEngine(
                 name, dim, initializer, initializers._params(initializer),  # pylint: disable=protected-access
                 optimizer, num_shards)
-        self._min_counts = None
+        self._min_counts: Optional[tf.Tensor] = None  # int64[T] while admission is on
 
     # ---------------------------------------------------------------- admission
-    def set_admission(self, min_counts: Optional[Sequence[int]]):
+    def set_admission(self, min_counts: Optional[Sequence[int]]) -> None:
         """Admission inside the update: ``min_counts`` int64[T], the count a key of table t
         needs before its row is stored (GroupLookup._admitted's rule: a stored key or a key
         never recorded is always admitted); None turns admission off."""
@@ -68,7 +70,9 @@ class EngineGroupTable(GroupTable):
             self._min_counts = tf.constant(values)
 
     # ---------------------------------------------------------------- GroupTable
-    def apply_gradients(self, keys, grads, init_keys=None, step=None, return_rows=False):
+    def apply_gradients(self, keys: tf.Tensor, grads: tf.Tensor,
+                        init_keys: Optional[tf.Tensor] = None, step: Optional[tf.Tensor] = None,
+                        return_rows: bool = False) -> Union[tf.Operation, Tuple[tf.Operation, tf.Tensor]]:
         """GroupTable.apply_gradients in one engine pass per key (read, optimizer, write).
 
         Args:
@@ -98,7 +102,7 @@ class EngineGroupTable(GroupTable):
         rows, slots and statistics together."""
         return self.engine.size().bytes_held
 
-    def export(self, keys=None) -> Dict[str, tf.Tensor]:
+    def export(self, keys: Optional[tf.Tensor] = None) -> Dict[str, tf.Tensor]:
         if keys is None:
             out = self.engine.export(stored_only=True, with_rows=True)
             keys, values, slots = out.keys, out.values, out.slots
@@ -108,11 +112,11 @@ class EngineGroupTable(GroupTable):
             values, slots = self.engine.gather_rows(keys)
         return dict(self.engine.slots_dict(slots, self.slot_names), keys=keys, values=values)
 
-    def contains(self, keys) -> tf.Tensor:
+    def contains(self, keys: tf.Tensor) -> tf.Tensor:
         """bool[u]: whether each of ``keys`` int64[u] has a stored row."""
         return self.engine.find(self._as_keys(keys, "keys")).stored
 
-    def remove(self, keys):
+    def remove(self, keys: tf.Tensor) -> Optional[tf.Operation]:
         """Removes the rows of ``keys`` int64[u] and their optimizer slots (absent keys
         are ignored); they read their initial rows again, their statistics stay. Returns
         the op (None eagerly)."""
@@ -160,25 +164,25 @@ class EngineStatistics(AccessStatistics):
         return self.engine.record(keys, hashed.lookup_segment_ids, hashed.lookup_ids, counts,
                                   last_steps, overwrite_last_step=step is not None)
 
-    def key_metadata(self, keys):
+    def key_metadata(self, keys: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
         """(category index int64[u], instance ID int64[u]) behind unified ``keys``; category
         -1 for a key never recorded here."""
         found = self.engine.find(tf.convert_to_tensor(keys, tf.int64))
         return tf.cast(found.tables, tf.int64), found.ids
 
-    def counts_of(self, keys):
+    def counts_of(self, keys: tf.Tensor) -> tf.Tensor:
         """int64[u]: access counts of unified ``keys`` (0 for a key never recorded)."""
         return self.engine.find(tf.convert_to_tensor(keys, tf.int64)).counts
 
-    def size(self):
+    def size(self) -> tf.Tensor:
         """int64 scalar: number of keys tracked here (with a recorded (category, ID))."""
         return self.engine.size().tracked
 
-    def known_keys(self):
+    def known_keys(self) -> np.ndarray:
         """int64[k], sorted: every key whose (category, ID) is recorded here (eager)."""
         return self.export()["keys"]
 
-    def export(self):
+    def export(self) -> Dict[str, np.ndarray]:
         """Per-key statistics as numpy arrays, sorted by key: keys, counts, categories,
         ids, last_steps (eager)."""
         out = self.engine.export(stored_only=False, with_rows=False)
@@ -189,7 +193,8 @@ class EngineStatistics(AccessStatistics):
                 "ids": out.fields.ids.numpy()[tracked],
                 "last_steps": out.fields.last_steps.numpy()[tracked]}
 
-    def register(self, keys, categories, ids, step=0):
+    def register(self, keys: np.ndarray, categories: np.ndarray, ids: np.ndarray,
+                 step: int = 0) -> None:
         """Records the (category, ID) behind stored ``keys`` (int64[u], int64[u], int64[u])
         with no access; a key not tracked yet gets ``step`` as its last step (eager)."""
         if len(keys) == 0:

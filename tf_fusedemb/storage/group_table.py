@@ -23,7 +23,7 @@ before it): a duplicated key would be read twice and written twice, and only one
 two updates would survive. ``validate_unique=True`` adds a check for debugging.
 """
 import re
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import tensorflow as tf
 
@@ -76,7 +76,7 @@ class GroupTable(tf.Module):
         self.validate_unique = validate_unique
         # Optional admission filter, keys int64[u] -> bool[u] (set by the group's lookup
         # when a table has an AdmissionPolicy): apply_gradients stores only admitted keys.
-        self.admission = None
+        self.admission: Optional[Callable[[tf.Tensor], tf.Tensor]] = None
         with tf.init_scope():  # state is created once, even if the first call is traced
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False,
                                     name=f"{_object_name(name)}_step")
@@ -90,7 +90,7 @@ class GroupTable(tf.Module):
         return self.optimizer.slot_names
 
     # ---------------------------------------------------------------- public API
-    def lookup(self, keys, init_keys=None) -> tf.Tensor:
+    def lookup(self, keys: tf.Tensor, init_keys: Optional[tf.Tensor] = None) -> tf.Tensor:
         """Rows of ``keys``; a never-updated key gets its initial row and is NOT inserted.
 
         Args:
@@ -103,7 +103,9 @@ class GroupTable(tf.Module):
         keys = self._check_keys(self._as_keys(keys, "keys"))
         return self._lookup(keys, self._init_keys(keys, init_keys))
 
-    def apply_gradients(self, keys, grads, init_keys=None, step=None, return_rows=False):
+    def apply_gradients(self, keys: tf.Tensor, grads: tf.Tensor,
+                        init_keys: Optional[tf.Tensor] = None, step: Optional[tf.Tensor] = None,
+                        return_rows: bool = False) -> Union[tf.Operation, Tuple[tf.Operation, tf.Tensor]]:
         """One optimizer step on the rows of ``keys``; new keys are inserted.
 
         Reads the rows (stored, or the initial rows of ``init_keys``) and their slots
@@ -175,7 +177,7 @@ class GroupTable(tf.Module):
         """
         raise NotImplementedError
 
-    def load(self, exported: Dict[str, tf.Tensor]):
+    def load(self, exported: Dict[str, tf.Tensor]) -> Optional[tf.Operation]:
         """Writes rows exported by :meth:`export` (of this or another table of the same
         spec); slots missing from ``exported`` start at their initial values.
 
@@ -193,11 +195,11 @@ class GroupTable(tf.Module):
         """int64 scalar: number of stored (updated or loaded) keys."""
         raise NotImplementedError
 
-    def contains(self, keys) -> tf.Tensor:
+    def contains(self, keys: tf.Tensor) -> tf.Tensor:
         """bool[u]: whether each of ``keys`` int64[u] has a stored (updated or loaded) row."""
         raise NotImplementedError
 
-    def remove(self, keys):
+    def remove(self, keys: tf.Tensor) -> Optional[tf.Operation]:
         """Removes the rows and optimizer slots of ``keys`` int64[u] (absent keys are
         ignored); they read their initial rows again. Returns the op (None eagerly)."""
         raise NotImplementedError

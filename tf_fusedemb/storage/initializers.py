@@ -26,9 +26,16 @@ All float math runs in float64 and is cast to float32 once at the end, in both m
 log and cos may differ by an ulp of float64 between libms, which changes the float32
 result only when the value sits on a rounding boundary (about 2^-29 per value).
 """
+from typing import TYPE_CHECKING
+
 import numpy as np
+import numpy.typing as npt
 
 from tf_fusedemb.ops import hashing
+from tf_fusedemb.specs import InitializerSpec
+
+if TYPE_CHECKING:  # TensorFlow is imported by the TF mirror only: the numpy mirror needs none
+    import tensorflow as tf
 
 __all__ = ["SALT", "TRUNCATED_DRAWS", "init_rows", "init_rows_np"]
 
@@ -69,7 +76,7 @@ def _np_normal(b):
     return np.sqrt(-2.0 * np.log(u1)) * np.cos(_TWO_PI * u2)
 
 
-def init_rows_np(keys, dim, spec):
+def init_rows_np(keys: npt.ArrayLike, dim: int, spec: InitializerSpec) -> np.ndarray:
     """Numpy mirror of :func:`init_rows`, bit-identical.
 
     Args:
@@ -115,7 +122,7 @@ def _tf_normal(b):
     return tf.sqrt(-2.0 * tf.math.log(u1)) * tf.cos(_TWO_PI * u2)
 
 
-def init_rows(keys, dim, spec):
+def init_rows(keys: "tf.Tensor", dim: int, spec: InitializerSpec) -> "tf.Tensor":
     """Initial rows of ``keys``, a pure function of each key (graph-safe, any static shape).
 
     Args:

@@ -25,9 +25,11 @@ to the same rows, operation for operation in float32, so results agree to roundi
 Shapes: ``rows``, ``grads`` and each slot are float32[u, dim], one row per UNIQUE key
 (gradients already summed per key).
 """
-from typing import Dict, Tuple
+from typing import Dict, Tuple, Union
 
 import tensorflow as tf
+
+from tf_fusedemb.specs import OptimizerSpec
 
 __all__ = ["RowOptimizer", "ADAGRAD_EPSILON"]
 
@@ -48,13 +50,13 @@ class RowOptimizer:
         rows, slots = opt.apply(rows, slots, grads, step)
     """
 
-    def __init__(self, spec):
+    def __init__(self, spec: OptimizerSpec):
         self.spec = spec
         self.hparams = spec.hparams
         self.learning_rate = spec.learning_rate
 
     @classmethod
-    def from_spec(cls, spec) -> "RowOptimizer":
+    def from_spec(cls, spec: OptimizerSpec) -> "RowOptimizer":
         impl = {"sgd": _Sgd, "adagrad": _Adagrad, "ftrl": _Ftrl, "adam": _LazyAdam}[spec.name]
         return impl(spec)
 
@@ -68,7 +70,7 @@ class RowOptimizer:
         """Slot name -> the value every element of a new row's slot starts at."""
         return {}
 
-    def initial_slots(self, num_rows, dim: int) -> Dict[str, tf.Tensor]:
+    def initial_slots(self, num_rows: Union[int, tf.Tensor], dim: int) -> Dict[str, tf.Tensor]:
         """Slots of ``num_rows`` new rows.
 
         Args:
@@ -81,7 +83,8 @@ class RowOptimizer:
         shape = tf.stack([tf.cast(num_rows, tf.int32), dim])
         return {n: tf.fill(shape, _f32(v)) for n, v in self.initial_slot_values.items()}
 
-    def apply(self, rows, slots: Dict[str, tf.Tensor], grads, step) -> Tuple[tf.Tensor, Dict[str, tf.Tensor]]:
+    def apply(self, rows: tf.Tensor, slots: Dict[str, tf.Tensor], grads: tf.Tensor,
+              step: tf.Tensor) -> Tuple[tf.Tensor, Dict[str, tf.Tensor]]:
         """One optimizer step on touched rows.
 
         Args:

@@ -13,9 +13,14 @@ The cap is global (over all ranks) and the order of eviction is a total order on
 ranks: each rank offers its ``excess`` smallest keys, one ``allgather_object`` merges
 them, and every rank evicts its own keys up to the global ``excess``-th smallest.
 """
-from typing import Dict, List, Mapping, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
+
+from tf_fusedemb.specs import EvictionPolicy, TableSpec
+
+# Communicator.allgather_object: one picklable object from each rank, in rank order.
+Allgather = Callable[[Any], List[Any]]
 
 __all__ = ["GroupPolicy", "ttl_expired", "cap_order"]
 
@@ -26,7 +31,7 @@ def ttl_expired(last_steps: np.ndarray, step: int, ttl_steps: int) -> np.ndarray
     return step - np.asarray(last_steps, np.int64) > ttl_steps
 
 
-def cap_order(counts, last_steps, ids) -> np.ndarray:
+def cap_order(counts: np.ndarray, last_steps: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """int64[k]: the keys in the order the cap evicts them (least accessed first, then
     least recently seen, then the smaller ID); inputs int64[k] each."""
     return np.lexsort((np.asarray(ids, np.int64), np.asarray(last_steps, np.int64),
@@ -44,7 +49,7 @@ class GroupPolicy:
       evictions: {category index: EvictionPolicy}.
     """
 
-    def __init__(self, tables: Sequence):
+    def __init__(self, tables: Sequence[TableSpec]):
         self.min_counts = np.array([t.admission.min_count if t.admission else 0
                                     for t in tables], np.int64)
         self.evictions = {c: t.eviction for c, t in enumerate(tables) if t.eviction is not None}
@@ -54,11 +59,12 @@ class GroupPolicy:
         """Whether some table has an admission threshold above 1."""
         return bool((self.min_counts > 1).any())
 
-    def due(self, step: int) -> Dict[int, object]:
+    def due(self, step: int) -> Dict[int, EvictionPolicy]:
         """{category: EvictionPolicy} of the tables evaluated after ``step``."""
         return {c: p for c, p in self.evictions.items() if step > 0 and step % p.every_steps == 0}
 
-    def evictions_at(self, step: int, stats: Mapping[str, np.ndarray], allgather) -> np.ndarray:
+    def evictions_at(self, step: int, stats: Mapping[str, np.ndarray],
+                     allgather: Allgather) -> np.ndarray:
         """The keys this rank evicts after ``step``.
 
         Args:
@@ -84,7 +90,9 @@ class GroupPolicy:
             evict |= self._over_cap(capped, due, stats, evict, allgather)
         return np.asarray(stats["keys"], np.int64)[evict]
 
-    def _over_cap(self, capped: List[int], due, stats, evicted, allgather) -> np.ndarray:
+    def _over_cap(self, capped: List[int], due: Dict[int, EvictionPolicy],
+                  stats: Mapping[str, np.ndarray], evicted: np.ndarray,
+                  allgather: Allgather) -> np.ndarray:
         """bool[k]: the keys the caps of the ``capped`` tables evict, among the keys not
         ``evicted`` already. Two collectives: the tables' sizes, then, for the tables
         over their cap by ``excess`` keys, each rank's ``excess`` first keys in cap order
@@ -97,7 +105,7 @@ class GroupPolicy:
         out = np.zeros(len(cats), bool)
         if not excess:
             return out
-        offers = {}  # category -> (local positions, int64[o, 3] order keys), first e
+        offers: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}  # category -> (local positions, int64[o, 3] order keys), first e
         for c, e in excess.items():
             tuples = np.stack([np.asarray(stats[k], np.int64)[alive[c]]
                                for k in ("counts", "last_steps", "ids")], 1).reshape(-1, 3)

@@ -18,12 +18,19 @@ rows: about 1% for 16-float rows, SGD, on 2 or 3 ranks (4 bytes per row, 6.25%, 
 sorted key array it replaces). The global key of a local row (export) is found back
 by a search in ``owned_before`` and a 6-step popcount select in the word.
 """
+from typing import Callable, Dict, Optional, Union
+
 import numpy as np
 import tensorflow as tf
 
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.storage.initializers import init_rows
+from tf_fusedemb.specs import InitializerSpec, OptimizerSpec
 from tf_fusedemb.storage.group_table import GroupTable, _object_name
+
+# A per-key argument: None (the key itself), a callable mapping int64[k] keys to int64[k], or an
+# int64[vocabulary_size] array (a tensor is read eagerly).
+PerKey = Union[None, Callable[[np.ndarray], np.ndarray], np.ndarray, tf.Tensor]
 
 __all__ = ["StaticGroupTable"]
 
@@ -141,8 +148,9 @@ class StaticGroupTable(GroupTable):
             or one another rank owns; the message names the table.
     """
 
-    def __init__(self, name, dim, initializer, optimizer, vocabulary_size, init_keys=None,
-                 validate_unique=False, rank=0, num_ranks=1, owner_ids=None):
+    def __init__(self, name: str, dim: int, initializer: InitializerSpec, optimizer: OptimizerSpec,
+                 vocabulary_size: int, init_keys: PerKey = None, validate_unique: bool = False,
+                 rank: int = 0, num_ranks: int = 1, owner_ids: PerKey = None):
         super().__init__(name, dim, initializer, optimizer, validate_unique)
         if not isinstance(vocabulary_size, int) or isinstance(vocabulary_size, bool) \
                 or vocabulary_size <= 0:
@@ -231,18 +239,18 @@ class StaticGroupTable(GroupTable):
         with tf.control_dependencies([check]):
             return tf.identity(rows)
 
-    def size(self):
+    def size(self) -> tf.Tensor:
         return tf.reduce_sum(_popcount(self.touched_bits))
 
-    def contains(self, keys):
+    def contains(self, keys: tf.Tensor) -> tf.Tensor:
         rows, hit = self._local(self._check_keys(self._as_keys(keys, "keys")))
         return tf.logical_and(hit, self._touched(rows)) if self._num_owned else hit
 
-    def remove(self, keys):
+    def remove(self, keys: tf.Tensor) -> Optional[tf.Operation]:
         raise ValueError(f"{self._kind}: a static table's rows cannot be removed (its memory "
                          "is fixed; eviction needs a dynamic table)")
 
-    def export(self, keys=None):
+    def export(self, keys: Optional[tf.Tensor] = None) -> Dict[str, tf.Tensor]:
         if keys is None:  # int64[s], ascending like the keys
             words = tf.convert_to_tensor(self.touched_bits)
             flags = _bit(words[:, None], tf.range(_WORD, dtype=tf.int64)[None, :])

@@ -5,8 +5,12 @@ its category and instance ID, so reports can name "feature/ID" even in hashed mo
 Per key: its access count, (category, ID) and the last step it was seen, which the
 admission and eviction policies (``tf_fusedemb.storage.policy``) decide by.
 """
+from typing import Dict, List, Optional, Sequence, Tuple
+
 import numpy as np
 import tensorflow as tf
+
+from tf_fusedemb.ops.category_hash import CategoryHashResult
 
 
 class AccessStatistics(tf.Module):
@@ -17,7 +21,7 @@ class AccessStatistics(tf.Module):
       categories: the group's M category (table) names, in segment order.
     """
 
-    def __init__(self, group_name, categories):
+    def __init__(self, group_name: str, categories: Sequence[str]):
         super().__init__(name=f"stats_{group_name}")
         self.categories = tuple(categories)
         with tf.init_scope():
@@ -41,7 +45,8 @@ class AccessStatistics(tf.Module):
         # unified key -> the last (training) step it was seen: TTL eviction's clock.
         self._last = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, 0)
 
-    def record(self, hashed, accesses, step=None):
+    def record(self, hashed: CategoryHashResult, accesses: tf.Tensor,
+               step: Optional[tf.Tensor] = None) -> Optional[tf.Operation]:
         """Adds one step's owner-side lookups; returns an op.
 
         Args:
@@ -72,26 +77,26 @@ class AccessStatistics(tf.Module):
             self._ids.insert(keys, tf.cast(hashed.lookup_ids, tf.int64)),
             self._cats.insert(keys, tf.cast(hashed.lookup_segment_ids, tf.int64)))
 
-    def key_metadata(self, keys):
+    def key_metadata(self, keys: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
         """(category index int64[u], instance ID int64[u]) behind unified ``keys``; category
         -1 for a key never recorded here."""
         keys = tf.convert_to_tensor(keys, tf.int64)
         return self._cats.lookup(keys), self._ids.lookup(keys)
 
-    def counts_of(self, keys):
+    def counts_of(self, keys: tf.Tensor) -> tf.Tensor:
         """int64[u]: access counts of unified ``keys`` (0 for a key never recorded)."""
         return self._counts.lookup(tf.convert_to_tensor(keys, tf.int64))
 
-    def size(self):
+    def size(self) -> tf.Tensor:
         """int64 scalar: number of keys tracked here (with a recorded (category, ID))."""
         return self._cats.size()
 
-    def known_keys(self):
+    def known_keys(self) -> np.ndarray:
         """int64[k], sorted: every unified key whose (category, ID) is recorded here, i.e.
         every key a training lookup, a restore or a weight import gave this rank (eager)."""
         return np.sort(self._cats.export()[0].numpy())
 
-    def export(self):
+    def export(self) -> Dict[str, np.ndarray]:
         """Per-key statistics as numpy arrays, sorted by key: keys, counts, categories,
         ids, last_steps (eager)."""
         keys = np.sort(self._counts.export()[0].numpy())
@@ -100,7 +105,8 @@ class AccessStatistics(tf.Module):
         return {"keys": keys, "counts": self._counts.lookup(tensor).numpy(), "categories": cats,
                 "ids": ids, "last_steps": self._last.lookup(tensor).numpy()}
 
-    def register(self, keys, categories, ids, step=0):
+    def register(self, keys: np.ndarray, categories: np.ndarray, ids: np.ndarray,
+                 step: int = 0) -> None:
         """Records the (category, ID) behind stored ``keys`` (int64[u], int64[u],
         int64[u]) with no access: rows written by a restore or a weight import carry
         their identity with them, so the table and its metadata stay one unit (eager).
@@ -114,7 +120,7 @@ class AccessStatistics(tf.Module):
         self._ids.insert(keys, tf.constant(ids, tf.int64))
         self._cats.insert(keys, tf.constant(categories, tf.int64))
 
-    def remove(self, keys):
+    def remove(self, keys: np.ndarray) -> None:
         """Forgets ``keys`` int64[u] (unique, tracked here): counts, identities and last
         steps; their counts leave the category totals too, which stay the sums over the
         tracked keys (what a restore recomputes). Eviction's half of "rows, slots and
@@ -132,7 +138,8 @@ class AccessStatistics(tf.Module):
         for table in (self._counts, self._ids, self._cats, self._last):
             table.remove(keys)
 
-    def load(self, keys, counts, categories, ids, last_steps=None):
+    def load(self, keys: np.ndarray, counts: np.ndarray, categories: np.ndarray, ids: np.ndarray,
+             last_steps: Optional[np.ndarray] = None) -> None:
         """Adds per-key statistics (e.g. this rank's share of a checkpoint); category
         totals are recomputed from them, so resharding loses no count (eager).
         ``last_steps`` int64[u] (default: kept, or 0 for a new key) are the keys' last
@@ -153,11 +160,11 @@ class AccessStatistics(tf.Module):
             self._last.insert(keys, tf.constant(last_steps, tf.int64))
         self._counts.insert(keys, self._counts.lookup(keys) + tf.constant(counts, tf.int64))
 
-    def category_totals(self):
+    def category_totals(self) -> Dict[str, int]:
         """{category: accesses of its keys owned by this rank} (eager)."""
         return dict(zip(self.categories, self.category_counts.numpy().tolist()))
 
-    def top_k(self, category, k=10):
+    def top_k(self, category: str, k: int = 10) -> List[Tuple[str, int]]:
         """The k most accessed IDs of ``category`` owned by this rank, as
         [("category/ID", count), ...], most accessed first (eager)."""
         if category not in self.categories:
@@ -168,7 +175,7 @@ class AccessStatistics(tf.Module):
         order = np.lexsort((ids, -counts))[:k]
         return [(f"{category}/{ids[i]}", int(counts[i])) for i in order]
 
-    def metrics(self):
+    def metrics(self) -> Dict[str, int]:
         """Flat dict of scalar metrics for logging (eager)."""
         out = {f"access/{c}": v for c, v in self.category_totals().items()}
         out.update(unique_keys_last_step=int(self.last_unique_keys.numpy()),
