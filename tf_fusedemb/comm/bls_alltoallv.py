@@ -39,7 +39,7 @@ job. Waits for a peer's counter poll this rank's own memory and raise
 :class:`BLSTimeoutError` naming the peer. The MPI calls that block inside MPI until a peer
 takes part (``Win.Flush`` to a peer, window creation and release, ``Barrier``) cannot
 be interrupted: on transports without asynchronous progress (Open MPI's ``osc pt2pt``,
-used between hosts, see ``tf_fusedemb.comm.mpirun``) a Flush returns only once the
+used between hosts, see ``tf_fusedemb.testing.mpirun``) a Flush returns only once the
 target rank enters MPI again, so a peer stalled outside MPI, or dead without mpirun
 noticing, would block it for ever. A watchdog thread (:class:`_BlockingCallDeadline`)
 bounds them: past the deadline it writes the same BLSTimeoutError message to stderr
@@ -50,7 +50,7 @@ need no peer and are not watched.
 import os
 import threading
 import time
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -84,7 +84,8 @@ class _BlockingCallDeadline:
 
     def __init__(self, rank: int, timeout_s: float):
         self._rank, self._timeout_s = rank, timeout_s
-        self._current = None  # (deadline, what, peer) of the call in progress
+        # (deadline, what, peer) of the call in progress
+        self._current: Optional[Tuple[float, str, Optional[int]]] = None
         self._stop = threading.Event()
         period = min(0.25, max(timeout_s / 20, 0.005))
         self._thread = threading.Thread(target=self._watch, args=(period,), daemon=True,
@@ -128,7 +129,7 @@ class BLSAlltoallv:
         settings work between hosts).
     """
 
-    def __init__(self, comm, lag: int, capacity_bytes: int, timeout_s: float = 60.0):
+    def __init__(self, comm: Any, lag: int, capacity_bytes: int, timeout_s: float = 60.0):
         from mpi4py import MPI  # pylint: disable=import-outside-toplevel
         if not isinstance(lag, int) or lag < 0:
             raise ValueError(f"lag must be an int >= 0, got {lag!r}")
@@ -155,7 +156,7 @@ class BLSAlltoallv:
                 f"BLS alltoallv on rank {self.rank}: MPI could not create an RMA window "
                 f"({e}). Between hosts Open MPI 4.1 needs its pt2pt one-sided component and a "
                 "thread level below MPI_THREAD_MULTIPLE: --mca osc pt2pt and "
-                "MPI4PY_RC_THREAD_LEVEL=serialized (tf_fusedemb.comm.mpirun --hosts sets "
+                "MPI4PY_RC_THREAD_LEVEL=serialized (tf_fusedemb.testing.mpirun --hosts sets "
                 "both)") from e
         np.frombuffer(self._ctrl.tomemory(), np.int64)[:] = 0
         # Every counter is zero before anyone may raise one.
@@ -164,7 +165,8 @@ class BLSAlltoallv:
         self._ctrl.Lock_all(MPI.MODE_NOCHECK)
         self._one = np.ones(1, np.int64)
         self._started = self._finished = 0
-        self._inbox = {}  # iteration -> {source rank: bytes}, copied out of the slots
+        # iteration -> {source rank: uint8[bytes]}, copied out of the slots
+        self._inbox: Dict[int, Dict[int, np.ndarray]] = {}
         self._next_from = [0] * self.size  # next iteration expected from each rank
         self._closed = False
 
@@ -235,10 +237,10 @@ class BLSAlltoallv:
             self._blocking.call(win.Free, what="every rank to free the BLS windows", peer=None)
         self._blocking.stop()
 
-    def __enter__(self):
+    def __enter__(self) -> "BLSAlltoallv":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> None:
         if exc[0] is None:
             self.close()
 

@@ -6,14 +6,16 @@ role ("<group>/keys", "<group>/rows"), so all ranks build identical graphs.
 import contextlib
 import os
 import sys
+from typing import Any, ContextManager, Iterator, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
 from tf_fusedemb.comm import watchdog as _watchdog
+from tf_fusedemb.comm.counters import CommCounters
 from tf_fusedemb.comm.topology import Topology, init_horovod
 
 
-def _row_bytes(tensor):
+def _row_bytes(tensor: tf.Tensor) -> tf.Tensor:
     """Bytes of one row (first dimension) of ``tensor``, as an int64 tensor."""
     row_elems = tf.reduce_prod(tf.shape(tensor, out_type=tf.int64)[1:])
     return row_elems * tensor.dtype.size
@@ -26,7 +28,9 @@ class Communicator:
     size = 1
     topology = Topology.single()
 
-    def alltoall(self, tensor, splits, name, counters=None, members=None):
+    def alltoall(self, tensor: tf.Tensor, splits: tf.Tensor, name: str,
+                 counters: Optional[CommCounters] = None,
+                 members: Optional[Sequence[int]] = None) -> Tuple[tf.Tensor, tf.Tensor]:
         """Differentiable AlltoAll of ``tensor`` among ``members`` (sorted global ranks,
         default all; e.g. a node or a rail of ``topology``), rows split by int32[k]
         ``splits`` in member order. Returns ``(received, received_splits int32[k])``; the
@@ -35,27 +39,27 @@ class Communicator:
         when given."""
         raise NotImplementedError
 
-    def allreduce_sum(self, tensor, name):
+    def allreduce_sum(self, tensor: tf.Tensor, name: str) -> tf.Tensor:
         raise NotImplementedError
 
-    def allreduce_sum_list(self, tensors, name):
+    def allreduce_sum_list(self, tensors: Sequence[tf.Tensor], name: str) -> List[tf.Tensor]:
         """Sums of a list of tensors over ranks, as few collective rounds as possible."""
         raise NotImplementedError
 
-    def allgather(self, tensor, name):
+    def allgather(self, tensor: tf.Tensor, name: str) -> tf.Tensor:
         """Concatenation over ranks (in rank order) of ``tensor`` along its first
         dimension; each rank may hold a different number of rows. Not differentiable."""
         raise NotImplementedError
 
-    def allgather_object(self, obj):
+    def allgather_object(self, obj: Any) -> List[Any]:
         raise NotImplementedError
 
-    def broadcast(self, tensor, root, name):
+    def broadcast(self, tensor: tf.Tensor, root: int, name: str) -> tf.Tensor:
         """``tensor`` as rank ``root`` holds it, on every rank (same shape and dtype on
         every rank). Not differentiable."""
         raise NotImplementedError
 
-    def watch(self, activity):
+    def watch(self, activity: str) -> ContextManager[None]:
         """Context manager: runs its body as ``activity`` (e.g. "training step 31"). When
         a peer rank dies meanwhile, an error of the body becomes a
         :class:`~tf_fusedemb.comm.watchdog.PeerLostError` naming the lost rank and the
@@ -63,7 +67,7 @@ class Communicator:
         del activity
         return contextlib.nullcontext()
 
-    def end_job(self):
+    def end_job(self) -> None:
         """Collective, once, after this rank's last collective of the job: returns when
         every rank has called it (or exited normally). Each rank's exit then shuts
         Horovod down at once instead of waiting for the other ranks to exit (see
@@ -74,28 +78,30 @@ class Communicator:
 class LocalCommunicator(Communicator):
     """World size 1: collectives are identities and nothing is counted as sent."""
 
-    def alltoall(self, tensor, splits, name, counters=None, members=None):
+    def alltoall(self, tensor: tf.Tensor, splits: tf.Tensor, name: str,
+                 counters: Optional[CommCounters] = None,
+                 members: Optional[Sequence[int]] = None) -> Tuple[tf.Tensor, tf.Tensor]:
         del name, counters
         if members is not None and list(members) != [0]:
             raise ValueError(f"a single process has no ranks {list(members)}")
         return tf.identity(tensor), tf.identity(tf.cast(splits, tf.int32))
 
-    def allreduce_sum(self, tensor, name):
+    def allreduce_sum(self, tensor: tf.Tensor, name: str) -> tf.Tensor:
         del name
         return tensor
 
-    def allreduce_sum_list(self, tensors, name):
+    def allreduce_sum_list(self, tensors: Sequence[tf.Tensor], name: str) -> List[tf.Tensor]:
         del name
         return list(tensors)
 
-    def allgather(self, tensor, name):
+    def allgather(self, tensor: tf.Tensor, name: str) -> tf.Tensor:
         del name
         return tf.identity(tensor)
 
-    def allgather_object(self, obj):
+    def allgather_object(self, obj: Any) -> List[Any]:
         return [obj]
 
-    def broadcast(self, tensor, root, name):
+    def broadcast(self, tensor: tf.Tensor, root: int, name: str) -> tf.Tensor:
         del name
         if root != 0:
             raise ValueError(f"a single process has no rank {root}")
@@ -105,7 +111,7 @@ class LocalCommunicator(Communicator):
 class HorovodCommunicator(Communicator):
     """Horovod collectives (Gloo or MPI controller, CPU or GPU), initialised on demand."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         import horovod.tensorflow as hvd  # pylint: disable=import-outside-toplevel
         self._hvd = hvd
         # Static process sets (one per node and rail) exist only if made at hvd.init.
@@ -122,16 +128,16 @@ class HorovodCommunicator(Communicator):
                 wait_at_exit=bool(self._process_sets))
 
     @property
-    def process_sets(self):
+    def process_sets(self) -> List[List[int]]:
         """Members of the static process sets made at ``hvd.init`` (sorted lists)."""
         return sorted(list(m) for m in self._process_sets)
 
-    def watch(self, activity):
+    def watch(self, activity: str) -> ContextManager[None]:
         if self._watchdog is None:
             return contextlib.nullcontext()
         return self._watchdog.watch(activity)
 
-    def end_job(self):
+    def end_job(self) -> None:
         if self._watchdog is not None:
             self._watchdog.end_of_job()
             return
@@ -158,7 +164,9 @@ class HorovodCommunicator(Communicator):
             return received, tf.gather(recv, where[:, 0])
         return world
 
-    def alltoall(self, tensor, splits, name, counters=None, members=None):
+    def alltoall(self, tensor: tf.Tensor, splits: tf.Tensor, name: str,
+                 counters: Optional[CommCounters] = None,
+                 members: Optional[Sequence[int]] = None) -> Tuple[tf.Tensor, tf.Tensor]:
         members = tuple(range(self.size)) if members is None else tuple(members)
         if self.rank not in members:
             raise ValueError(f"rank {self.rank} is not among the AlltoAll's ranks {members}")
@@ -193,33 +201,33 @@ class HorovodCommunicator(Communicator):
             return received, recv_splits
         return exchange(tensor)
 
-    def allreduce_sum(self, tensor, name):
+    def allreduce_sum(self, tensor: tf.Tensor, name: str) -> tf.Tensor:
         return self._hvd.allreduce(tensor, op=self._hvd.Sum, name=name)
 
-    def allreduce_sum_list(self, tensors, name):
+    def allreduce_sum_list(self, tensors: Sequence[tf.Tensor], name: str) -> List[tf.Tensor]:
         # One grouped collective for all dense gradients (EmbRace's dense AllReduce).
         del name  # grouped_allreduce names its ops after the graph's node names
         return self._hvd.grouped_allreduce(list(tensors), op=self._hvd.Sum)
 
-    def allgather(self, tensor, name):
+    def allgather(self, tensor: tf.Tensor, name: str) -> tf.Tensor:
         return self._hvd.allgather(tf.stop_gradient(tensor), name=name)
 
-    def broadcast(self, tensor, root, name):
+    def broadcast(self, tensor: tf.Tensor, root: int, name: str) -> tf.Tensor:
         return self._hvd.broadcast(tf.stop_gradient(tensor), root, name=name)
 
-    def allgather_object(self, obj):
+    def allgather_object(self, obj: Any) -> List[Any]:
         with self.watch("allgather_object"):
             return self._hvd.allgather_object(obj)
 
 
-_COMMUNICATOR = None
+_COMMUNICATOR: Optional[Communicator] = None
 
 
 @contextlib.contextmanager
-def communicator_scope(communicator):
+def communicator_scope(communicator: Communicator) -> Iterator[Communicator]:
     """Inside the block, :func:`get_communicator` returns ``communicator``; the previous
     one is back afterwards. For code that builds layers without a communicator argument
-    (e.g. ``training.job.make_model``) on a world that is not Horovod's, such as sharded
+    (e.g. ``tf_fusedemb.job.make_model``) on a world that is not Horovod's, such as sharded
     inference (``tf_fusedemb.inference.distributed.for_rank``)."""
     global _COMMUNICATOR
     previous, _COMMUNICATOR = _COMMUNICATOR, communicator
@@ -229,7 +237,7 @@ def communicator_scope(communicator):
         _COMMUNICATOR = previous
 
 
-def get_communicator():
+def get_communicator() -> Communicator:
     """The process's communicator: Horovod when launched by horovodrun (HOROVOD_RANK set)
     or when Horovod is already initialised, else the single-process one."""
     global _COMMUNICATOR

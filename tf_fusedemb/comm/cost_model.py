@@ -17,12 +17,15 @@ by its ranks, as on the emulated cluster).
 """
 import dataclasses
 import time
-from typing import Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 from tf_fusedemb.comm.topology import Topology
 from tf_fusedemb.ops import hashing
+
+if TYPE_CHECKING:  # the calibration imports TensorFlow only when it runs
+    from tf_fusedemb.comm.communicator import Communicator
 
 KEY_MESSAGE_BYTES = 16  # (ID, count|table) as two int64
 
@@ -35,7 +38,7 @@ class LinkCosts:
     round_latency_s: float = 5e-4
     dedup_s_per_key: float = 1e-7
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for field in ("intra_mbit", "inter_mbit"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"LinkCosts.{field} must be positive, got {getattr(self, field)}")
@@ -85,7 +88,7 @@ class ExchangeEstimate:
     reason: str = ""
 
     def summary(self) -> str:
-        if self.hierarchical_s is None:
+        if self.hierarchical_s is None or self.hierarchical_inter_bytes is None:  # both or neither
             return f"{self.kind} ({self.reason})"
         return (f"{self.kind} (predicted flat {self.flat_s * 1e3:.2f} ms, hierarchical "
                 f"{self.hierarchical_s * 1e3:.2f} ms; inter-node {self.flat_inter_bytes / 1e3:.0f}"
@@ -131,7 +134,8 @@ def node_dedup_ratio(ids_per_rank: Sequence[np.ndarray], tables_per_rank: Sequen
     N, L = topology.size, topology.local_size  # noqa: N806
     if len(ids_per_rank) != N or len(tables_per_rank) != N:
         raise ValueError(f"need the keys of all {N} ranks, got {len(ids_per_rank)}")
-    flat, node_keys = 0, [[] for _ in range(topology.cross_size)]
+    flat = 0
+    node_keys: List[List[np.ndarray]] = [[] for _ in range(topology.cross_size)]
     for r, (ids, tables) in enumerate(zip(ids_per_rank, tables_per_rank)):
         ids = np.asarray(ids, np.int64).reshape(-1)
         keys = np.unique(np.stack([np.asarray(tables, np.int64).reshape(-1), ids], 1), axis=0)
@@ -186,7 +190,7 @@ def _median_seconds(run, repeats, before=lambda: None) -> float:
     return float(np.median(times))
 
 
-def measure_link_costs(comm, inter_mbit: float, nbytes: float = 4e6, repeats: int = 5,
+def measure_link_costs(comm: "Communicator", inter_mbit: float, nbytes: float = 4e6, repeats: int = 5,
                        dedup_s_per_key: Optional[float] = None,
                        keys_per_rank: int = 4096, dim: int = 16) -> LinkCosts:
     """LinkCosts with the intra-node bandwidth, the round latency and the node stage's
@@ -223,7 +227,6 @@ def measure_link_costs(comm, inter_mbit: float, nbytes: float = 4e6, repeats: in
         comm.allgather_object(None)  # every rank computes at once, as in a step
         dedup_s_per_key = measure_node_stage_s_per_key(keys_per_rank, dim, repeats)
     # Every rank must plan alike: rank 0's figures for all.
-    intra, latency, dedup_s_per_key = comm.allgather_object(
-        (intra, latency, dedup_s_per_key))[0]
+    intra, latency, dedup = comm.allgather_object((intra, latency, dedup_s_per_key))[0]
     return LinkCosts(intra_mbit=intra, inter_mbit=inter_mbit, round_latency_s=latency,
-                     dedup_s_per_key=dedup_s_per_key)
+                     dedup_s_per_key=dedup)

@@ -1,4 +1,6 @@
 """Per-group communication counters, updated inside the graph, readable from Python."""
+from typing import Dict, Mapping, Optional, Sequence
+
 import tensorflow as tf
 
 FIELDS = ("rounds", "bytes_sent", "bytes_received", "messages")  # totals, always counted
@@ -19,7 +21,7 @@ class CommCounters(tf.Module):
     differences of two :meth:`snapshot` calls.
     """
 
-    def __init__(self, group_name, link_classes: bool = False):
+    def __init__(self, group_name: str, link_classes: bool = False):
         super().__init__(name=f"comm_{group_name}")
         self.group_name = group_name
         self.fields = FIELDS + LINK_FIELDS if link_classes else FIELDS
@@ -27,7 +29,8 @@ class CommCounters(tf.Module):
             self._vars = {f: tf.Variable(tf.constant(0, tf.int64), trainable=False,
                                          name=f"{group_name}_{f}") for f in self.fields}
 
-    def record(self, send_splits, recv_splits, row_bytes, rank, same_node=None):
+    def record(self, send_splits: tf.Tensor, recv_splits: tf.Tensor, row_bytes: tf.Tensor,
+               rank: int, same_node: Optional[Sequence[bool]] = None) -> tf.Operation:
         """Adds one AlltoAll round.
 
         Args:
@@ -50,12 +53,13 @@ class CommCounters(tf.Module):
                                           tf.logical_not(same)))
         return tf.group([self._vars[f].assign_add(v) for f, v in updates.items()])
 
-    def snapshot(self):
+    def snapshot(self) -> Dict[str, int]:
         """Current cumulative values as a dict of Python ints."""
         return {f: int(v.numpy()) for f, v in self._vars.items()}
 
     @staticmethod
-    def per_step(before, after, steps=1):
+    def per_step(before: Mapping[str, int], after: Mapping[str, int],
+                 steps: int = 1) -> Dict[str, float]:
         """Per-step figures between two snapshots, with the mean message size."""
         d = {f: (after[f] - before[f]) / steps for f in FIELDS + LINK_FIELDS
              if f in after and f in before}

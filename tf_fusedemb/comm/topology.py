@@ -23,7 +23,7 @@ Tests override the layout with ``TF_FUSEDEMB_TOPOLOGY=HxR`` (H nodes of R ranks)
 """
 import dataclasses
 import os
-from typing import List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 TOPOLOGY_ENV = "TF_FUSEDEMB_TOPOLOGY"          # "HxR": override of the detected layout
 PROCESS_SETS_ENV = "TF_FUSEDEMB_PROCESS_SETS"  # "0": no static process sets (fallback)
@@ -40,7 +40,7 @@ class Topology:
     local_size: int
     cross_size: int
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.local_size < 1 or self.cross_size < 1:
             raise ValueError(f"topology needs local_size and cross_size >= 1, got "
                              f"{self.local_size} and {self.cross_size}")
@@ -121,7 +121,7 @@ class Topology:
         return cls(rank, local, cross)
 
     @classmethod
-    def from_horovod(cls, hvd) -> "Topology":
+    def from_horovod(cls, hvd: Any) -> "Topology":
         """The layout of an initialised Horovod, or the override; checked (every rank
         raises the same error when the hosts are uneven or the ranks not node-major)."""
         override = os.environ.get(TOPOLOGY_ENV)
@@ -145,12 +145,12 @@ def use_process_sets(env: Mapping[str, str] = os.environ) -> bool:
     return env.get(PROCESS_SETS_ENV, "1") != "0"
 
 
-def init_horovod(hvd) -> Tuple[Topology, dict]:
+def init_horovod(hvd: Any) -> Tuple[Topology, Dict[Tuple[int, ...], Any]]:
     """Initialises Horovod (unless it is already) with one static process set per node
     and per rail; returns ``(topology, {tuple(ranks): ProcessSet})``. The dict is empty
     where Horovod was initialised before (by the caller) or sets are switched off: set
     collectives then fall back to global ones (module docstring)."""
-    sets = {}
+    sets: Dict[Tuple[int, ...], Any] = {}  # members -> hvd.ProcessSet
     if not hvd.is_initialized():
         planned = Topology.from_env()
         if use_process_sets() and planned.is_hierarchical:

@@ -58,6 +58,7 @@ import struct
 import sys
 import threading
 import time
+from typing import Any, Callable, Collection, Dict, Iterator, List, Mapping, Optional, Set
 
 EXIT_PEER_LOST = 75  # EX_TEMPFAIL: the job can be rerun and resumes from its checkpoint
 TIMEOUT_ENV = "TF_FUSEDEMB_PEER_LOSS_TIMEOUT_S"
@@ -84,8 +85,9 @@ class PeerLostError(RuntimeError):
       collective: the collective (graph node) that failed, when known.
     """
 
-    def __init__(self, world_size, activity, lost=(), failed=None, finished=(),
-                 collective=None):
+    def __init__(self, world_size: int, activity: str, lost: Collection[int] = (),
+                 failed: Optional[Mapping[int, str]] = None, finished: Collection[int] = (),
+                 collective: Optional[str] = None):
         self.world_size, self.activity = world_size, activity
         self.lost, self.failed = sorted(lost), dict(failed or {})
         self.finished, self.collective = sorted(finished), collective
@@ -139,7 +141,8 @@ def _keepalive(sock):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
 
 
-def timeout_from_env(name=TIMEOUT_ENV, default=DEFAULT_TIMEOUT_S):
+def timeout_from_env(name: str = TIMEOUT_ENV,
+                     default: Optional[float] = DEFAULT_TIMEOUT_S) -> Optional[float]:
     """Seconds from the environment variable ``name`` (TF_FUSEDEMB_PEER_LOSS_TIMEOUT_S,
     default 20, or TF_FUSEDEMB_EXIT_WAIT_S); None for "none"."""
     value = os.environ.get(name, "").strip().lower()
@@ -171,22 +174,27 @@ class PeerWatchdog:
         Horovod's shutdown (0: no wait; None: no limit). Needed with process sets only.
     """
 
-    def __init__(self, rank, size, allgather_object, timeout_s=DEFAULT_TIMEOUT_S,
-                 exit_process=True, exit_wait_s=0.0):
+    def __init__(self, rank: int, size: int, allgather_object: Callable[[Any], List[Any]],
+                 timeout_s: Optional[float] = DEFAULT_TIMEOUT_S, exit_process: bool = True,
+                 exit_wait_s: Optional[float] = 0.0):
         self.rank, self.size = rank, size
         self.timeout_s, self._exit_process = timeout_s, exit_process
         self.exit_wait_s = exit_wait_s
         self._lock = threading.Lock()
-        self._lost, self._failed, self._finished, self._stopped = {}, {}, set(), set()
-        self._gone = set()  # peers whose connection closed, for any reason
-        self._ended = set()  # peers that said their last collective is done (end_of_job)
+        self._lost: Dict[int, float] = {}  # rank -> when its loss was noticed (monotonic)
+        self._failed: Dict[int, str] = {}  # rank -> the reason it gave
+        self._finished: Set[int] = set()
+        self._stopped: Set[int] = set()
+        self._gone: Set[int] = set()  # peers whose connection closed, for any reason
+        self._ended: Set[int] = set()  # peers that said their last collective is done (end_of_job)
         self._all_ended = threading.Event()  # every peer ended or gone
         self._end_news = threading.Condition(self._lock)  # an end, goodbye or loss arrived
         self._job_ended = False  # every rank agreed on the end (end_of_job returned True)
         self._changed = threading.Event()
-        self._activity, self._last_activity = [], "start-up"
+        self._activity: List[str] = []
+        self._last_activity = "start-up"
         self._closing = False
-        self._timer = None
+        self._timer: Optional[threading.Timer] = None
         self._pid = os.getpid()  # a forked child inherits the sockets: it must not use them
         listener, mine = None, None
         try:
@@ -204,8 +212,9 @@ class PeerWatchdog:
             bad = [r for r, p in enumerate(peers) if p is None]
             raise RuntimeError(f"peer watchdog: rank(s) {bad} could not listen" + (
                 f" ({error})" if mine is None else ""))
+        assert listener is not None  # every rank listens: checked just above
         self.hosts = [p[2] for p in peers]
-        self._conns = {}
+        self._conns: Dict[int, socket.socket] = {}
         try:
             for peer in range(rank):  # connect to lower ranks, accept the higher ones
                 sock = socket.create_connection(peers[peer][:2], timeout=_CONNECT_TIMEOUT_S)
@@ -237,7 +246,7 @@ class PeerWatchdog:
 
     # ---- what the main thread does ---------------------------------------------------
     @contextlib.contextmanager
-    def watch(self, activity):
+    def watch(self, activity: str) -> Iterator[None]:
         """Declares what this rank does (named in loss messages); turns an exception
         raised inside because a peer was lost into :class:`PeerLostError`."""
         self._activity.append(activity)
@@ -254,10 +263,10 @@ class PeerWatchdog:
             self._last_activity = "after " + " > ".join(self._activity)
             self._activity.pop()
 
-    def activity(self):
+    def activity(self) -> str:
         return " > ".join(self._activity) if self._activity else self._last_activity
 
-    def explain(self, error):
+    def explain(self, error: BaseException) -> Optional[PeerLostError]:
         """A PeerLostError for ``error`` if a peer's loss (or failure or early exit)
         explains it, else None. Waits a few seconds for the watchdog's notice when
         ``error`` looks like a failed collective."""
@@ -273,17 +282,17 @@ class PeerWatchdog:
         return PeerLostError(self.size, self.activity(), lost=lost, failed=failed,
                              finished=finished, collective=node.group(1) if node else None)
 
-    def lost(self):
+    def lost(self) -> List[int]:
         """Ranks lost so far (died without shutting down)."""
         with self._lock:
             return sorted(self._lost)
 
-    def peers_gone(self):
+    def peers_gone(self) -> bool:
         with self._lock:
             return bool(self._lost or self._failed or self._finished or self._stopped)
 
     # ---- the end of the job ----------------------------------------------------------
-    def end_of_job(self, timeout_s=None):
+    def end_of_job(self, timeout_s: Optional[float] = None) -> bool:
         """Collective, after this rank's last collective: tells every peer so and waits
         until every peer has too (or has exited normally). Returns True then: Horovod's
         shutdown at this rank's exit no longer waits for the others (module doc), and no
@@ -329,7 +338,7 @@ class PeerWatchdog:
         raise error
 
     # ---- exit ------------------------------------------------------------------------
-    def close(self, reason=""):
+    def close(self, reason: str = "") -> None:
         """Says goodbye to every peer (``reason``: why this rank stops, empty for a
         normal exit) and stops watching."""
         if os.getpid() != self._pid or self._closing:
@@ -337,7 +346,7 @@ class PeerWatchdog:
         self._closing = True
         self._say_goodbye(reason.encode("utf-8", "replace")[:1000])
 
-    def at_exit(self):
+    def at_exit(self) -> None:
         """Interpreter exit: goodbye (with the uncaught exception, if any), then, when a
         peer was lost, end at once with EXIT_PEER_LOST instead of running Horovod's
         shutdown, which would wait for the dead peer."""
@@ -395,7 +404,8 @@ class PeerWatchdog:
         received = {peer: b"" for peer in self._conns}
         while selector.get_map():
             for key, _ in selector.select():
-                peer, sock = key.data, key.fileobj
+                peer = key.data
+                sock = self._conns[peer]  # the socket registered for that peer
                 try:
                     data = sock.recv(4096)
                 except (BlockingIOError, InterruptedError, socket.timeout):
@@ -457,9 +467,9 @@ class PeerWatchdog:
             self._end_news.notify_all()
         self._changed.set()
         if first and self._exit_process and self.timeout_s is not None:
-            self._timer = threading.Timer(self.timeout_s, self._force_exit)
-            self._timer.daemon = True
-            self._timer.start()
+            timer = self._timer = threading.Timer(self.timeout_s, self._force_exit)
+            timer.daemon = True
+            timer.start()
 
     def _force_exit(self):
         _stderr(f"tf_fusedemb: rank {self.rank} still running {self.timeout_s:g} s after "
@@ -485,10 +495,11 @@ def _flush_std():
             pass
 
 
-_WATCHDOG = None
+_WATCHDOG: Optional[PeerWatchdog] = None
 
 
-def start_watchdog(rank, size, allgather_object, wait_at_exit=False):
+def start_watchdog(rank: int, size: int, allgather_object: Callable[[Any], List[Any]],
+                   wait_at_exit: bool = False) -> Optional[PeerWatchdog]:
     """The process's watchdog, started on the first call (every rank must make it at the
     same point); None in one process, under Horovod elastic, with TF_FUSEDEMB_WATCHDOG=0,
     or when it could not connect (a warning says why; the job goes on without it).
