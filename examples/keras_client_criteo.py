@@ -20,7 +20,7 @@ import tensorflow as tf
 import tf_keras
 from tf_fusedemb.comm import get_communicator
 from tf_fusedemb.data.criteo import CRITEO_CATEGORICAL, CRITEO_DENSE, read_criteo
-from tf_fusedemb.layers import fuse_model
+from tf_fusedemb.models import fuse_model
 from tf_fusedemb.specs import OptimizerSpec
 
 FEATURES = CRITEO_CATEGORICAL[:6]

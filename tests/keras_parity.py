@@ -6,7 +6,8 @@ import tensorflow as tf
 import tf_keras
 
 from tf_fusedemb.data.criteo import CRITEO_CATEGORICAL, CRITEO_DENSE
-from tf_fusedemb.layers import from_keras_embeddings, fuse_model
+from tf_fusedemb.layers import from_keras_embeddings
+from tf_fusedemb.models import fuse_model
 from tf_fusedemb.models import FusedModel
 from tf_fusedemb.specs import OptimizerSpec
 from tf_fusedemb.testing.distributed import BatchLosses, rank_bounds, rank_dataset
@@ -74,7 +75,7 @@ def plain_model(output_rank=2, seed=7, features=FEATURES, num_dense=0):
 
 
 def fused_by_fuse_model(plain, optimizer_name):
-    """The plain model rewritten by ``tf_fusedemb.layers.fuse_model`` (static tables)."""
+    """The plain model rewritten by ``tf_fusedemb.models.fuse_model`` (static tables)."""
     return fuse_model(plain, table_optimizer(optimizer_name))
 
 

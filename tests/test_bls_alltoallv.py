@@ -19,7 +19,7 @@ import time
 import pytest
 
 from conftest import REPO_ROOT
-from tf_fusedemb.comm import mpirun
+from tf_fusedemb.testing import mpirun
 
 pytestmark = pytest.mark.skipif(mpirun.unavailable_reason() is not None,
                                 reason=str(mpirun.unavailable_reason()))

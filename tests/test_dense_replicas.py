@@ -70,7 +70,7 @@ def converted_model():
 
 def converted_pair():
     """A plain Keras model with one Embedding per feature and its fuse_model conversion."""
-    from tf_fusedemb.layers import fuse_model
+    from tf_fusedemb.models import fuse_model
     from tf_fusedemb.specs import OptimizerSpec
     inputs = {f: tf_keras.Input([], dtype=tf.int64, name=f) for f in FEATURES}
     inputs["numeric"] = tf_keras.Input([3], name="numeric")

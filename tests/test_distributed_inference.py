@@ -23,7 +23,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import REPO_ROOT
-from tf_fusedemb.comm import mpirun
+from tf_fusedemb.testing import mpirun
 
 pytestmark = pytest.mark.skipif(mpirun.unavailable_reason() is not None,
                                 reason=str(mpirun.unavailable_reason()))

@@ -5,7 +5,7 @@ single-host SavedModel's probabilities of the same lines (1e-6), in input order,
 uneven last batch. A missing checkpoint (the command) and a checkpoint of another model
 (other embedding dim; ``restore_shard``, whose message the command prints) fail with a
 clear message instead of a traceback or a hang. On 2 emulated hosts x 1 rank (network
-namespaces, ``python -m tf_fusedemb.comm.mpirun --hosts 2``; needs root) the same
+namespaces, ``python -m tf_fusedemb.testing.mpirun --hosts 2``; needs root) the same
 command gives the same predictions, in one run: the emulated hosts' Open MPI daemons
 once shared one session directory tree (one hostname, one /tmp), and a daemon that lost
 the race failed after detaching, so mpirun waited for it silently (one CI run in three).
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO_ROOT
-from tf_fusedemb.comm import mpirun
+from tf_fusedemb.testing import mpirun
 
 pytestmark = pytest.mark.skipif(mpirun.unavailable_reason() is not None,
                                 reason=str(mpirun.unavailable_reason()))
@@ -42,7 +42,7 @@ def trained(tmp_path_factory):
     from tf_fusedemb.data import criteo  # pylint: disable=import-outside-toplevel
     from tf_fusedemb.inference.export import export_saved_model  # pylint: disable=import-outside-toplevel
     from tf_fusedemb.layers.fused_embedding import fused_embedding_layers  # pylint: disable=import-outside-toplevel
-    from tf_fusedemb.training import job  # pylint: disable=import-outside-toplevel
+    from tf_fusedemb import job  # pylint: disable=import-outside-toplevel
     from tf_fusedemb.training.checkpoint import CheckpointManager  # pylint: disable=import-outside-toplevel
     root = tmp_path_factory.mktemp("serve")
     data = root / "lines.tsv"
@@ -172,7 +172,7 @@ def test_mismatched_checkpoint_is_a_clear_error(trained):
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     from tf_fusedemb.data import criteo  # pylint: disable=import-outside-toplevel
     from tf_fusedemb.inference.distributed import restore_shard  # pylint: disable=import-outside-toplevel
-    from tf_fusedemb.training import job  # pylint: disable=import-outside-toplevel
+    from tf_fusedemb import job  # pylint: disable=import-outside-toplevel
     data, ckpt, _ = trained
     kinds = {c: "scalar" for c in criteo.CRITEO_CATEGORICAL}
     model = job.make_model("dlrm", kinds, criteo.CRITEO_DENSE, dim=DIM * 2)

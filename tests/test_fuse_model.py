@@ -1,4 +1,4 @@
-"""tf_fusedemb.layers.fuse_model on a Criteo-shaped tf_keras model (26 Embeddings + 13 dense
+"""tf_fusedemb.models.fuse_model on a Criteo-shaped tf_keras model (26 Embeddings + 13 dense
 inputs): the same predictions before training, and after training on 2 ranks the same
 history, evaluation and predictions as plain tf_keras fit of the original on one process."""
 import json
@@ -13,7 +13,8 @@ import tf_keras
 
 import keras_parity as kp
 from conftest import REPO_ROOT
-from tf_fusedemb.layers import FusedEmbedding, fuse_model
+from tf_fusedemb.layers import FusedEmbedding
+from tf_fusedemb.models import fuse_model
 from tf_fusedemb.specs import OptimizerSpec
 from tf_fusedemb.testing import DistributedTestCase
 

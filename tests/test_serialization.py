@@ -9,7 +9,8 @@ import tf_keras
 
 import keras_parity as kp
 from test_models import _small_models
-from tf_fusedemb.layers import FusedEmbedding, from_keras_embeddings, fuse_model
+from tf_fusedemb.layers import FusedEmbedding, from_keras_embeddings
+from tf_fusedemb.models import fuse_model
 from tf_fusedemb.models import FusedModel
 from tf_fusedemb.specs import OptimizerSpec
 

@@ -6,7 +6,7 @@
 
 On emulated hosts (network namespaces; root), e.g. 2 hosts x 1 rank::
 
-    python -m tf_fusedemb.comm.mpirun --hosts 2 --ranks-per-host 1 -- \\
+    python -m tf_fusedemb.testing.mpirun --hosts 2 --ranks-per-host 1 -- \\
         python -m tf_fusedemb.serve --checkpoint-dir ... --output predictions.tsv
 
 Every rank builds the model for its rank (static tables allocate only their own rows)
@@ -27,8 +27,19 @@ import time
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-DATASETS = ("synthetic", "criteo", "movielens", "avazu")
-MODELS = ("dlrm", "dcn", "sequence")
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import tf_keras  # noqa: E402
+
+from tf_fusedemb import job  # noqa: E402
+from tf_fusedemb.comm.bls_alltoallv import (BLSAlltoallv, BLSCapacityError,  # noqa: E402
+                                            BLSTimeoutError)
+from tf_fusedemb.data import criteo  # noqa: E402
+from tf_fusedemb.inference.distributed import (ShardedPredictor, for_rank,  # noqa: E402
+                                               restore_shard, run_bounded_lag, sample_bounds)
+
+DATASETS = job.DATASETS
+MODELS = job.MODELS
 
 
 def parse_args(argv=None):
@@ -65,9 +76,7 @@ def check_checkpoint(directory):
 
 def global_batches(args):
     """(dataset of (features, label) global batches, feature kinds, dense names)."""
-    from tf_fusedemb.training import job  # pylint: disable=import-outside-toplevel
     if args.data == "criteo":
-        from tf_fusedemb.data import criteo  # pylint: disable=import-outside-toplevel
         path = args.data_path
         if os.path.isdir(path):
             path = os.path.join(path, "test.txt")
@@ -83,9 +92,6 @@ def global_batches(args):
 def build(args, rank, size, comm=None):
     """The model built for rank ``rank`` of ``size`` (``comm``: the mpi4py communicator)
     with this rank's shard restored, and the batches."""
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    from tf_fusedemb.inference.distributed import for_rank, restore_shard  # pylint: disable=import-outside-toplevel
-    from tf_fusedemb.training import job  # pylint: disable=import-outside-toplevel
     data, kinds, dense = global_batches(args)
     with for_rank(rank, size, comm):  # tables of this rank's rows only (static ones too)
         model = job.make_model(args.model, kinds, dense, dim=args.dim)
@@ -99,7 +105,6 @@ def build(args, rank, size, comm=None):
 
 
 def write_tsv(path, logits, labels):
-    import numpy as np  # pylint: disable=import-outside-toplevel
     prob = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -110,13 +115,9 @@ def write_tsv(path, logits, labels):
 
 
 def serve(args):
-    check_checkpoint(args.checkpoint_dir)  # before TensorFlow starts: fail fast
-    import numpy as np  # pylint: disable=import-outside-toplevel
-    import tf_keras  # pylint: disable=import-outside-toplevel
+    check_checkpoint(args.checkpoint_dir)  # before a model is built: fail fast
+    # mpi4py is an optional dependency (requirements.txt), needed by this command alone.
     from mpi4py import MPI  # pylint: disable=import-outside-toplevel
-    from tf_fusedemb.comm.bls_alltoallv import BLSAlltoallv  # pylint: disable=import-outside-toplevel
-    from tf_fusedemb.inference.distributed import (ShardedPredictor, run_bounded_lag,  # pylint: disable=import-outside-toplevel
-                                                   sample_bounds)
     comm = MPI.COMM_WORLD
     rank, size = comm.rank, comm.size
     model, data, meta = build(args, rank, size, comm)
@@ -181,7 +182,6 @@ def _rate(first_done, total, end):
 
 def main(argv=None):
     args = parse_args(argv)
-    from tf_fusedemb.comm.bls_alltoallv import BLSCapacityError, BLSTimeoutError  # pylint: disable=import-outside-toplevel
     try:
         serve(args)
     except (BLSTimeoutError, BLSCapacityError, ValueError) as e:

@@ -24,10 +24,11 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import tf_keras  # noqa: E402
 
+from tf_fusedemb import job  # noqa: E402
 from tf_fusedemb.comm import get_communicator  # noqa: E402
+from tf_fusedemb.inference import export_saved_model  # noqa: E402
 from tf_fusedemb.models import fused_embedding_layers  # noqa: E402
 from tf_fusedemb.pipeline import PipelineOptions, cluster_dataset, make_pipeline  # noqa: E402
-from tf_fusedemb.training import job  # noqa: E402
 from tf_fusedemb.training import KerasLoss, train_step  # noqa: E402
 from tf_fusedemb.training import faults  # noqa: E402
 from tf_fusedemb.training.checkpoint import CheckpointManager  # noqa: E402
@@ -249,7 +250,6 @@ def run_export(args):
 
 def export_only(args):
     """Restore the latest checkpoint on one process, export, verify the SavedModel."""
-    from tf_fusedemb.inference import export_saved_model  # pylint: disable=import-outside-toplevel
     comm = get_communicator()
     model, _, evaluation, kinds, dense = build(args, comm)
     meta = CheckpointManager(args.checkpoint_dir, model).restore()

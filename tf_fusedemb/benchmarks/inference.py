@@ -26,6 +26,9 @@ import os
 import sys
 
 from tf_fusedemb.benchmarks import plots
+from tf_fusedemb.benchmarks.launcher import REPO_ROOT, launch_local
+from tf_fusedemb.benchmarks.timing import emit
+from tf_fusedemb.testing import mpirun
 
 MARKER = "FUSEDEMB_INFERENCE_RESULT "
 MODULE = "tf_fusedemb.benchmarks.inference"
@@ -61,11 +64,9 @@ def parse_args(argv=None):
 
 
 def _launch_bls(args, argv):
-    from tf_fusedemb.comm import mpirun  # pylint: disable=import-outside-toplevel
     reason = mpirun.unavailable_reason()
     if reason:
         raise SystemExit(f"inference benchmark: {reason}")
-    from tf_fusedemb.benchmarks.launcher import REPO_ROOT  # pylint: disable=import-outside-toplevel
     proc = mpirun.run_mpirun(args.np, ["-m", MODULE, *argv, "--exchange", "bls"],
                              timeout=args.job_timeout, env={"PYTHONPATH": str(REPO_ROOT)})
     lines = [l for l in proc.stdout.splitlines() if l.startswith(MARKER)]
@@ -76,7 +77,6 @@ def _launch_bls(args, argv):
 
 
 def _launch_horovod(args, argv, max_delay_ms):
-    from tf_fusedemb.benchmarks.launcher import launch_local  # pylint: disable=import-outside-toplevel
     code, result = launch_local(MODULE, args.np, [*argv, "--exchange", "horovod",
                                                   "--max-delay-ms", str(max_delay_ms)],
                                 MARKER, timeout=args.job_timeout)
@@ -128,6 +128,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     if "OMPI_COMM_WORLD_RANK" in os.environ or "HOROVOD_RANK" in os.environ:
+        # A rank: TensorFlow and Horovod load here, never in the launching process.
         from tf_fusedemb.benchmarks import inference_worker  # pylint: disable=import-outside-toplevel
         result = inference_worker.run(args)
         if result is not None:
@@ -144,7 +145,6 @@ def main(argv=None):
     if args.plot:
         plot(result, args.lags, args.plot)
         result["plot"] = args.plot
-    from tf_fusedemb.benchmarks.timing import emit  # pylint: disable=import-outside-toplevel
     emit(result, args.json)
     return 0
 

@@ -3,6 +3,7 @@ from typing import Mapping, Optional
 
 import tf_keras
 
+from tf_fusedemb.layers.fused_embedding import FusedEmbedding
 from tf_fusedemb.specs import FeatureSpec, InitializerSpec, OptimizerSpec, TableSpec
 
 _INITIALIZERS = {
@@ -68,7 +69,6 @@ def from_keras_embeddings(embeddings: Mapping[str, object], optimizer: Optimizer
       >>> fused = from_keras_embeddings(embs, OptimizerSpec.adagrad(0.05))
       >>> outputs = fused({"user": user_ids, "item": item_ids})   # {"user": [B, 16], ...}
     """
-    from tf_fusedemb.layers.fused_embedding import FusedEmbedding  # pylint: disable=import-outside-toplevel
     combiners = dict(combiners or {})
     max_lens = dict(max_lens or {})
     unknown = (set(combiners) | set(max_lens)) - set(embeddings)

@@ -1,4 +1,5 @@
 """``FusedEmbedding``: a dict of features in, a dict of embeddings out, fused and sharded."""
+import contextlib
 import os
 from typing import Mapping, Optional, Sequence, Union
 
@@ -273,6 +274,21 @@ def fused_embedding_layers(model):
     found = [m for m in [model, *getattr(model, "submodules", ())]
              if isinstance(m, FusedEmbedding)]
     return list({id(m): m for m in found}.values())
+
+
+@contextlib.contextmanager
+def use_context(model, context: LookupContext):
+    """Installs ``context`` on every FusedEmbedding layer of ``model`` (a Keras model or
+    layer) for the block; yields it."""
+    layers = fused_embedding_layers(model)
+    previous = [layer.lookup_context for layer in layers]
+    for layer in layers:
+        layer.lookup_context = context
+    try:
+        yield context
+    finally:
+        for layer, old in zip(layers, previous):
+            layer.lookup_context = old
 
 
 EXCHANGE_ENV = "TF_FUSEDEMB_EXCHANGE"

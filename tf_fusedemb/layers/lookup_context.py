@@ -3,7 +3,7 @@ layers.
 
 A step (``tf_fusedemb.training.step``, the pipeline) builds a :class:`LookupContext` and
 installs it on the model's FusedEmbedding layers for the duration of one forward pass
-(``with use_context(model, context):``). In it, each group lookup
+(``with use_context(model, context):``, ``tf_fusedemb.layers.fused_embedding``). In it, each group lookup
 
 * takes its *prepared* lookup, routed and retrieved ahead of the forward pass (NestPipe's
   DBP prefetch), instead of routing anew;
@@ -15,7 +15,6 @@ installs it on the model's FusedEmbedding layers for the duration of one forward
 
 Outside any context a lookup routes, retrieves and records nothing (inference).
 """
-import contextlib
 import dataclasses
 from typing import Dict, List, Optional
 
@@ -68,35 +67,3 @@ class LookupContext:
 
 
 NO_CONTEXT = LookupContext()
-
-
-@contextlib.contextmanager
-def use_context(model, context: LookupContext):
-    """Installs ``context`` on every FusedEmbedding layer of ``model`` (a Keras model or
-    layer) for the block; yields it."""
-    from tf_fusedemb.layers.fused_embedding import fused_embedding_layers  # pylint: disable=import-outside-toplevel
-    layers = fused_embedding_layers(model)
-    previous = [layer.lookup_context for layer in layers]
-    for layer in layers:
-        layer.lookup_context = context
-    try:
-        yield context
-    finally:
-        for layer, old in zip(layers, previous):
-            layer.lookup_context = old
-
-
-def dense_gradient(grad, var):
-    """A dense variable's gradient as a tensor; zeros for None, so every rank's
-    collectives stay identical."""
-    return tf.zeros_like(var) if grad is None else tf.convert_to_tensor(grad)
-
-
-def row_gradient(grad, rows):
-    """The gradient of recorded owner rows as float32[u_l, dim]: IndexedSlices (from the
-    gather by I_l) are accumulated per row; None gives zeros."""
-    if grad is None:
-        return tf.zeros_like(rows)
-    if isinstance(grad, tf.IndexedSlices):  # accumulation by I_l on the owner
-        return tf.math.unsorted_segment_sum(grad.values, grad.indices, tf.shape(rows)[0])
-    return grad

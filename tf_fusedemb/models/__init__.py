@@ -1,5 +1,6 @@
 """Models and the sparse-aware training step of tf_fusedemb."""
 from tf_fusedemb.models.callbacks import CommCountersLogger, fused_embedding_layers
+from tf_fusedemb.models.fuse_model import fuse_model
 from tf_fusedemb.models.fused_model import FusedModel
 from tf_fusedemb.training.step import train_step
 from tf_fusedemb.models.blocks import (CRITEO_CATEGORICAL, CRITEO_DENSE, MLP,
@@ -12,4 +13,4 @@ from tf_fusedemb.models.sequence import (LocalActivationUnit, SequenceModel,
 __all__ = ["CRITEO_CATEGORICAL", "CRITEO_DENSE", "CrossLayer", "DCNv2", "DLRM", "DotInteraction",
            "LocalActivationUnit", "MLP", "SequenceModel", "criteo_feature_specs",
            "movielens_feature_specs",
-           "CommCountersLogger", "FusedModel", "fused_embedding_layers", "train_step"]
+           "CommCountersLogger", "FusedModel", "fuse_model", "fused_embedding_layers", "train_step"]

@@ -11,6 +11,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_fusedemb.data.criteo import CRITEO_CATEGORICAL, CRITEO_DENSE
+from tf_fusedemb.layers.fused_embedding import FusedEmbedding
 from tf_fusedemb.models.fused_model import FusedModel
 from tf_fusedemb.specs import FeatureSpec, FusionPlan, InitializerSpec, OptimizerSpec, TableSpec
 
@@ -138,7 +139,6 @@ def dense_matrix(features: Mapping, names: Sequence[str], owner: str = "model") 
 
 def make_embedding(specs, plan: Optional[FusionPlan], key_mode: str, communicator):
     """The model's one FusedEmbedding layer (named "fused_embedding")."""
-    from tf_fusedemb.layers import FusedEmbedding  # pylint: disable=import-outside-toplevel
     return FusedEmbedding(specs, plan=plan, key_mode=key_mode, communicator=communicator,
                           name="fused_embedding")
 

@@ -19,6 +19,7 @@ import tf_keras
 
 from tf_fusedemb.comm import get_communicator
 from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
+from tf_fusedemb.pipeline import PipelineOptions, make_pipeline
 from tf_fusedemb.training import step as steps
 from tf_fusedemb.training.loss import KerasLoss
 from tf_fusedemb.training.progress import fit_verbosity
@@ -189,7 +190,6 @@ class SparseTrainingMixin:
         """One pipelined step, looking one batch ahead in Keras's iterator (DBP needs the
         next batch's features); at the end of the data the delayed updates are applied
         and the next call ends the epoch."""
-        from tf_fusedemb.pipeline import make_pipeline  # pylint: disable=import-outside-toplevel
         if self._pipeline is None:
             self._pipeline = make_pipeline(self, self._keras_loss(), self.optimizer,
                                            self._fused_compile["pipeline"], get_communicator())
@@ -324,7 +324,6 @@ def _pipeline_options(pipeline):
     """PipelineOptions from compile's ``pipeline`` argument; None when synchronous."""
     if pipeline is None:
         return None
-    from tf_fusedemb.pipeline import PipelineOptions  # pylint: disable=import-outside-toplevel
     if isinstance(pipeline, str):
         pipeline = PipelineOptions.parse(pipeline)
     if not isinstance(pipeline, PipelineOptions):

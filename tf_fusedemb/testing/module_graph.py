@@ -11,22 +11,26 @@ one; ``tests/test_layering.py`` enforces it)::
     quiet       environment defaults and output filters (imports nothing of the package)
     specs       frozen, validated dataclasses; the fusion planner
     ops         the custom-op library, its wrappers and pure-TF references
-    comm        Horovod collectives, topology, counters, bounded-lag alltoallv, mpirun
+    data        Criteo / MovieLens / Avazu readers, synthetic data with a real profile
+    comm        Horovod collectives, topology, counters, cost model, bounded-lag alltoallv
     storage     per-rank shards of the fused groups behind one backend interface
     layers      Keras layers: FusedEmbedding, its lookup context and exchanges
-    pipeline    tf.data builders, sample clustering, dual-buffer / micro-batch pipelining
+    training    the one training-step core, loss, replicas, loop, sharded checkpoints
+    pipeline    tf.data builders, sample clustering, dual-buffer / micro-batch schedules
     inference   SavedModel export, bounded-lag distributed inference
-    training    the one training-step core, loss, replicas, sharded checkpoints
     models      FusedModel (fit through the step core), fuse_model, DLRM, DCN-v2, sequence
-    data        Criteo / MovieLens / Avazu readers, synthetic data with a real profile
-    testing     emulated multi-host cluster, DistributedTestCase, this graph
+    testing     emulated multi-host cluster, mpirun launcher, DistributedTestCase, this graph
     benchmarks  ``python -m tf_fusedemb.benchmarks.<name>``
-    job, train, serve   the commands: job.py builds the main job's model and data for train.py
+    job         the main job's factory of data and models by name (for train.py, serve.py)
+    train, serve  the commands
     tf_fusedemb (the package ``__init__``): the facade; it imports only ``quiet`` at import time
 
-``training`` sits below ``models`` because ``FusedModel.train_step`` is the step core's.
-``testing`` sits below ``benchmarks`` (benchmarks launch ranks through the emulated cluster);
-``comm.mpirun`` launches through ``mpirun`` alone, not through ``testing``.
+Where this differs from DESIGN.md's list, the code decides: ``data`` needs only ``ops``
+(hashing) and ``models`` use its Criteo column names, so it sits low; ``training`` sits
+below ``pipeline`` (a pipelined step is a schedule of the one step core) and below
+``models`` and ``inference`` (``FusedModel.train_step`` is the step core's; sharded inference
+restores training checkpoints); ``testing`` (the launchers) sits above the library and
+below ``benchmarks``, which launch ranks through it.
 
 Edges are the imports executed when a module is imported: statements at module level
 (including under ``if``/``try`` and in class bodies), not those inside functions. Importing
@@ -43,8 +47,8 @@ PACKAGE = "tf_fusedemb"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Bottom to top. Names in one tuple form one layer (they may import each other).
-LAYERS = (("quiet",), ("specs",), ("ops",), ("comm",), ("storage",), ("layers",), ("pipeline",),
-          ("inference",), ("training",), ("models",), ("data",), ("testing",), ("benchmarks",),
+LAYERS = (("quiet",), ("specs",), ("ops",), ("data",), ("comm",), ("storage",), ("layers",),
+          ("training",), ("pipeline",), ("inference",), ("models",), ("testing",), ("benchmarks",),
           ("job",), ("train", "serve"), (PACKAGE,))
 
 

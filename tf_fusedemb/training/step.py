@@ -36,9 +36,8 @@ from typing import List, NamedTuple, Optional
 import tensorflow as tf
 
 from tf_fusedemb.comm import get_communicator
-from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
-from tf_fusedemb.layers.lookup_context import (LookupContext, dense_gradient, row_gradient,
-                                               use_context)
+from tf_fusedemb.layers.fused_embedding import fused_embedding_layers, use_context
+from tf_fusedemb.layers.lookup_context import LookupContext
 from tf_fusedemb.training import keysets
 from tf_fusedemb.training.loss import KerasLoss, LossTotals
 from tf_fusedemb.training.micro_batches import batch_size_of, micro_batch_slices, slice_rows
@@ -256,6 +255,22 @@ def top_layers_split(variables) -> int:
         split -= 1
         top += sizes[split]
     return split
+
+
+def dense_gradient(grad, var):
+    """A dense variable's gradient as a tensor; zeros for None, so every rank's
+    collectives stay identical."""
+    return tf.zeros_like(var) if grad is None else tf.convert_to_tensor(grad)
+
+
+def row_gradient(grad, rows):
+    """The gradient of recorded owner rows as float32[u_l, dim]: IndexedSlices (from the
+    gather by I_l) are accumulated per row; None gives zeros."""
+    if grad is None:
+        return tf.zeros_like(rows)
+    if isinstance(grad, tf.IndexedSlices):  # accumulation by I_l on the owner
+        return tf.math.unsorted_segment_sum(grad.values, grad.indices, tf.shape(rows)[0])
+    return grad
 
 
 def after(deps: List[tf.Tensor], x, skip=()):

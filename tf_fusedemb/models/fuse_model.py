@@ -14,6 +14,7 @@ import tf_keras
 
 from tf_fusedemb.layers.converter import embedding_table_spec
 from tf_fusedemb.layers.fused_embedding import FusedEmbedding
+from tf_fusedemb.models.fused_model import FusedModel
 from tf_fusedemb.specs import FeatureSpec, OptimizerSpec
 
 __all__ = ["fuse_model"]
@@ -49,8 +50,6 @@ def fuse_model(model: tf_keras.Model, optimizer: OptimizerSpec, dynamic: bool = 
     _check_convertible(model, embeddings, name)
     features, calls = _features(config, embeddings, optimizer, dynamic)
     layer = FusedEmbedding(features, name=name, **layer_kwargs)
-    # models/ sits above layers/: imported here, the one place layers/ returns a model.
-    from tf_fusedemb.models.fused_model import FusedModel  # pylint: disable=import-outside-toplevel
     fused = FusedModel.from_config(_rewrite(config, layer, calls),
                                    custom_objects={"FusedEmbedding": FusedEmbedding})
     for old in model.layers:

@@ -1,4 +1,5 @@
-"""Building blocks of the main job: data sources and models by name.
+"""The command line's factory of the main job (``train.py``, ``serve.py``): data sources
+and models by name.
 
 Every source returns ``(train, eval, feature_kinds, dense_names)``: train and eval are
 tf.data datasets of ``(features dict, label float32[B, 1])`` sharded by rank (train
@@ -7,9 +8,14 @@ or lists (for the serving signature).
 """
 import os
 
-
+from tf_fusedemb import models
+from tf_fusedemb.data import avazu, criteo, movielens
 from tf_fusedemb.data.criteo import CRITEO_CATEGORICAL, CRITEO_DENSE, dense_log1p
 from tf_fusedemb.data.pipeline import array_batches
+from tf_fusedemb.data.synthetic import generate_criteo_like
+from tf_fusedemb.data.teacher import teacher_labels
+from tf_fusedemb.models.blocks import criteo_feature_specs
+from tf_fusedemb.models.sequence import SequenceModel, movielens_feature_specs
 from tf_fusedemb.specs import OptimizerSpec
 
 DATASETS = ("synthetic", "criteo", "movielens", "avazu")
@@ -17,8 +23,6 @@ MODELS = ("dlrm", "dcn", "sequence")
 
 
 def _synthetic_frame(num_rows, data_seed, teacher_seed):
-    from tf_fusedemb.data.synthetic import generate_criteo_like  # pylint: disable=import-outside-toplevel
-    from tf_fusedemb.data.teacher import teacher_labels  # pylint: disable=import-outside-toplevel
     data = generate_criteo_like(num_rows, seed=data_seed)
     label, _ = teacher_labels(data, seed=teacher_seed)
     feats = {k: data[k] for k in CRITEO_CATEGORICAL}
@@ -44,7 +48,6 @@ def make_data(name, path, batch_size, rank, size, rows=200_000, eval_rows=20_000
         return (_from_frame(*train, batch_size, rank, size, True),
                 _from_frame(*evaluation, batch_size, rank, size, False), kinds, CRITEO_DENSE)
     if name == "criteo":
-        from tf_fusedemb.data import criteo  # pylint: disable=import-outside-toplevel
         if path and os.path.isdir(path):  # the Kaggle layout: train.txt, held-out test.txt
             train = criteo.criteo_dataset(os.path.join(path, "train.txt"), batch_size,
                                           num_shards=size, shard_index=rank, repeat=True,
@@ -56,7 +59,6 @@ def make_data(name, path, batch_size, rank, size, rows=200_000, eval_rows=20_000
                                                      shard_index=rank, drop_remainder=True)
         return train.repeat(), evaluation, kinds, CRITEO_DENSE
     if name == "movielens":
-        from tf_fusedemb.data import movielens  # pylint: disable=import-outside-toplevel
         train = movielens.movielens_dataset(path, batch_size, num_shards=size, shard_index=rank,
                                             split="train")
         evaluation = movielens.movielens_dataset(path, batch_size, num_shards=size,
@@ -64,7 +66,6 @@ def make_data(name, path, batch_size, rank, size, rows=200_000, eval_rows=20_000
         return train.repeat(), evaluation, {"user": "scalar", "movie": "scalar",
                                             "genres": "list", "history": "list"}, ()
     if name == "avazu":
-        from tf_fusedemb.data import avazu  # pylint: disable=import-outside-toplevel
         train = avazu.avazu_dataset(path, batch_size, num_shards=size, shard_index=rank)
         evaluation = avazu.avazu_dataset(path.replace("train.csv", "dev.csv"), batch_size,
                                          num_shards=size, shard_index=rank)
@@ -74,11 +75,8 @@ def make_data(name, path, batch_size, rank, size, rows=200_000, eval_rows=20_000
 
 def make_model(model, feature_kinds, dense_names, dim=16, lr=0.05):
     """A FusedModel by name over the data's features."""
-    from tf_fusedemb import models  # pylint: disable=import-outside-toplevel
-    from tf_fusedemb.models.blocks import criteo_feature_specs  # pylint: disable=import-outside-toplevel
     optimizer = OptimizerSpec.adagrad(lr)
     if model == "sequence":
-        from tf_fusedemb.models.sequence import SequenceModel, movielens_feature_specs  # pylint: disable=import-outside-toplevel
         return SequenceModel(movielens_feature_specs(dim=dim, optimizer=optimizer))
     specs = criteo_feature_specs(dim=dim, optimizer=optimizer, names=tuple(feature_kinds))
     if model == "dlrm":
