@@ -19,11 +19,18 @@ ID out of its feature's range (``InputReport``) sends every peer one message ``(
 it from the key exchange and fails with the same error (``GroupLookup.route``), instead of
 the bad rank failing alone while the others wait for it.
 """
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, NamedTuple, Optional, Tuple
 
 import tensorflow as tf
 
 from tf_fusedemb import ops
+from tf_fusedemb.comm.counters import CommCounters
+
+if TYPE_CHECKING:  # a type only: the communicator module starts Horovod's watchdog machinery
+    from tf_fusedemb.comm.communicator import Communicator
+
+# What send_keys hands to send_rows and the gradient exchange (sort indices, splits, ...).
+ExchangeState = Dict[str, Any]
 
 CATEGORY_BITS = 16
 EXCHANGES = ("flat", "hierarchical")
@@ -37,7 +44,8 @@ class InputReport(NamedTuple):
     message: tf.Tensor
 
 
-def input_report(ids, invalid, segment_splits, rank: int) -> InputReport:
+def input_report(ids: tf.Tensor, invalid: tf.Tensor, segment_splits: tf.Tensor,
+                 rank: int) -> InputReport:
     """The InputReport of fused ``ids`` int64[n] with ``invalid`` bool[n] (out of range),
     features cut at ``segment_splits`` int64[M+1]: the first bad ID and its feature."""
     first = tf.argmax(tf.concat([tf.cast(invalid, tf.int32), [1]], 0), output_type=tf.int64)
@@ -49,7 +57,8 @@ def input_report(ids, invalid, segment_splits, rank: int) -> InputReport:
     return InputReport(tf.reduce_any(invalid), tf.reshape(tf.stack([bad_id, tag]), [1, 2]))
 
 
-def with_report(messages, splits, report: Optional[InputReport]):
+def with_report(messages: tf.Tensor, splits: tf.Tensor,
+                report: Optional[InputReport]) -> Tuple[tf.Tensor, tf.Tensor]:
     """``(messages, splits)`` to send, or, when ``report`` failed, its message once to
     every peer (``splits`` int32[k] all ones)."""
     if report is None:
@@ -60,7 +69,7 @@ def with_report(messages, splits, report: Optional[InputReport]):
                    lambda: (messages, splits))
 
 
-def received_report(messages) -> Tuple[tf.Tensor, tf.Tensor]:
+def received_report(messages: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
     """(bool[]: some of the key ``messages`` int64[m, 2] is a bad-input report, the first
     one int64[1, 2] (zeros when none)."""
     bad = tf.equal(tf.bitwise.bitwise_and(messages[:, 1], (1 << CATEGORY_BITS) - 1), BAD_INPUT)
@@ -68,7 +77,7 @@ def received_report(messages) -> Tuple[tf.Tensor, tf.Tensor]:
     return tf.reduce_any(bad), tf.concat([messages, tf.zeros([1, 2], tf.int64)], 0)[first:first + 1]
 
 
-def decode_report(message) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+def decode_report(message: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """(rank int64[], feature index int64[], bad ID int64[]) of a report int64[1, 2]."""
     tag = message[0, 1]
     return (tf.bitwise.right_shift(tag, 32),
@@ -76,7 +85,7 @@ def decode_report(message) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
             message[0, 0])
 
 
-def encode_keys(ids, counts, tables):
+def encode_keys(ids: tf.Tensor, counts: tf.Tensor, tables: tf.Tensor) -> tf.Tensor:
     """Key messages int64[n, 2] of ``ids`` int64[n] seen ``counts`` int[n] times, of table
     ``tables`` int[n]."""
     tag = tf.bitwise.bitwise_or(tf.bitwise.left_shift(tf.cast(counts, tf.int64), CATEGORY_BITS),
@@ -84,7 +93,7 @@ def encode_keys(ids, counts, tables):
     return tf.stack([tf.cast(ids, tf.int64), tag], axis=1)
 
 
-def decode_keys(messages) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+def decode_keys(messages: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """(ids int64[n], counts int64[n], tables int32[n]) of key messages int64[n, 2]."""
     tables = tf.cast(tf.bitwise.bitwise_and(messages[:, 1], (1 << CATEGORY_BITS) - 1), tf.int32)
     return messages[:, 0], tf.bitwise.right_shift(messages[:, 1], CATEGORY_BITS), tables
@@ -100,12 +109,12 @@ class FlatExchange:
     kind = "flat"
     rounds_per_step = 3  # keys, rows, gradients
 
-    def __init__(self, comm, group_name: str, counters):
+    def __init__(self, comm: "Communicator", group_name: str, counters: CommCounters):
         self.comm, self.counters = comm, counters
         self._prefix = f"fusedemb/{group_name}"
 
-    def send_keys(self, uniq, feature_table, suffix: str,
-                  report: Optional[InputReport] = None) -> Tuple[tf.Tensor, Dict]:
+    def send_keys(self, uniq: ops.SegmentUniqueResult, feature_table: tf.Tensor, suffix: str,
+                  report: Optional[InputReport] = None) -> Tuple[tf.Tensor, ExchangeState]:
         """Sends the requester's unique keys to their owners.
 
         Args:
@@ -128,7 +137,7 @@ class FlatExchange:
                                                self.counters)
         return recv, {"sort_indices": srt.indices, "recv_splits": recv_splits}
 
-    def send_rows(self, rows, state: Dict, suffix: str):
+    def send_rows(self, rows: tf.Tensor, state: ExchangeState, suffix: str) -> tf.Tensor:
         """The owner's ``rows`` float32[m, dim] (one per received key message) back to the
         requesters: float32[u, dim] in rank-sorted order (``state["sort_indices"]``)."""
         back, _ = self.comm.alltoall(rows, state["recv_splits"], f"{self._prefix}/rows{suffix}",

@@ -17,13 +17,17 @@ Backward mirrors it through the tape: the fan-out's gradient sums the node mates
 gradients of a key (TawPipe's group-local reduction) before the rail AlltoAll carries one
 gradient row per node and key to the owner.
 """
-from typing import Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 import tensorflow as tf
 
 from tf_fusedemb import ops
-from tf_fusedemb.layers.exchange import (InputReport, decode_keys, encode_keys,
+from tf_fusedemb.comm.counters import CommCounters
+from tf_fusedemb.layers.exchange import (ExchangeState, InputReport, decode_keys, encode_keys,
                                          received_report, with_report)
+
+if TYPE_CHECKING:  # a type only, as in layers/exchange.py
+    from tf_fusedemb.comm.communicator import Communicator
 
 
 class HierarchicalExchange:
@@ -37,7 +41,8 @@ class HierarchicalExchange:
     kind = "hierarchical"
     rounds_per_step = 6
 
-    def __init__(self, comm, group_name: str, counters, num_tables: int):
+    def __init__(self, comm: "Communicator", group_name: str, counters: CommCounters,
+                 num_tables: int):
         topo = comm.topology
         if not topo.is_hierarchical:
             raise ValueError(f"group '{group_name}': a hierarchical exchange needs several nodes "
@@ -46,8 +51,8 @@ class HierarchicalExchange:
         self._node, self._rail = topo.node_members(), topo.rail_members()
         self._prefix = f"fusedemb/{group_name}"
 
-    def send_keys(self, uniq, feature_table, suffix: str,
-                  report: Optional[InputReport] = None) -> Tuple[tf.Tensor, Dict]:
+    def send_keys(self, uniq: ops.SegmentUniqueResult, feature_table: tf.Tensor, suffix: str,
+                  report: Optional[InputReport] = None) -> Tuple[tf.Tensor, ExchangeState]:
         """Same contract as ``FlatExchange.send_keys``; the state also holds the node
         stage's fan-out (``node_sort_indices`` int32[u1], ``node_inverse`` int32[m1]) and
         the rail stage's received splits. A bad-input report received in the node stage
@@ -110,7 +115,7 @@ class HierarchicalExchange:
                                                    tf.size(node_uniq.unique_keys))
         return node_uniq, node_counts, order
 
-    def send_rows(self, rows, state: Dict, suffix: str):
+    def send_rows(self, rows: tf.Tensor, state: ExchangeState, suffix: str) -> tf.Tensor:
         """Same contract as ``FlatExchange.send_rows``."""
         comm = self.comm
         node_rows, _ = comm.alltoall(rows, state["rail_splits"],

@@ -1,4 +1,6 @@
 """Feature inputs to flat IDs and row splits, with errors that name the feature."""
+from typing import Any, List, Optional, Tuple, Union
+
 import tensorflow as tf
 
 from tf_fusedemb.specs import FeatureSpec
@@ -8,18 +10,19 @@ class FlatFeature:
     """One feature's IDs flattened: ``ids`` int64[n], ``row_splits`` int64[B+1] per
     sample, ``dense_length`` L when the input was a dense [B, L] tensor (else None)."""
 
-    def __init__(self, ids, row_splits, dense_length=None):
+    def __init__(self, ids: tf.Tensor, row_splits: tf.Tensor, dense_length: Optional[int] = None):
         self.ids, self.row_splits, self.dense_length = ids, row_splits, dense_length
         # A deferred range check (``flatten_feature(defer_range_check=True)``): bool[n]
         # marking the IDs out of range; None: nothing to check.
-        self.invalid = None
+        self.invalid: Optional[tf.Tensor] = None
 
     @property
-    def batch_size(self):
+    def batch_size(self) -> tf.Tensor:
+        """int64 scalar B, the samples of the batch."""
         return tf.shape(self.row_splits, out_type=tf.int64)[0] - 1
 
 
-def flatten_feature(spec: FeatureSpec, value, id_bits=None,
+def flatten_feature(spec: FeatureSpec, value: Any, id_bits: Optional[int] = None,
                     defer_range_check: bool = False) -> FlatFeature:
     """int32/int64 ``[B]`` (one ID per sample), ``[B, L]`` (L IDs per sample, no padding),
     ``tf.RaggedTensor [B, None]`` or ``tf.SparseTensor [B, L]`` -> FlatFeature.
@@ -83,13 +86,15 @@ def flatten_feature(spec: FeatureSpec, value, id_bits=None,
     return flat
 
 
-def id_ranges(spec: FeatureSpec, id_bits=None, wide=True):
+def id_ranges(spec: FeatureSpec, id_bits: Optional[int] = None,
+              wide: bool = True) -> List[Tuple[int, int, str]]:
     """[(low, limit, the range in words)]: the ranges [low, limit) a feature's IDs must lie
     in: a static table's vocabulary, ``id_bits`` of packed keys, int32 for a
     ``key_dtype="int32"`` table fed int64 (``wide``) IDs. Empty: any int64 ID."""
-    ranges = []
+    ranges: List[Tuple[int, int, str]] = []
     if spec.table.is_static:
         size = spec.table.vocabulary_size
+        assert size is not None  # a static table has one (TableSpec checks)
         ranges.append((0, size, f"[0, {size}) of its static table"))
     elif id_bits is not None:
         ranges.append((0, 1 << id_bits, f"[0, 2^{id_bits}) of key_mode='packed'"))
@@ -105,7 +110,7 @@ def _check_dtype(name, dtype):
         raise ValueError(f"feature '{name}': IDs must be int32 or int64, got {dtype.name}")
 
 
-def to_tensor(name, value):
+def to_tensor(name: str, value: Any) -> Union[tf.Tensor, tf.RaggedTensor, tf.SparseTensor]:
     """``value`` (a tensor, numpy array or Python list) as a tensor, or a ValueError naming
     the feature (e.g. Python ints beyond int64, ragged nested lists, None)."""
     if isinstance(value, (tf.Tensor, tf.RaggedTensor, tf.SparseTensor)):
@@ -117,7 +122,8 @@ def to_tensor(name, value):
                          f"({e})") from e
 
 
-def out_of_range_message(feature, bad_id, valid_range, where=""):
+def out_of_range_message(feature: Union[str, tf.Tensor], bad_id: tf.Tensor,
+                         valid_range: Union[str, tf.Tensor], where: str = "") -> tf.Tensor:
     """The error of an ID out of range, as a string tensor: ``feature '<name>': ID <id>
     is out of range <range><where>``; ``feature`` and ``valid_range`` are strings or string
     tensors, ``bad_id`` an int64 scalar tensor. (A traced Assert prints the quotes

@@ -23,14 +23,18 @@ rank per node, there is nothing to choose and the flat exchange is used.
 """
 import dataclasses
 import time
-from typing import List, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
+import tensorflow as tf
+import tf_keras
 
-from tf_fusedemb.comm import get_communicator
+from tf_fusedemb.comm import Communicator, get_communicator
 from tf_fusedemb.layers.exchange import EXCHANGES
 from tf_fusedemb.pipeline.nested import NestedPipeline
 from tf_fusedemb.pipeline.options import PipelineOptions
+from tf_fusedemb.training.loss import LossLike
+from tf_fusedemb.training.step import StepResult
 
 CANDIDATES = (1, 2, 4)
 MARGIN = 0.03  # how much faster a more pipelined schedule must measure to be chosen
@@ -70,7 +74,8 @@ class AutoPipeline:
       schedules: {label: PipelineOptions} of the candidates measured, in order.
     """
 
-    def __init__(self, model, loss, optimizer, options: PipelineOptions, communicator=None,
+    def __init__(self, model: tf_keras.Model, loss: LossLike, optimizer: tf_keras.optimizers.Optimizer,
+                 options: PipelineOptions, communicator: Optional[Communicator] = None,
                  candidates: Sequence[int] = CANDIDATES, warmup: int = 2, timed: int = 3,
                  margin: float = MARGIN):
         if margin < 0:
@@ -83,13 +88,15 @@ class AutoPipeline:
                            for label, o in self.schedules.items()}
         self._plan = [(label, i) for label in self.schedules for i in range(warmup + timed)]
         self._warmup = warmup
-        self._times = {label: [] for label in self.schedules}
+        self._times: Dict[str, List[float]] = {label: [] for label in self.schedules}
         self.chosen: Optional[str] = None
         self.chosen_options: Optional[PipelineOptions] = None
-        self.timings = {}
+        self.timings: Dict[str, float] = {}  # schedule label -> slowest rank's median step (s)
         self._done = 0
 
-    def step(self, x, y, next_x=None, sample_weight=None):
+    def step(self, x: Mapping[str, tf.Tensor], y: tf.Tensor,
+             next_x: Optional[Mapping[str, tf.Tensor]] = None,
+             sample_weight: Optional[tf.Tensor] = None) -> StepResult:
         """One training step (see NestedPipeline.step)."""
         if self.chosen is not None:
             return self._pipelines[self.chosen].step(x, y, next_x, sample_weight)
@@ -119,7 +126,7 @@ class AutoPipeline:
                            if t <= fastest * (1 + self.margin))
         self.chosen_options = self.schedules[self.chosen]
 
-    def flush(self):
+    def flush(self) -> None:
         """Applies pending delayed row updates of the pipeline in use."""
         for pipeline in self._pipelines.values():
             pipeline.flush()
@@ -128,7 +135,9 @@ class AutoPipeline:
     run = NestedPipeline.run
 
 
-def make_pipeline(model, loss, optimizer, options: PipelineOptions, communicator=None):
+def make_pipeline(model: tf_keras.Model, loss: LossLike, optimizer: tf_keras.optimizers.Optimizer,
+                  options: PipelineOptions, communicator: Optional[Communicator] = None
+                  ) -> Union[NestedPipeline, "AutoPipeline"]:
     """A NestedPipeline, or an AutoPipeline for ``micro_batches="auto"`` or
     ``exchange="auto"``."""
     if options.is_measured:

@@ -27,16 +27,20 @@ Importing this module does not import TensorFlow; only `cluster_dataset` needs i
 """
 from __future__ import annotations
 
-from typing import List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
+
+if TYPE_CHECKING:  # cluster_dataset imports TensorFlow when it is called (module doc)
+    import tensorflow as tf
 
 __all__ = ["micro_batch_bounds", "unique_keys_per_micro_batch", "cluster_permutation",
            "cluster_dataset"]
 
 # One feature of one batch: int[B] (one id per sample), int[B, k] (k ids per sample), or a
-# sequence of B per-sample id sequences (multi-hot, lengths may differ, may be empty).
-FeatureValues = Union[np.ndarray, Sequence[Sequence[int]]]
+# sequence of B per-sample id sequences (multi-hot, lengths may differ, may be empty), or,
+# from cluster_dataset, ragged ids in CSR form (_RaggedIds).
+FeatureValues = Union[np.ndarray, Sequence[Sequence[int]], "_RaggedIds"]
 
 
 class _RaggedIds(NamedTuple):
@@ -379,7 +383,7 @@ def _refine_swaps(rows: np.ndarray, kid: np.ndarray, num_keys: int, part: np.nda
     return part
 
 
-def _shared_key_pins(feats: List[Tuple[np.ndarray, np.ndarray]], b: int,
+def _shared_key_pins(feats: List[Tuple[np.ndarray, Optional[np.ndarray]]], b: int,
                      max_count: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(sample, key) incidences of the keys shared by 2..max_count samples.
 
@@ -433,7 +437,7 @@ def _check_sizes(batch_size, num_micro_batches) -> Tuple[int, int]:
 
 
 def _as_flat_features(features: Mapping[str, FeatureValues]
-                      ) -> Tuple[List[Tuple[np.ndarray, np.ndarray]], int]:
+                      ) -> Tuple[List[Tuple[np.ndarray, Optional[np.ndarray]]], int]:
     """{name: values} -> ([(ids int64[P_f], row of each id int64[P_f]) per feature], B).
 
     The rows array is None for int[B] features (id i belongs to row i), which saves building
@@ -443,8 +447,9 @@ def _as_flat_features(features: Mapping[str, FeatureValues]
     """
     if not features:
         raise ValueError("features is empty: need at least one feature to cluster on")
-    out = []
+    out: List[Tuple[np.ndarray, Optional[np.ndarray]]] = []
     sizes = {}
+    rows: Optional[np.ndarray]  # None: id i is of row i (see the docstring)
     for name, v in features.items():
         if isinstance(v, _RaggedIds):
             splits = np.asarray(v.row_splits, np.int64)
@@ -483,8 +488,9 @@ def _check_int(name: str, a: np.ndarray) -> None:
         raise ValueError(f"feature {name!r}: ids must be integers, got dtype {a.dtype}")
 
 
-def cluster_dataset(dataset, feature_names: Sequence[str], num_micro_batches: int,
-                    num_parallel_calls: Optional[int] = None, seed: int = 0):
+def cluster_dataset(dataset: tf.data.Dataset, feature_names: Sequence[str],
+                    num_micro_batches: int, num_parallel_calls: Optional[int] = None,
+                    seed: int = 0) -> tf.data.Dataset:
     """tf.data transform: reorders the samples of every batch by `cluster_permutation`.
 
     The permutation is computed on the CPU by `tf.numpy_function` from the named features, then

@@ -1,7 +1,7 @@
 """PipelineOptions: which of NestPipe's and EmbRace's schedules, and which exchange, a training
 loop uses."""
 import dataclasses
-from typing import Optional
+from typing import Any, Dict, Optional
 
 from tf_fusedemb.layers.exchange import EXCHANGES
 
@@ -45,7 +45,7 @@ class PipelineOptions:
     sync_buffers: bool = True
     exchange: Optional[str] = None  # None, "flat", "hierarchical" or "auto"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         n = self.micro_batches
         if n != "auto" and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ValueError(f"PipelineOptions: micro_batches must be an int >= 1 or 'auto', "
@@ -82,7 +82,7 @@ class PipelineOptions:
     def parse(cls, text: str) -> "PipelineOptions":
         """From a command-line string: "sync", or comma-separated "dbp", "fwp=N" (or "fwp=auto"),
         "novertical", "exchange=KIND" (flat, hierarchical, auto), e.g. "dbp,fwp=4"."""
-        kwargs = {}
+        kwargs: Dict[str, Any] = {}  # PipelineOptions' fields by name
         for part in filter(None, (p.strip() for p in text.split(","))):
             if part == "sync":
                 continue

@@ -18,7 +18,7 @@ report. Summing the shares over ranks gives exactly the single-process gradient.
 """
 import copy
 import dataclasses
-from typing import List, Optional
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Union
 
 import tensorflow as tf
 import tf_keras
@@ -83,6 +83,11 @@ def _loss_object(loss):
         name = getattr(loss, "__name__", None) or type(loss).__name__
         return LossFunctionWrapper(loss, name=name)
     raise ValueError(f"loss must be a Keras loss name, function or Loss object, got {loss!r}")
+
+
+# A loss in any form ``compile(loss=...)`` takes: a name, a function (y_true, y_pred) -> loss, a
+# ``tf_keras.losses.Loss``, a list or dict (by output name) of those, or a KerasLoss.
+LossLike = Union[str, Callable[..., Any], Sequence[Any], Mapping[str, Any], "KerasLoss"]
 
 
 class KerasLoss:
