@@ -14,8 +14,20 @@ from tf_fusedemb.inference import export_saved_model
 from tf_fusedemb.layers import FusedEmbedding
 from tf_fusedemb.models import FusedModel
 from tf_fusedemb.specs import FeatureSpec, InitializerSpec, OptimizerSpec, TableSpec
+from tf_fusedemb.training.checkpoint import CheckpointManager
 
 KINDS = {"u": "scalar", "v": "list", "st": "scalar", "seq": "list"}
+
+
+def training_data(seed=0, n=256):
+    rng = np.random.default_rng(seed)
+    data = {"u": rng.integers(0, 40, n), "st": rng.integers(0, 30, n),
+            "v": tf.ragged.constant([list(rng.integers(0, 9, rng.integers(0, 4))) for _ in range(n)],
+                                    tf.int64),
+            "seq": tf.ragged.constant([list(rng.integers(0, 9, rng.integers(0, 4)))
+                                       for _ in range(n)], tf.int64),
+            "dense": rng.random(n).astype(np.float32)}
+    return data, (data["u"] % 3 == 0).astype(np.float32)[:, None]
 
 
 def build_and_train():
@@ -36,16 +48,8 @@ def build_and_train():
     model = FusedModel(inputs, tf_keras.layers.Dense(1)(tf_keras.layers.Dense(8, "relu")(x)))
     model.compile(optimizer=tf_keras.optimizers.Adam(0.01),
                   loss=tf_keras.losses.BinaryCrossentropy(from_logits=True))
-    rng = np.random.default_rng(0)
-    n = 256
-    data = {"u": rng.integers(0, 40, n), "st": rng.integers(0, 30, n),
-            "v": tf.ragged.constant([list(rng.integers(0, 9, rng.integers(0, 4))) for _ in range(n)],
-                                    tf.int64),
-            "seq": tf.ragged.constant([list(rng.integers(0, 9, rng.integers(0, 4)))
-                                       for _ in range(n)], tf.int64),
-            "dense": rng.random(n).astype(np.float32)}
-    model.fit(data, (data["u"] % 3 == 0).astype(np.float32)[:, None], batch_size=64, epochs=2,
-              verbose=0)
+    data, labels = training_data()
+    model.fit(data, labels, batch_size=64, epochs=2, verbose=0)
     return model
 
 
@@ -109,3 +113,30 @@ def test_unknown_feature_kind_is_rejected(tmp_path):
     model = tf_keras.Sequential()
     with pytest.raises(ValueError, match="feature 'u': kind 'vector'"):
         export_saved_model(model, str(tmp_path), {"u": "vector"})
+
+
+@pytest.mark.timeout(600)
+def test_export_leaves_the_model_unchanged(tmp_path):
+    """After an export the model trains and predicts exactly as it does from the same
+    state without an export (the export looks up through serving copies, never by
+    changing the layer): one epoch after the export equals one epoch after restoring
+    the state saved just before it."""
+    model = build_and_train()
+    layer = next(l for l in model.layers if isinstance(l, FusedEmbedding))
+    manager = CheckpointManager(str(tmp_path / "ckpt"), model, model.optimizer)
+    manager.save(1)
+    raw = serving_inputs()
+    before = model(model_inputs(raw), training=False).numpy()
+    groups = list(layer.groups)
+    export_saved_model(model, str(tmp_path / "export"), KINDS, dense_features=["dense"])
+    assert list(layer.groups) == groups
+    np.testing.assert_array_equal(model(model_inputs(raw), training=False).numpy(), before)
+    data, labels = training_data(seed=1)
+    model.fit(data, labels, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    exported_then_trained = model(model_inputs(raw), training=False).numpy()
+    assert not np.allclose(exported_then_trained, before)  # it trained on
+    manager.restore()
+    np.testing.assert_array_equal(model(model_inputs(raw), training=False).numpy(), before)
+    model.fit(data, labels, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    np.testing.assert_allclose(model(model_inputs(raw), training=False).numpy(),
+                               exported_then_trained, rtol=1e-6, atol=1e-6)

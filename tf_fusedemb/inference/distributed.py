@@ -33,9 +33,11 @@ import tensorflow as tf
 from tf_fusedemb.comm.communicator import Communicator, communicator_scope
 from tf_fusedemb.comm.topology import Topology
 from tf_fusedemb.inference import distributed_payload as payload
-from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
+from tf_fusedemb.layers.fused_embedding import fused_embedding_layers, use_context
 from tf_fusedemb.layers.inputs import flatten_feature
+from tf_fusedemb.layers.lookup_context import LookupContext
 from tf_fusedemb.ops import hashing
+from tf_fusedemb.training.checkpoint import CheckpointManager
 
 
 class InferenceCommunicator(Communicator):
@@ -92,15 +94,15 @@ def check_sharded(model, rank: int, size: int) -> None:
     vocabulary on every rank, or rows another rank owns)."""
     for layer in fused_embedding_layers(model):
         for lookup in layer.groups:
-            table = getattr(lookup, "table", None)  # None: already a ShardedPredictor's
-            if table is None or not lookup.group.is_static:
+            if not lookup.group.is_static:
                 continue
-            if (table.rank, table.num_ranks) != (rank, size):
+            built_rank, built_size, vocabulary = lookup.static_shard()
+            if (built_rank, built_size) != (rank, size):
                 raise ValueError(
                     f"sharded inference: static group '{lookup.group.name}' of layer "
-                    f"'{layer.name}' was built for rank {table.rank} of {table.num_ranks} "
-                    f"(holding about 1/{table.num_ranks} of its "
-                    f"{table.vocabulary_size} rows), but this is rank {rank} of {size}: "
+                    f"'{layer.name}' was built for rank {built_rank} of {built_size} "
+                    f"(holding about 1/{built_size} of its "
+                    f"{vocabulary} rows), but this is rank {rank} of {size}: "
                     "build the model inside tf_fusedemb.inference.distributed.for_rank"
                     f"({rank}, {size}) so each rank holds only its own rows")
 
@@ -115,7 +117,6 @@ def restore_shard(model, checkpoint_dir: str, rank: int, size: int, path=None) -
       ValueError: the checkpoint was written for another model (fusion plan), or a static
         table of ``model`` was not built for this rank (:func:`check_sharded`).
     """
-    from tf_fusedemb.training.checkpoint import CheckpointManager  # pylint: disable=import-outside-toplevel
     if not os.path.isdir(checkpoint_dir):
         raise FileNotFoundError(f"checkpoint directory {checkpoint_dir!r} does not exist")
     check_sharded(model, rank, size)
@@ -139,8 +140,7 @@ def sample_bounds(batch_size: int, size: int) -> np.ndarray:
 
 
 def _lookups(model):
-    return [g for layer in fused_embedding_layers(model) for g in layer.groups
-            if hasattr(g, "table")]
+    return [g for layer in fused_embedding_layers(model) for g in layer.groups]
 
 
 def stored_rows(model) -> int:
@@ -156,17 +156,17 @@ def resident_rows(model) -> int:
 
 
 def _stored_rows(lookups):
-    return int(sum(int(g.table.size()) for g in lookups))
+    return sum(g.num_stored_rows() for g in lookups)
 
 
 def _resident_rows(lookups):
-    return int(sum(int(g.table.values.shape[0]) if g.group.is_static else int(g.table.size())
-                   for g in lookups))
+    return sum(g.num_resident_rows() for g in lookups)
 
 
-class _InjectedGroup:
-    """Stands in for a GroupLookup inside the model: returns the embeddings the owner
-    assembled from the pushed partials (set just before the dense part runs)."""
+class _PushedEmbeddings:
+    """A ``GroupEmbeddings`` substitute for one group inside the model's forward pass
+    (``LookupContext.substitutes``): the embeddings the owner assembled from the pushed
+    partials, set just before the dense part runs."""
 
     def __init__(self, lookup):
         self.group, self.key_mode, self.table_names = (lookup.group, lookup.key_mode,
@@ -183,8 +183,8 @@ class ShardedPredictor:
 
     Args:
       model: a model with FusedEmbedding layers, built inside :func:`for_rank` and
-        restored (switched in place: its layers' groups are replaced by injected
-        embeddings; keep the model for this).
+        restored. Its layers are not changed: the dense part runs on the pushed
+        embeddings through a LookupContext, so one model may serve several predictors.
       rank, size: this rank and the number of ranks.
       exchange: ``start(j, sends: N uint8 arrays)`` / ``finish(j) -> N uint8 arrays``,
         e.g. :class:`~tf_fusedemb.comm.bls_alltoallv.BLSAlltoallv`.
@@ -197,15 +197,11 @@ class ShardedPredictor:
     def __init__(self, model, rank: int, size: int, exchange):
         check_sharded(model, rank, size)
         self.model, self.rank, self.size, self.exchange = model, rank, size, exchange
-        self._lookups, self._injected = [], []
-        for layer in fused_embedding_layers(model):
-            if any(isinstance(g, _InjectedGroup) for g in layer.groups):
-                raise ValueError("this model already serves a ShardedPredictor: build one "
-                                 "predictor per model (set its .exchange to switch)")
-            injected = [_InjectedGroup(lookup) for lookup in layer.groups]
-            self._lookups += list(layer.groups)
-            self._injected += injected
-            layer.groups = injected
+        self._lookups = _lookups(model)
+        self._injected = [_PushedEmbeddings(lookup) for lookup in self._lookups]
+        # The model's dense part runs on the pushed embeddings; its layers are unchanged.
+        self._context = LookupContext(substitutes={
+            id(lookup): pushed for lookup, pushed in zip(self._lookups, self._injected)})
         self.features = [f for g in self._lookups for f in g.group.features]
         self.dims = [f.dim for f in self.features]
         self._pending = {}
@@ -300,16 +296,8 @@ class ShardedPredictor:
         ids = np.concatenate([f[0][f[2]] for f in flats])
         tables = np.concatenate([np.full(int(f[2].sum()), group.table_index[i], np.int64)
                                  for i, f in enumerate(flats)])
-        hashed = lookup.hashed_keys(tf.constant(ids), tf.constant(tables))
-        if group.is_static:
-            sizes = [t.vocabulary_size for t in group.tables]
-            offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-            keys = tf.constant(offsets[tables] + ids)
-        elif lookup.key_mode == "packed":
-            keys = tf.constant(hashing.packed_unified_keys(ids, tables, len(lookup.table_names)))
-        else:
-            keys = hashed
-        rows = lookup.table.lookup(keys, hashed).numpy()
+        keys, init_keys = lookup.storage_keys(ids, tables)
+        rows = lookup.lookup_rows(tf.constant(keys), tf.constant(init_keys)).numpy()
         ends = np.cumsum([int(f[2].sum()) for f in flats])
         return np.split(rows, ends[:-1])
 
@@ -377,7 +365,8 @@ class ShardedPredictor:
     def _dense_part(self, features, embeddings):
         for injected, embs in zip(self._injected, embeddings):
             injected.pending = list(embs)
-        return self.model(features, training=False)
+        with use_context(self.model, self._context):
+            return self.model(features, training=False)
 
 
 def _is_plain(value):

@@ -12,28 +12,31 @@ int64[B]; a "list" feature (multi-hot or sequence) as int64[B, L] zero-padded pl
 import tensorflow as tf
 
 from tf_fusedemb.inference.serving import ServingGroup
-from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
+from tf_fusedemb.layers.fused_embedding import fused_embedding_layers, use_context
+from tf_fusedemb.layers.lookup_context import LookupContext
 
 KINDS = ("scalar", "list")
 
 
-def to_serving(model):
-    """Switches every FusedEmbedding of ``model`` to core-TF serving groups, in place.
+def serving_context(model) -> LookupContext:
+    """A LookupContext in which every FusedEmbedding group of ``model`` is looked up by
+    its one-host core-TF copy (``ServingGroup``); the model itself is not changed.
     Needs a single-process model holding all rows (e.g. restored on one rank)."""
-    layers = fused_embedding_layers(model)
-    for layer in layers:
+    substitutes = {}
+    for layer in fused_embedding_layers(model):
         if layer.communicator.size != 1:
             raise ValueError("export runs in one process holding every row: restore the "
                              "checkpoint on one rank first")
-        layer.groups = [ServingGroup(g) for g in layer.groups]
-    return layers
+        substitutes.update({id(g): ServingGroup(g) for g in layer.groups})
+    return LookupContext(substitutes=substitutes)
 
 
 def export_saved_model(model, export_dir, feature_kinds, dense_features=()):
     """Writes a SavedModel with a raw-feature serving signature; returns ``export_dir``.
 
     Args:
-      model: the trained Keras model (single process; switched to serving in place).
+      model: the trained Keras model (single process); it is not changed: it trains and
+        predicts afterwards as before.
       export_dir: output directory (written atomically: to a temporary name, then renamed).
       feature_kinds: {feature: "scalar" | "list"} for every FusedEmbedding feature.
       dense_features: names of float32[B] inputs passed through unchanged.
@@ -41,7 +44,7 @@ def export_saved_model(model, export_dir, feature_kinds, dense_features=()):
     for name, kind in feature_kinds.items():
         if kind not in KINDS:
             raise ValueError(f"feature '{name}': kind {kind!r} is not one of {KINDS}")
-    layers = to_serving(model)
+    context = serving_context(model)
     specs = {}
     for name, kind in feature_kinds.items():
         if kind == "scalar":
@@ -60,12 +63,17 @@ def export_saved_model(model, export_dir, feature_kinds, dense_features=()):
                 inputs[name], lengths=inputs[name + "_length"])
         for name in dense_features:
             features[name] = inputs[name]
-        logits = model(features, training=False)
+        with use_context(model, context):
+            logits = model(features, training=False)
         return {"logits": logits, "probability": tf.sigmoid(logits)}
 
     module = tf.Module()
-    module.variables_ = list(model.variables)  # dense weights and serving rows
-    module.tables_ = [g.index for layer in layers for g in layer.groups if g.index is not None]
+    # The dense weights and the serving groups (their rows and key indexes); not the
+    # training tables, which the serving signature does not read.
+    tables = {id(v) for layer in fused_embedding_layers(model) for g in layer.groups
+              for v in g.variables}
+    module.variables_ = [v for v in model.variables if id(v) not in tables]
+    module.serving_groups_ = list(context.substitutes.values())
     module.serve = serve
     tmp = export_dir.rstrip("/") + ".tmp"
     tf.io.gfile.rmtree(tmp) if tf.io.gfile.exists(tmp) else None

@@ -27,8 +27,7 @@ class ServingGroup(tf.Module):
         self._tags = tf.constant(hashing.category_tags(lookup.table_names))
         if self.group.is_static:  # every row is defined: keep the dense table as it is
             self._offsets = tf.constant(lookup.table_offsets.numpy())
-            self.rows = tf.Variable(lookup.table.dense_values().numpy(), trainable=False,
-                                    name="rows")
+            self.rows = tf.Variable(lookup.dense_rows(), trainable=False, name="rows")
             self.index = None
             return
         stored = lookup.stored_rows()

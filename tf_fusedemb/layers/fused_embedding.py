@@ -1,6 +1,5 @@
 """``FusedEmbedding``: a dict of features in, a dict of embeddings out, fused and sharded."""
 import contextlib
-import os
 from typing import Mapping, Optional, Sequence, Union
 
 import numpy as np
@@ -39,9 +38,9 @@ class FusedEmbedding(tf_keras.layers.Layer):
       communicator: default ``tf_fusedemb.comm.get_communicator()``.
       exchange: per group (a dict by group name) or for all: "flat", "hierarchical"
         (TawPipe: node, then rail; several nodes of several ranks) or "auto" (the cheaper
-        by ``tf_fusedemb.comm.cost_model`` under ``traffic``). Default: the environment's
-        ``TF_FUSEDEMB_EXCHANGE`` (where "hierarchical" falls back to flat on one node),
-        else "auto". ``describe()`` shows the choices and predicted costs.
+        by ``tf_fusedemb.comm.cost_model`` under ``traffic``). Default "auto" (no
+        environment variable changes it). ``describe()`` shows the choices and predicted
+        costs.
       traffic: the cost model's TrafficHints (keys per rank, node dedup ratio, links);
         the default (no node dedup) keeps the flat exchange.
 
@@ -91,12 +90,12 @@ class FusedEmbedding(tf_keras.layers.Layer):
         differ, every rank raises the same ValueError naming the features or the group
         (instead of hanging in, or failing inside, mismatched collectives).
 
-        Skipped in one process and once the ranks agreed; not needed while the layer's
-        lookups are replaced (serving, sharded inference: no collective lookup)."""
+        Skipped in one process and once the ranks agreed; not needed while the lookup
+        context substitutes every group (serving, sharded inference: no collective)."""
         if self._agreed:
             return
-        if not any(isinstance(g, GroupLookup) for g in self.groups):
-            return  # serving or sharded inference: this layer runs no collective lookup
+        if all(self.lookup_context.lookup_for(g) is not g for g in self.groups):
+            return  # serving or sharded inference: this pass runs no collective lookup
         mine = {"plan": self.plan.to_dict(),
                 "exchanges": {name: c.kind for name, c in self.exchanges.items()}}
         with tf.init_scope():  # eager, also when the first call is being traced
@@ -116,7 +115,7 @@ class FusedEmbedding(tf_keras.layers.Layer):
                     f"FusedEmbedding '{self.name}': group '{name}': the ranks chose different "
                     f"exchanges ({', '.join(f'rank {r}: {k}' for r, k in enumerate(kinds))}; "
                     f"this is rank {self._comm.rank}, {self._comm.topology.describe()}). "
-                    f"Every rank must see the same topology, {EXCHANGE_ENV}, exchange= and "
+                    f"Every rank must see the same topology, exchange= and "
                     "traffic= (e.g. link costs measured on one rank and shared).")
         self._agreed = True
 
@@ -151,8 +150,8 @@ class FusedEmbedding(tf_keras.layers.Layer):
         id_bits = None
         if lookup.key_mode == "packed" and not lookup.group.is_static:
             id_bits = hashing.default_id_bits(len(lookup.table_names))
-        # A GroupLookup reports an ID out of range to every rank (route); stand-ins
-        # (serving, sharded inference) check here.
+        # The distributed lookup reports an ID out of range to every rank (route);
+        # substitutes (serving, sharded inference) check here.
         defer = isinstance(lookup, GroupLookup)
         return [flatten_feature(f, inputs[f.name], id_bits, defer_range_check=defer)
                 for f in lookup.group.features]
@@ -172,7 +171,8 @@ class FusedEmbedding(tf_keras.layers.Layer):
         record = training is not False
         self._check_inputs(inputs)
         outputs = {}
-        for lookup in self.groups:
+        for group in self.groups:
+            lookup = self.lookup_context.lookup_for(group)
             feats = lookup.group.features
             flats = self._flat_features(lookup, inputs)
             embs = lookup(flats, [f.combiner for f in feats], self.lookup_context, record)
@@ -291,22 +291,16 @@ def use_context(model, context: LookupContext):
             layer.lookup_context = old
 
 
-EXCHANGE_ENV = "TF_FUSEDEMB_EXCHANGE"
-
-
 def _choose_exchanges(plan, topology, exchange, traffic):
     """{group name: ExchangeEstimate} (its ``kind`` is the group's exchange)."""
-    lenient = exchange is None and os.environ.get(EXCHANGE_ENV)
     if exchange is None:
-        exchange = os.environ.get(EXCHANGE_ENV, "auto")
+        exchange = "auto"
     choices = {}
     for g in plan.groups:
         kind = exchange.get(g.name, "auto") if isinstance(exchange, Mapping) else exchange
         if kind not in ("auto", "flat", "hierarchical"):
             raise ValueError(f"group '{g.name}': exchange must be 'auto', 'flat' or "
                              f"'hierarchical', got {kind!r}")
-        if kind == "hierarchical" and lenient and not topology.is_hierarchical:
-            kind = "flat"  # the environment asks for it where possible
         choices[g.name] = estimate(g.name, g.dim, topology, traffic,
                                    None if kind == "auto" else kind)
     return choices

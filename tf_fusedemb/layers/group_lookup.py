@@ -88,11 +88,10 @@ class GroupLookup(tf.Module):
         g = self.group
         sizes = [t.vocabulary_size for t in g.tables]
         self._offsets = tf.constant(np.concatenate([[0], np.cumsum(sizes)[:-1]]), tf.int64)
-        tags = hashing.category_tags(self.table_names).view(np.uint64)
 
         def init_keys(keys):  # plan-independent, as the dynamic tables' (hashed_keys)
             tables, ids = self.key_metadata(keys)
-            return hashing.mix64(ids.view(np.uint64) ^ tags[tables]).view(np.int64)
+            return self.storage_keys(ids, tables)[1]
 
         # The exchange routes by instance ID, so a row lives on the owner of its ID.
         return StaticLayout(int(sum(sizes)), init_keys,
@@ -166,16 +165,109 @@ class GroupLookup(tf.Module):
                              f"{self.group.dim}], got shape {rows.shape}")
         mine = hashing.owner_rank(ids, self.comm.size) == self.comm.rank
         ids, rows = ids[mine], rows[mine]
-        category = self.table_names.index(table)
-        segment = np.full(len(ids), category, np.int64)
-        if self.group.is_static:
-            keys = self._offsets.numpy()[category] + ids
-        elif self.key_mode == "packed":
-            keys = hashing.packed_unified_keys(ids, segment, len(self.table_names))
-        else:
-            keys = hashing.hashed_unified_keys(ids, [table] * len(ids))
+        segment = np.full(len(ids), self.table_names.index(table), np.int64)
+        keys, _ = self.storage_keys(ids, segment)
         self.table.load({"keys": keys, "values": rows})
         self.stats.register(keys, segment, ids, step=int(self.table.step.numpy()))
+
+    def storage_keys(self, ids, tables) -> tuple:
+        """(storage keys int64[n], plan-independent init keys int64[n]) of instance ``ids``
+        int64[n] of the group's tables ``tables`` int64[n] (indices into
+        ``table_names``), as numpy arrays (eager): ``offset[table] + ID`` for static
+        tables, ``(table << id_bits) | ID`` packed (IDs must fit), else the hashed key
+        ``mix64(ID ^ tag(table))``, which is also every key's init key."""
+        ids, tables = np.asarray(ids, np.int64), np.asarray(tables, np.int64)
+        tags = hashing.category_tags(self.table_names).view(np.uint64)
+        hashed = hashing.mix64(ids.view(np.uint64) ^ tags[tables]).view(np.int64)
+        if self.group.is_static:
+            return self._offsets.numpy()[tables] + ids, hashed
+        if self.key_mode == "packed":
+            return hashing.packed_unified_keys(ids, tables, len(self.table_names)), hashed
+        return hashed, hashed
+
+    def save_state(self) -> dict:
+        """This rank's state of the group (eager), a checkpoint shard's part: the
+        ``stored_rows`` arrays, ``step`` (int64 scalar) and the access statistics under
+        ``stats/`` (keys, counts, categories, ids, last_steps)."""
+        state = self.stored_rows()
+        state["step"] = np.array(self.table.step.numpy())
+        state.update({"stats/" + k: v for k, v in self.stats.export().items()})
+        return state
+
+    def restore_state(self, shards, rank: int, size: int) -> None:
+        """Loads, out of ``shards`` (the ``save_state`` dicts of every rank of the run
+        that saved, any number), the rows and statistics that rank ``rank`` of ``size``
+        owns (owner = mix64(raw ID) mod size), with their optimizer slots, and the
+        largest saved step. Eager."""
+        def merged(key):
+            return np.concatenate([s[key] for s in shards])
+        ids = merged("ids")
+        mine = hashing.owner_rank(ids, size) == rank
+        rows = {"keys": merged("keys")[mine], "values": merged("values")[mine]}
+        for slot in self.table.slot_names:
+            rows[slot] = merged(slot)[mine]
+        self.table.load(rows)
+        self.table.step.assign(int(max(s["step"] for s in shards)))
+        fields = ["keys", "counts", "categories", "ids"]
+        if all("stats/last_steps" in s for s in shards):  # absent before eviction
+            fields.append("last_steps")
+        stats = {k: merged("stats/" + k) for k in fields}
+        owned = hashing.owner_rank(stats["ids"], size) == rank
+        self.stats.load(*(stats[k][owned] for k in fields))
+        # The rows' (table, ID) come from the rows' own arrays, last: a restored row can
+        # never lack (or get another) identity, whatever the access statistics hold.
+        self.stats.register(rows["keys"], merged("tables")[mine], ids[mine],
+                            step=int(self.table.step.numpy()))
+
+    def dense_rows(self) -> np.ndarray:
+        """A static group's every row on this rank, float32[V_local, dim] (one host: all
+        of them), in key order (key = ``table_offsets[table] + ID``). Eager."""
+        if not self.group.is_static:
+            raise ValueError(f"group '{self.group.name}' is dynamic: it has no dense rows; "
+                             "use stored_rows()")
+        return self.table.dense_values().numpy()
+
+    def apply_gradients(self, keys, grads, init_keys=None, step=None, return_rows=False):
+        """One optimizer step on the owner rows of UNIQUE ``keys`` int64[u] with ``grads``
+        float32[u, dim]; new keys start from the initial rows of ``init_keys`` int64[u]
+        (admission decides which are stored). ``step``: the step the update belongs to
+        (default: advance the group's step). Returns the op, or (op, the updated rows
+        float32[u, dim]) with ``return_rows`` (the pipelines' dual buffer)."""
+        return self.table.apply_gradients(keys, grads, init_keys, step=step,
+                                          return_rows=return_rows)
+
+    def advance_step(self) -> tf.Tensor:
+        """Adds 1 to the group's optimizer step (int64); returns the new value."""
+        return self.table.advance_step()
+
+    @property
+    def step(self) -> tf.Variable:
+        """The group's optimizer step counter (int64 scalar variable, read-only use)."""
+        return self.table.step
+
+    def num_stored_rows(self) -> int:
+        """Rows this rank stores for the group: written (trained or restored) rows (eager)."""
+        return int(self.table.size())
+
+    def num_resident_rows(self) -> int:
+        """Rows the group occupies in memory on this rank: a static table's allocated
+        rows (all it owns, written or not), a dynamic table's stored rows (eager)."""
+        if self.group.is_static:
+            return int(self.table.values.shape[0])
+        return self.num_stored_rows()
+
+    def static_shard(self) -> tuple:
+        """A static group's (rank, number of ranks, vocabulary size) its rows were
+        allocated for (one rank's share of the rows)."""
+        if not self.group.is_static:
+            raise ValueError(f"group '{self.group.name}' is dynamic: it has no static shard")
+        return self.table.rank, self.table.num_ranks, self.table.vocabulary_size
+
+    def lookup_rows(self, keys, init_keys=None) -> tf.Tensor:
+        """This rank's rows of storage ``keys`` int64[u] (initial rows from ``init_keys``
+        for keys never stored, not inserted): float32[u, dim]. Sharded inference's
+        owner-side read."""
+        return self.table.lookup(keys, init_keys)
 
     def _admitted(self, keys):
         """bool[u]: which of the owner's unique ``keys`` int64[u] an update may store: a
@@ -291,7 +383,7 @@ class GroupLookup(tf.Module):
     def serve(self, routed, rows, flats, combiners, context: LookupContext = NO_CONTEXT):
         """Steps 7-8: rows back to the requesters (AlltoAll) and recovery per feature.
         With a tape in ``context`` the owner's ``rows`` are watched and recorded."""
-        context.record(rows, routed["keys"], routed["init_keys"], self.table, self.group.name)
+        context.record(rows, routed["keys"], routed["init_keys"], self, self.group.name)
         served = tf.gather(rows, routed["inverse"])
         back = self.exchange_for(context).send_rows(served, routed, context.suffix)
         back.set_shape([None, self.group.dim])

@@ -16,7 +16,7 @@ installs it on the model's FusedEmbedding layers for the duration of one forward
 Outside any context a lookup routes, retrieves and records nothing (inference).
 """
 import dataclasses
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import tensorflow as tf
 
@@ -26,12 +26,13 @@ class LookupRecord:
     """Owner-side rows of one group in one forward pass.
 
     rows: float32[u_l, dim], watched by the tape; keys: int64[u_l] storage keys;
-    init_keys: int64[u_l] plan-independent keys seeding new rows; table: the GroupTable;
-    group: the group's name."""
+    init_keys: int64[u_l] plan-independent keys seeding new rows; lookup: the group's
+    ``group_interface.DistributedGroupLookup`` (whose ``apply_gradients`` takes the
+    rows' gradient); group: the group's name."""
     rows: tf.Tensor
     keys: tf.Tensor
     init_keys: tf.Tensor
-    table: object
+    lookup: Any
     group: str
 
 
@@ -47,23 +48,32 @@ class LookupContext:
       records: filled with one LookupRecord per group lookup when ``tape`` is set.
       exchange: "flat" or "hierarchical" for every group lookup; None: each group's own
         (``FusedEmbedding(exchange=...)``).
+      substitutes: {id(GroupLookup): a ``group_interface.GroupEmbeddings``} that gives the
+        group's embeddings instead of its distributed lookup, for this forward pass
+        (the one-host serving copy of an export, the pushed rows of sharded inference):
+        the layer keeps its lookups.
     """
     tape: Optional[tf.GradientTape] = None
     prepared: Dict[int, dict] = dataclasses.field(default_factory=dict)
     suffix: str = ""
     records: List[LookupRecord] = dataclasses.field(default_factory=list)
     exchange: Optional[str] = None
+    substitutes: Dict[int, Any] = dataclasses.field(default_factory=dict)
+
+    def lookup_for(self, lookup):
+        """What gives ``lookup``'s embeddings in this pass: its substitute, or itself."""
+        return self.substitutes.get(id(lookup), lookup)
 
     def prepared_for(self, lookup) -> Optional[dict]:
         """The prepared lookup of ``lookup``, or None."""
         return self.prepared.get(id(lookup))
 
-    def record(self, rows, keys, init_keys, table, group):
+    def record(self, rows, keys, init_keys, lookup, group):
         """Watches ``rows`` on the tape and records them (no-op without a tape)."""
         if self.tape is None:
             return
         self.tape.watch(rows)
-        self.records.append(LookupRecord(rows, keys, init_keys, table, group))
+        self.records.append(LookupRecord(rows, keys, init_keys, lookup, group))
 
 
 NO_CONTEXT = LookupContext()

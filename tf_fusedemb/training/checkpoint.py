@@ -29,7 +29,6 @@ import tensorflow as tf
 
 from tf_fusedemb.comm import get_communicator
 from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
-from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import describe_plan_difference
 from tf_fusedemb.training import faults
 from tf_fusedemb.training.replicas import dense_variables, replicas_of
@@ -81,7 +80,7 @@ class CheckpointManager:
         self._barrier("ckpt_mkdir")
         shard = os.path.join(tmp, f"shard-{self.comm.rank}-of-{self.comm.size}.npz")
         np.savez(shard, **self._export_shards())
-        faults.inject("save", step, self.comm.rank, partial_file=shard)  # tests only
+        faults.inject("save", step, self.comm.rank, partial_file=shard)  # a no-op hook (tests)
         if self.comm.rank == 0:
             self._dense.write(os.path.join(tmp, "dense"))
         self._barrier("ckpt_written")
@@ -116,13 +115,11 @@ class CheckpointManager:
                 os.remove(path)
 
     def _export_shards(self):
+        """Every group's ``save_state``, its arrays named ``l<layer>/<group>/<name>``."""
         arrays = {}
         for li, g in self.groups:
             prefix = f"l{li}/{g.group.name}/"
-            arrays.update({prefix + k: v for k, v in g.stored_rows().items()})
-            arrays[prefix + "step"] = np.array(g.table.step.numpy())
-            for k, v in g.stats.export().items():
-                arrays[prefix + "stats/" + k] = v
+            arrays.update({prefix + k: v for k, v in g.save_state().items()})
         return arrays
 
     def _prune(self):
@@ -156,7 +153,9 @@ class CheckpointManager:
         shards = [np.load(os.path.join(path, f"shard-{r}-of-{meta['world_size']}.npz"))
                   for r in range(meta["world_size"])]
         for li, g in self.groups:
-            self._import_group(g, f"l{li}/{g.group.name}/", shards)
+            prefix = f"l{li}/{g.group.name}/"
+            g.restore_state([{k[len(prefix):]: s[k] for k in s.files if k.startswith(prefix)}
+                             for s in shards], self.comm.rank, self.comm.size)
         self._dense.read(os.path.join(path, "dense")).expect_partial()
         # Every rank read the same dense values; the next step still makes them rank 0's
         # bit for bit (tf_fusedemb.training.replicas), whatever happened before.
@@ -209,24 +208,3 @@ class CheckpointManager:
             f"{self._model_name}, {len(mine)}): dense variable {i} is {var(saved[i])} in the "
             f"checkpoint, {var(mine[i])} in the model; build the same model, or start afresh "
             "in another checkpoint directory")
-
-    def _import_group(self, g, prefix, shards):
-        def merged(key):
-            return np.concatenate([s[prefix + key] for s in shards])
-        ids = merged("ids")
-        mine = hashing.owner_rank(ids, self.comm.size) == self.comm.rank
-        rows = {"keys": merged("keys")[mine], "values": merged("values")[mine]}
-        for slot in g.table.slot_names:
-            rows[slot] = merged(slot)[mine]
-        g.table.load(rows)
-        g.table.step.assign(int(max(s[prefix + "step"] for s in shards)))
-        fields = ["keys", "counts", "categories", "ids"]
-        if all(prefix + "stats/last_steps" in s for s in shards):  # absent before eviction
-            fields.append("last_steps")
-        stats = {k: merged("stats/" + k) for k in fields}
-        owned = hashing.owner_rank(stats["ids"], self.comm.size) == self.comm.rank
-        g.stats.load(*(stats[k][owned] for k in fields))
-        # The rows' (table, ID) come from the rows' own arrays, last: a restored row can
-        # never lack (or get another) identity, whatever the access statistics hold.
-        g.stats.register(rows["keys"], merged("tables")[mine], ids[mine],
-                         step=int(g.table.step.numpy()))

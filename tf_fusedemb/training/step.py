@@ -97,7 +97,7 @@ class Schedule:
     def apply_rows(self, lookup, keys, grads, init_keys):
         """Applies one group's coalesced row gradients (keys int64[u], grads
         float32[u, dim], init_keys int64[u])."""
-        lookup.table.apply_gradients(keys, grads, init_keys)
+        lookup.apply_gradients(keys, grads, init_keys)
 
     def update_dense(self, comm, optimizer, grads: List[tf.Tensor], variables,
                      row_grads: List[tf.Tensor], extras: List[tf.Tensor]) -> List[tf.Tensor]:
@@ -212,7 +212,7 @@ def train_step(model, x, y, loss, optimizer, sample_weight=None, communicator=No
         previous = local if len(tapes) > 1 else []
         dense_sum = [a + g for a, g in zip(dense_sum, local)]
         for r, g in zip(recs, grads[len(dense_vars):]):
-            parts.setdefault(id(r.table), []).append((r.keys, row_gradient(g, r.rows),
+            parts.setdefault(id(r.lookup), []).append((r.keys, row_gradient(g, r.rows),
                                                       r.init_keys))
     local_sums = tf.add_n([p.stacked_sums() for p in partials])
     schedule.after_backward(dense_sum or [local_sums])
@@ -226,7 +226,7 @@ def train_step(model, x, y, loss, optimizer, sample_weight=None, communicator=No
     replicas.average_forward_state(comm)  # e.g. BatchNormalization's statistics
     for layer in fused_embedding_layers(model):
         for lookup in layer.groups:
-            keys, grads, init = _coalesce(parts.get(id(lookup.table), []), lookup.group.dim)
+            keys, grads, init = _coalesce(parts.get(id(lookup), []), lookup.group.dim)
             schedule.apply_rows(lookup, keys, grads, init)
     pred = preds[0] if len(preds) == 1 else tf.nest.map_structure(
         lambda *p: tf.concat(p, 0), *preds)

@@ -1,0 +1,121 @@
+"""The declared interfaces of one fused group's lookup: what the layer, the training step,
+the pipelines, checkpoints, export and sharded inference may ask of a group, and nothing
+else (they never read or replace a group's attributes).
+
+* :class:`GroupEmbeddings`: embeddings of the group's features for one forward pass. It
+  is what ``FusedEmbedding.call`` needs. ``GroupLookup`` (the distributed lookup)
+  implements it, as do the stand-ins a :class:`~tf_fusedemb.layers.lookup_context.LookupContext`
+  installs for a forward pass (``LookupContext.substitutes``): the one-host serving
+  lookup of an export (``inference.serving.ServingGroup``) and the pushed embeddings of
+  sharded inference. The user's layer is never changed.
+* :class:`DistributedGroupLookup`: the steps of the distributed lookup, for the training
+  step and the pipelines (route keys to their owners, retrieve rows, serve them back,
+  apply the row gradients) and the group's state, for checkpoints, export and sharded
+  inference (save, restore, the stored rows, owner-side reads). Its storage sits behind
+  ``tf_fusedemb.storage.backend``.
+* :class:`KeyExchange`: how a group's keys reach their owners and the rows come back
+  (``exchange.FlatExchange``, ``hierarchical_exchange.HierarchicalExchange``).
+
+Shapes: n fused IDs of this rank, u unique per feature, u_l unique keys on the owner,
+m key messages received by the owner.
+"""
+from typing import (Any, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple,
+                    runtime_checkable)
+
+import numpy as np
+import tensorflow as tf
+
+from tf_fusedemb.layers.lookup_context import LookupContext
+from tf_fusedemb.specs import FusedGroup
+
+Combiners = Sequence[Optional[str]]
+GroupState = Dict[str, np.ndarray]
+
+
+@runtime_checkable
+class GroupEmbeddings(Protocol):
+    """Embeddings of one fused group's features.
+
+    Attributes:
+      group: the FusedGroup (its features, in order, and the shared spec).
+      key_mode: "hashed" or "packed" (how the layer validates the IDs it flattens).
+      table_names: the group's table names, in category order.
+    """
+    group: FusedGroup
+    key_mode: str
+    table_names: List[str]
+
+    def __call__(self, flats: Sequence[Any], combiners: Combiners, context: LookupContext,
+                 record_statistics: bool) -> List[tf.Tensor]:
+        """Per feature float32[B_f, dim] (pooled by its combiner) or float32[n_f, dim]
+        (combiner None: one row per ID), for ``flats``: one ``inputs.FlatFeature`` per
+        feature of the group, in group order."""
+
+
+@runtime_checkable
+class DistributedGroupLookup(GroupEmbeddings, Protocol):
+    """One group's lookup over the ranks (FusedRec Algorithm 1) and its state."""
+
+    def route(self, flats: Sequence[Any], context: LookupContext,
+              record_statistics: bool = True) -> Dict[str, tf.Tensor]:
+        """Keys to their owners: a dict of tensors (requester side ``ids`` int64[n],
+        owner side ``keys``/``init_keys`` int64[u_l], ``inverse`` int32[m], and the
+        exchange's state), what :meth:`retrieve` and :meth:`serve` take."""
+
+    def retrieve(self, routed: Mapping[str, tf.Tensor]) -> tf.Tensor:
+        """The owner's rows of ``routed["keys"]``: float32[u_l, dim]."""
+
+    def serve(self, routed: Mapping[str, tf.Tensor], rows: tf.Tensor, flats: Sequence[Any],
+              combiners: Combiners, context: LookupContext) -> List[tf.Tensor]:
+        """The owner's ``rows`` back to the requesters, recovered per feature."""
+
+    def apply_gradients(self, keys: tf.Tensor, grads: tf.Tensor,
+                        init_keys: Optional[tf.Tensor] = None, step: Optional[tf.Tensor] = None,
+                        return_rows: bool = False):
+        """One optimizer step on the owner rows of UNIQUE ``keys`` int64[u] with ``grads``
+        float32[u, dim] (new keys start from their initial rows of ``init_keys``). Returns
+        the op, or (op, the updated rows float32[u, dim]) with ``return_rows``."""
+
+    def advance_step(self) -> tf.Tensor:
+        """Adds 1 to the group's optimizer step; returns the new step (int64 scalar)."""
+
+    def save_state(self) -> GroupState:
+        """This rank's state of the group as numpy arrays (rows, optimizer slots, each
+        row's (table, ID), access statistics, step): one checkpoint shard's part."""
+
+    def restore_state(self, shards: Sequence[Mapping[str, np.ndarray]], rank: int,
+                      size: int) -> None:
+        """Loads what rank ``rank`` of ``size`` owns out of every saving rank's
+        ``save_state`` (any number of them)."""
+
+    def stored_rows(self) -> GroupState:
+        """The rows this rank stores and their identities: keys int64[s], values
+        float32[s, dim], one float32[s, dim] per slot, tables int64[s], ids int64[s]."""
+
+    def dense_rows(self) -> np.ndarray:
+        """A static group's rows on this rank, float32[V_local, dim], in key order."""
+
+    def lookup_rows(self, keys: tf.Tensor, init_keys: Optional[tf.Tensor] = None) -> tf.Tensor:
+        """This rank's rows of storage ``keys`` int64[u] (never-stored keys: their
+        initial rows of ``init_keys``, not inserted): float32[u, dim]."""
+
+    def num_stored_rows(self) -> int:
+        """Rows written on this rank (trained or restored)."""
+
+    def num_resident_rows(self) -> int:
+        """Rows occupying memory on this rank (a static table: all it owns)."""
+
+
+class KeyExchange(Protocol):
+    """How a group's unique keys reach their owners and the owners' rows come back."""
+    kind: str
+    rounds_per_step: int
+
+    def send_keys(self, uniq: Any, feature_table: tf.Tensor, suffix: str,
+                  report: Any = None) -> Tuple[tf.Tensor, Dict[str, tf.Tensor]]:
+        """Key messages int64[m, 2] received by this owner, and the state
+        :meth:`send_rows` needs (``sort_indices`` int32[u] among it)."""
+
+    def send_rows(self, rows: tf.Tensor, state: Mapping[str, tf.Tensor],
+                  suffix: str) -> tf.Tensor:
+        """The owner's ``rows`` float32[m, dim] back: float32[u, dim] in rank-sorted order."""
