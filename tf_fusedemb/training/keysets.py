@@ -4,10 +4,12 @@ the intersection of compact key sets between consecutive batches").
 Sorting the smaller side once and binary-searching the other is O((u + v) log v) with
 stock TF ops, on keys only (never on rows).
 """
+from typing import Tuple
+
 import tensorflow as tf
 
 
-def find_keys(keys, table_keys):
+def find_keys(keys: tf.Tensor, table_keys: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
     """Where each of ``keys`` occurs in ``table_keys`` (whose entries are unique).
 
     Args:
@@ -29,7 +31,8 @@ def find_keys(keys, table_keys):
     return found, tf.where(found, index, tf.zeros_like(index))
 
 
-def coalesce(keys, grads, init_keys):
+def coalesce(keys: tf.Tensor, grads: tf.Tensor,
+             init_keys: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """Sums gradient rows of equal keys (EmbRace's COALESCE; FWP's accumulation over
     micro-batches).
 

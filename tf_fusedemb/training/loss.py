@@ -105,7 +105,9 @@ class KerasLoss:
       >>> part = loss.partial(labels, logits)           # labels [B] or [B, 1]
     """
 
-    def __init__(self, loss, loss_weights=None, output_names=None):
+    def __init__(self, loss: LossLike,
+                 loss_weights: Optional[Union[Sequence[float], Mapping[str, float]]] = None,
+                 output_names: Optional[Sequence[str]] = None):
         self.output_names = list(output_names or [])
         self._losses = self._per_output(loss, "loss")
         weights = self._per_output(loss_weights, "loss_weights") if loss_weights is not None \
@@ -153,7 +155,7 @@ class KerasLoss:
             else [sample_weight] * len(preds)
         return trues, preds, weights
 
-    def partial(self, y_true, y_pred, sample_weight=None) -> LossPartial:
+    def partial(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> LossPartial:
         """The additive pieces of a slice: labels, predictions and sample weights of its
         rows (``y_true`` [B] or [B, 1] against ``y_pred`` [B, 1] alike, as in Keras)."""
         trues, preds, weights = self._flat(y_true, y_pred, sample_weight)

@@ -1,8 +1,11 @@
 """Splitting a rank's batch into N contiguous micro-batches (NestPipe FWP)."""
+from typing import Any, List, Tuple, Union
+
 import tensorflow as tf
 
 
-def micro_batch_slices(batch_size, num_micro_batches):
+def micro_batch_slices(batch_size: Union[int, tf.Tensor],
+                       num_micro_batches: int) -> List[Tuple[tf.Tensor, tf.Tensor]]:
     """(lo, hi) int64 scalar tensors of micro-batch i = rows [i*B//N, (i+1)*B//N).
 
     Sizes differ by at most one; with B < N some micro-batches are empty (valid)."""
@@ -11,7 +14,7 @@ def micro_batch_slices(batch_size, num_micro_batches):
             for i in range(num_micro_batches)]
 
 
-def slice_rows(value, lo, hi):
+def slice_rows(value: Any, lo: tf.Tensor, hi: tf.Tensor) -> Any:
     """Rows [lo, hi) of a Tensor [B, ...], RaggedTensor [B, None] or SparseTensor [B, L];
     nested dicts/lists/tuples are sliced leaf by leaf; None stays None."""
     if value is None:
@@ -29,7 +32,7 @@ def slice_rows(value, lo, hi):
     return tf.convert_to_tensor(value)[lo:hi]
 
 
-def batch_size_of(y):
+def batch_size_of(y: Any) -> tf.Tensor:
     """int64 scalar: rows of the label tensor ``y`` (the batch size)."""
     if isinstance(y, dict):
         y = next(iter(y.values()))

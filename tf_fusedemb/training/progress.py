@@ -5,7 +5,7 @@ through a pipe and prefixes what it reads (``[0]<stdout>:``), so a redrawn bar b
 ever-growing line. On a pipe we print whole lines instead, a few per run.
 """
 import sys
-from typing import Sequence, Tuple
+from typing import Dict, Optional, Sequence, TextIO, Tuple, Union
 
 import tf_keras
 
@@ -18,14 +18,14 @@ class LineProgress:
     ``stateful_metrics`` (shown as given), as Progbar does."""
 
     def __init__(self, target: int, stateful_metrics: Sequence[str] = (), lines: int = 20,
-                 stream=None):
+                 stream: Optional[TextIO] = None):
         self.target = int(target)
         self.every = max(1, self.target // max(1, lines))
         self.stateful = set(stateful_metrics)
         self.stream = stream or sys.stdout
-        self._sums = {}
+        self._sums: Dict[str, Tuple[float, int]] = {}  # metric -> (sum, count) of its values
 
-    def update(self, current: int, values: Sequence[Tuple[str, float]] = ()):
+    def update(self, current: int, values: Sequence[Tuple[str, float]] = ()) -> None:
         shown = []
         for name, value in values:
             if name not in self.stateful:
@@ -42,7 +42,8 @@ def _number(value: float) -> str:
     return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.4f}"
 
 
-def progress_bar(target: int, stateful_metrics: Sequence[str] = ()):
+def progress_bar(target: int, stateful_metrics: Sequence[str] = ()
+                 ) -> Union[tf_keras.utils.Progbar, LineProgress]:
     """Keras's Progbar on a terminal, :class:`LineProgress` on a pipe (horovodrun, CI logs)."""
     if sys.stdout.isatty():
         return tf_keras.utils.Progbar(target, stateful_metrics=list(stateful_metrics))

@@ -24,9 +24,11 @@ Two mechanisms, both collective:
 """
 import logging
 import math
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import tensorflow as tf
+
+from tf_fusedemb.comm import Communicator
 
 __all__ = ["RankBatches", "StepsAgreement", "agree_on_steps", "empty_batch"]
 
@@ -36,7 +38,7 @@ UNKNOWN = -2  # tf.data's UNKNOWN_CARDINALITY
 _log = logging.getLogger("tf_fusedemb")
 
 
-def empty_batch(spec) -> Any:
+def empty_batch(spec: Any) -> Any:
     """A batch of zero rows with ``spec``'s structure (a nest of TensorSpec,
     RaggedTensorSpec, SparseTensorSpec with a leading batch dimension)."""
     def empty(s):
@@ -67,12 +69,12 @@ class RankBatches:
       what: "fit", "evaluate" or "predict", for the report.
     """
 
-    def __init__(self, comm, until: str, what: str):
+    def __init__(self, comm: Communicator, until: str, what: str):
         if until not in UNTIL:
             raise ValueError(f"until must be one of {UNTIL}, got {until!r}")
         self.comm, self.until, self.what = comm, until, what
 
-    def next(self, iterator) -> Any:
+    def next(self, iterator: tf.data.Iterator) -> Any:
         """This step's batch (or an empty one, see ``until``); raises StopIteration on
         every rank together when the ranks agree the data is over."""
         optional = iterator.get_next_as_optional()
@@ -99,19 +101,22 @@ class StepsAgreement:
     ``steps`` every rank runs per epoch (None: found by :class:`RankBatches`), and the
     data each rank should feed (``x``, ``y``, ``sample_weight``)."""
 
-    def __init__(self, batches, steps, x, y, sample_weight):
+    def __init__(self, batches: List[Optional[int]], steps: Optional[int], x: Any, y: Any,
+                 sample_weight: Any):
         self.batches, self.steps = batches, steps
         self.x, self.y, self.sample_weight = x, y, sample_weight
 
     @property
     def unused(self) -> Dict[int, int]:
         """{rank: batches per epoch it does not train on} (training, known lengths)."""
-        if self.steps is None or any(b is None for b in self.batches):
+        steps = self.steps
+        if steps is None or any(b is None for b in self.batches):
             return {}
-        return {r: b - self.steps for r, b in enumerate(self.batches) if b > self.steps}
+        return {r: b - steps for r, b in enumerate(self.batches) if b is not None and b > steps}
 
 
-def agree_on_steps(comm, until: str, what: str, x, y=None, sample_weight=None,
+def agree_on_steps(comm: Communicator, until: str, what: str, x: Any, y: Any = None,
+                   sample_weight: Any = None,
                    batch_size: Optional[int] = None) -> StepsAgreement:
     """Makes Keras's loop run the same number of steps on every rank (a collective:
     one ``allgather_object``; nothing in one process).

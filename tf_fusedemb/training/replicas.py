@@ -29,10 +29,12 @@ Usage: nothing; ``train_step``, ``test_step`` and ``FusedModel`` call
 ``replicas_of(model).synchronize(...)``. One :class:`DenseReplicas` exists per model.
 """
 import weakref
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import tensorflow as tf
+import tf_keras
 
+from tf_fusedemb.comm import Communicator
 from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
 
 __all__ = ["DenseReplicas", "ReplicaMismatchError", "dense_variables", "replicas_of"]
@@ -53,7 +55,7 @@ class ReplicaMismatchError(ValueError):
     variables."""
 
 
-def dense_variables(model) -> List[tf.Variable]:
+def dense_variables(model: tf_keras.Model) -> List[tf.Variable]:
     """The model's variables that are not state of its FusedEmbedding layers (those are
     per rank: shards, counters, statistics), in the model's order."""
     own = {v.ref() for layer in fused_embedding_layers(model) for v in layer.variables}
@@ -86,7 +88,7 @@ class DenseReplicas:
         the first step only).
     """
 
-    def __init__(self, model, check_every: Optional[int] = None):
+    def __init__(self, model: tf_keras.Model, check_every: Optional[int] = None):
         if check_every is not None and (not isinstance(check_every, int) or check_every < 1):
             raise ValueError(f"check_every must be an int >= 1 or None, got {check_every!r}")
         self._model = weakref.ref(model)
@@ -96,12 +98,21 @@ class DenseReplicas:
             self._steps = tf.Variable(0, dtype=tf.int64, trainable=False,
                                       name="fusedemb_dense_steps")
 
-    def resync(self):
+    def _live_model(self) -> tf_keras.Model:
+        """The model, held weakly (``_REPLICAS`` maps it to this object, so it outlives it)."""
+        model = self._model()
+        if model is None:
+            raise RuntimeError("DenseReplicas: its model was garbage collected")
+        return model
+
+    def resync(self) -> None:
         """Makes the next step broadcast rank 0's dense state again (after a restore, or
         after weights were set on some ranks only). Eager."""
         self._synced.assign(False)
 
-    def synchronize(self, comm, optimizer=None, x=None, training: bool = False) -> tf.Tensor:
+    def synchronize(self, comm: Communicator,
+                    optimizer: Optional[tf_keras.optimizers.Optimizer] = None, x: Any = None,
+                    training: bool = False) -> tf.Tensor:
         """Broadcasts rank 0's dense state if not done yet and, in training, runs the
         guard when due; returns a bool scalar (True) to depend on.
 
@@ -115,7 +126,7 @@ class DenseReplicas:
         """
         if comm.size == 1:
             return tf.constant(True)
-        model = self._model()
+        model = self._live_model()
         if x is not None and not model.built:
             _build_by_tracing(model, x)
         dense = dense_variables(model)
@@ -132,27 +143,27 @@ class DenseReplicas:
                           lambda: tf.constant(True))
         return tf.logical_and(synced, checked)
 
-    def average_forward_state(self, comm) -> List[tf.Tensor]:
+    def average_forward_state(self, comm: Communicator) -> List[tf.Tensor]:
         """Averages over ranks the non-trainable float variables a training forward pass
         updates from its own batch (BatchNormalization's moving statistics), so every
         rank keeps one model; returns the writes. One grouped AllReduce, none when the
         model has no such variables. For equal slices the moving mean is the global
         batch's; the moving variance is the mean of the ranks' (a synchronised batch
         norm gives the global batch's)."""
-        state = [v for v in dense_variables(self._model())
+        state = [v for v in dense_variables(self._live_model())
                  if not v.trainable and v.dtype.is_floating]
         if comm.size == 1 or not state:
             return []
         sums = comm.allreduce_sum_list([tf.identity(v) for v in state], FORWARD_STATE_NAME)
         return [v.assign(s / comm.size) for v, s in zip(state, sums)]
 
-    def verify(self, comm) -> None:
+    def verify(self, comm: Communicator) -> None:
         """Compares the dense variables across ranks now (eager, a collective: every rank
         calls it); raises :class:`ReplicaMismatchError` naming the first differing
         variable and the ranks."""
         if comm.size == 1:
             return
-        variables = dense_variables(self._model())
+        variables = dense_variables(self._live_model())
         gathered = comm.allgather(fingerprints(variables)[None, :], FINGERPRINT_NAME).numpy()
         for j, v in enumerate(variables):
             ranks = [r for r in range(comm.size) if gathered[r, j] != gathered[ROOT_RANK, j]]
@@ -185,10 +196,10 @@ class DenseReplicas:
             return tf.constant(True)
 
 
-_REPLICAS = weakref.WeakKeyDictionary()
+_REPLICAS: "weakref.WeakKeyDictionary[tf_keras.Model, DenseReplicas]" = weakref.WeakKeyDictionary()
 
 
-def replicas_of(model, check_every: Optional[int] = None) -> DenseReplicas:
+def replicas_of(model: tf_keras.Model, check_every: Optional[int] = None) -> DenseReplicas:
     """The one :class:`DenseReplicas` of ``model`` (made on first use; ``check_every``
     applies when given). It holds two variables: made inside a ``tf.function``'s first
     trace (a custom loop's first ``train_step``), they make TensorFlow trace once more;

@@ -8,10 +8,12 @@ may see a new batch size while rank 1 does not): rank 0 then runs a new graph wh
 instead traces once per input *structure* with every leading (batch or row) dimension
 unknown, so the trace a call uses never depends on data shapes.
 """
+from typing import Any, Callable, Optional, Set
+
 import tensorflow as tf
 
 
-def relaxed_spec(value):
+def relaxed_spec(value: Any) -> Optional[tf.TypeSpec]:
     """The TypeSpec of ``value`` with its first dimension unknown (None stays None)."""
     if value is None:
         return None
@@ -31,11 +33,11 @@ class RankInvariantFunction:
     """``tf.function(fn)`` (AutoGraph off) traced once per nested input structure, with
     relaxed leading dimensions (see module doc)."""
 
-    def __init__(self, fn):
+    def __init__(self, fn: Callable[..., Any]):
         self._function = tf.function(fn, autograph=False)
-        self._traced = set()
+        self._traced: Set[str] = set()  # the input structures traced (their specs' repr)
 
-    def __call__(self, *args):
+    def __call__(self, *args: Any) -> Any:
         specs = tf.nest.map_structure(relaxed_spec, args)
         key = repr(specs)
         if key not in self._traced:
@@ -43,5 +45,5 @@ class RankInvariantFunction:
             self._traced.add(key)
         return self._function(*args)
 
-    def tracing_count(self):
+    def tracing_count(self) -> int:
         return self._function.experimental_get_tracing_count()
