@@ -152,6 +152,8 @@ def test_scan_sees_cycles_and_upward_imports_in_source(tmp_path):
         "models/__init__.py": "",
         "models/m.py": ("import os\n\ndef f():\n"
                         "    from tf_fusedemb.layers import thing  # a reason\n"
+                        "    import os.path  # noqa: F401\n"     # a run shares its reason
+                        "    x = 1\n"
                         "    import json\n"),
     })
     edges, local = mg.scan(root=str(pkg))
@@ -162,6 +164,7 @@ def test_scan_sees_cycles_and_upward_imports_in_source(tmp_path):
     assert edges["tf_fusedemb.models.m"] == set()
     assert [(m, n, mg._has_reason(c)) for m, _, n, c in local] == [
         ("tf_fusedemb.models.m", "tf_fusedemb.layers", True),
+        ("tf_fusedemb.models.m", "os.path", True),
         ("tf_fusedemb.models.m", "json", False)]
     with_local, _ = mg.scan(root=str(pkg), with_local=True)
     assert with_local["tf_fusedemb.models.m"] == {"tf_fusedemb.layers", "tf_fusedemb.layers.thing"}
@@ -169,5 +172,7 @@ def test_scan_sees_cycles_and_upward_imports_in_source(tmp_path):
 
 def test_has_reason_ignores_bare_directives():
     assert not mg._has_reason("pylint: disable=import-outside-toplevel")
-    assert not mg._has_reason("noqa: F401  pylint: disable=unused-import")
+    assert not mg._has_reason("noqa: F401  pylint: disable=unused-import,import-outside-toplevel")
+    assert not mg._has_reason("type: ignore[import]")
     assert mg._has_reason("optional: TFRA  pylint: disable=import-outside-toplevel")
+    assert mg._has_reason("pylint: disable=import-outside-toplevel  (a Horovod dependency)")

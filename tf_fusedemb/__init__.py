@@ -19,8 +19,9 @@ _LAZY_SUBMODULES = ("ops", "specs", "data", "benchmarks")
 
 def register_ops():
     """Loads the op library and registers the gradients of every tf_fusedemb op."""
-    from tf_fusedemb.ops import _loader  # pylint: disable=import-outside-toplevel
-    return _loader.register_ops()
+    # On call: `import tf_fusedemb` loads no TensorFlow (module doc).
+    from tf_fusedemb import ops  # pylint: disable=import-outside-toplevel
+    return ops.register_ops()
 
 
 def __getattr__(name):

@@ -18,8 +18,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from tf_fusedemb import models  # noqa: E402
 from tf_fusedemb.benchmarks.timing import interleaved_rounds  # noqa: E402
+from tf_fusedemb.comm.bls_alltoallv import BLSAlltoallv  # noqa: E402
 from tf_fusedemb.inference.distributed import ShardedPredictor, run_bounded_lag  # noqa: E402
+from tf_fusedemb.specs import FeatureSpec, OptimizerSpec, TableSpec  # noqa: E402
 
 MODES = ("none", "random", "straggler")
 
@@ -27,8 +30,6 @@ MODES = ("none", "random", "straggler")
 def build_model(args):
     """DLRM over ``--features`` one-hot dynamic tables (never-trained rows: each lookup
     computes initial rows, as a table with misses would), and ``--iters`` global batches."""
-    from tf_fusedemb import models  # pylint: disable=import-outside-toplevel
-    from tf_fusedemb.specs import FeatureSpec, OptimizerSpec, TableSpec  # pylint: disable=import-outside-toplevel
     opt = OptimizerSpec.adagrad(0.05)
     names = [f"C{i}" for i in range(args.features)]
     dense = [f"I{i}" for i in range(4)]
@@ -105,6 +106,7 @@ class Ranks:
 
     def __init__(self, exchange):
         if exchange == "horovod":
+            # Horovod (optional) only for the baseline job; the BLS job runs under mpirun.
             import horovod.tensorflow as hvd  # pylint: disable=import-outside-toplevel
             hvd.init()
             self.rank, self.size = hvd.rank(), hvd.size()
@@ -114,8 +116,8 @@ class Ranks:
             baseline = HorovodExchange(hvd)
             self.make_exchange = lambda k, capacity, timeout: baseline
         else:
+            # mpi4py (optional) only for the BLS job; the baseline runs under horovodrun.
             from mpi4py import MPI  # pylint: disable=import-outside-toplevel
-            from tf_fusedemb.comm.bls_alltoallv import BLSAlltoallv  # pylint: disable=import-outside-toplevel
             comm = MPI.COMM_WORLD
             self.rank, self.size = comm.rank, comm.size
             self.barrier = comm.Barrier

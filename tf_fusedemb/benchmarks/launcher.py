@@ -40,6 +40,9 @@ import threading
 import time
 import uuid
 
+from tf_fusedemb.benchmarks.timing import emit
+from tf_fusedemb.testing.cluster import (ClusterTimeout, ClusterUnavailable, EmulatedCluster,
+                                         network)
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 LINK_RATE_MARKER = "FUSEDEMB_LINK_RATE "
 LINK_CONTROL_ENV = "FUSEDEMB_LINK_CONTROL_DIR"
@@ -158,7 +161,6 @@ def set_link_rate(cluster, mbit):
     """Sets every host of a running ``cluster`` to ``mbit`` Mbit/s each direction: the
     host's egress qdisc (its eth0) and its ingress one (the bridge end of its veth), with
     the same tbf parameters the cluster builds them with."""
-    from tf_fusedemb.testing.cluster import network  # pylint: disable=import-outside-toplevel
     network.set_link_rate(cluster.hosts, mbit)
 
 
@@ -206,8 +208,6 @@ def launch_cluster(module, argv, marker, args):
       (exit code, rank 0's result dict or None); EXIT_UNAVAILABLE (69) when this machine
       cannot build the cluster, 124 on timeout.
     """
-    # pylint: disable=import-outside-toplevel
-    from tf_fusedemb.testing.cluster import ClusterTimeout, ClusterUnavailable, EmulatedCluster
     command = [sys.executable, "-m", module] + list(argv)
     try:
         with tempfile.TemporaryDirectory(prefix="fusedemb_link_") as control_dir, \
@@ -256,7 +256,6 @@ def benchmark_main(module, worker_module, parse_args, marker, argv=None, finish=
         return code or 1
     if finish is not None:
         finish(result, args)
-    from tf_fusedemb.benchmarks.timing import emit  # pylint: disable=import-outside-toplevel
     emit(result, args.json)
     return 0
 
@@ -291,6 +290,7 @@ def _raise_comm_threads(nice):
     behind a compute thread delays both ranks. On a training host, communication
     progresses on cores of its own (the compute is on accelerators); this restores that
     for the emulated hosts' one-core ranks."""
+    # In a rank: the launching process loads no TensorFlow; its ranks do.
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     from tf_fusedemb.comm import get_communicator  # pylint: disable=import-outside-toplevel
     tf.function(lambda: tf.reduce_sum(tf.ones([2])))()  # TensorFlow's pools exist now

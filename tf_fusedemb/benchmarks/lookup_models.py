@@ -67,7 +67,7 @@ class CriteoNet(tf_keras.Model):
 
 
 def _tfra():
-    import tensorflow_recommenders_addons as tfra  # pylint: disable=import-outside-toplevel
+    import tensorflow_recommenders_addons as tfra  # optional: the TFRA baseline only # pylint: disable=import-outside-toplevel
     return tfra.dynamic_embedding
 
 

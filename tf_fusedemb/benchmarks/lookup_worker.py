@@ -133,7 +133,7 @@ def _stats(times):
 def run(args):
     comm = get_communicator()
     rank, size = comm.rank, comm.size
-    import horovod.tensorflow as hvd  # pylint: disable=import-outside-toplevel
+    import horovod.tensorflow as hvd  # optional for the package; ranks run under horovodrun # pylint: disable=import-outside-toplevel
     if not hvd.is_initialized():
         hvd.init()
 
@@ -292,7 +292,7 @@ def run(args):
 
 def _tfra_version():
     try:
-        # pylint: disable=import-outside-toplevel
+        # optional: its version is reported when installed  pylint: disable=import-outside-toplevel
         from tensorflow_recommenders_addons import version
         return getattr(version, "__version__", None)
     except ImportError:
@@ -301,7 +301,7 @@ def _tfra_version():
 
 def _horovod_version():
     try:
-        import horovod  # pylint: disable=import-outside-toplevel
+        import horovod  # optional: its version is reported when installed # pylint: disable=import-outside-toplevel
         return horovod.__version__
     except ImportError:
         return None

@@ -19,6 +19,7 @@ import sys
 
 from tf_fusedemb.benchmarks.launcher import (add_launch_args, add_workload_args, benchmark_main,
                                              check_launch_args)
+from tf_fusedemb.benchmarks import timeline_summary
 from tf_fusedemb.benchmarks.pipeline_worker import REAL
 
 RESULT_MARKER = "PIPELINE_TRACE_RESULT "
@@ -52,7 +53,6 @@ def parse_args(argv=None):
 
 
 def _finish(result, args):
-    from tf_fusedemb.benchmarks import timeline_summary  # pylint: disable=import-outside-toplevel
     summary = timeline_summary.summarize(result["timeline"], result["windows"])
     text = timeline_summary.markdown(summary, args.title, sys.argv)
     path = args.summary or os.path.join(args.out, "summary.md")

@@ -12,10 +12,11 @@ from tf_fusedemb.benchmarks.launcher import network_description, request_link_ra
 from tf_fusedemb.benchmarks.lookup_models import CriteoNet, DIM, feature_specs
 from tf_fusedemb.benchmarks.timing import interleaved_rounds, median_ms
 from tf_fusedemb.comm import LocalCommunicator, get_communicator
+from tf_fusedemb.data.criteo import CRITEO_CATEGORICAL, criteo_dataset
 from tf_fusedemb.layers import FusedEmbedding
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.pipeline import (NestedPipeline, PipelineOptions, cluster_permutation,
-                                  unique_keys_per_micro_batch)
+                                  make_pipeline, unique_keys_per_micro_batch)
 
 CAT = lookup_data.CATEGORICAL
 MICRO = (1, 2, 4, 8)
@@ -41,7 +42,6 @@ def _auto_factory():
     """``options -> pipeline`` for micro_batches="auto" (``tf_fusedemb.pipeline.make_pipeline``)
     where the pipeline has it, else None."""
     try:
-        from tf_fusedemb.pipeline import make_pipeline  # pylint: disable=import-outside-toplevel
         options = PipelineOptions(prefetch=True, micro_batches="auto")
     except (ImportError, TypeError, ValueError):
         return None
@@ -200,8 +200,6 @@ def _real_clustering(path, batch_size):
     if not path or not os.path.exists(path):
         return {"clustering_unique_key_reduction_real": None,
                 "clustering_real_note": f"real Criteo sample not found at {path}"}
-    from tf_fusedemb.data.criteo import (  # pylint: disable=import-outside-toplevel
-        CRITEO_CATEGORICAL, criteo_dataset)
     cats = [{c: x[c].numpy() for c in CRITEO_CATEGORICAL}
             for x, _ in criteo_dataset(path, batch_size)]
     cats = [c for c in cats if len(c[CRITEO_CATEGORICAL[0]]) >= 2 * max(MICRO)]

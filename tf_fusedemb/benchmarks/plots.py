@@ -7,15 +7,16 @@ from typing import Tuple
 def new_figure(width: float = 8, height: float = 5, ncols: int = 1) -> Tuple[object, object]:
     """(figure, axes) of a new matplotlib figure, Agg backend; ``ncols`` > 1 gives an
     array of axes side by side."""
+    # matplotlib is optional (requirements.txt): only --plot needs it.
     import matplotlib  # pylint: disable=import-outside-toplevel
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+    import matplotlib.pyplot as plt  # optional, as above # pylint: disable=import-outside-toplevel
     return plt.subplots(1, ncols, figsize=(width, height))
 
 
 def write_figure(fig, path: str, dpi: int = 120) -> str:
     """Lays out ``fig``, writes it to ``path`` and closes it; returns ``path``."""
-    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+    import matplotlib.pyplot as plt  # optional: only --plot needs it # pylint: disable=import-outside-toplevel
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     plt.close(fig)

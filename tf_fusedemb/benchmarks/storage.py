@@ -32,6 +32,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 
+from tf_fusedemb.benchmarks import plots  # noqa: E402
+from tf_fusedemb.benchmarks.timing import emit, time_side_by_side  # noqa: E402
+
 BACKENDS = ("engine", "tfra")
 DIM = 16
 # The fields AccessStatistics.record reads of a CategoryHashResult.
@@ -87,6 +90,7 @@ class Backend:
     """A group table and its statistics of one backend, and tf.functions over them."""
 
     def __init__(self, kind: str):
+        # In a worker: the launching process loads no TensorFlow; its ranks do.
         import tensorflow as tf  # pylint: disable=import-outside-toplevel
         from tf_fusedemb.specs import InitializerSpec, OptimizerSpec  # pylint: disable=import-outside-toplevel
         from tf_fusedemb.storage.statistics import AccessStatistics  # pylint: disable=import-outside-toplevel
@@ -140,10 +144,9 @@ def rss_bytes() -> int:
 def throughput_worker(threads: int, rows: int, batch: int, repeats: int) -> dict:
     """Both backends in this process, intra-op pool of ``threads``: grow to ``rows``,
     then time update / lookup / record batches side by side."""
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # in a worker: the launching process loads no TensorFlow; its ranks do # pylint: disable=import-outside-toplevel
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(1)
-    from tf_fusedemb.benchmarks.timing import time_side_by_side  # pylint: disable=import-outside-toplevel
     backends = {k: Backend(k) for k in BACKENDS}
     keys = ZipfKeys(batch, seed=1)
     grow_s = dict.fromkeys(BACKENDS, 0.0)
@@ -193,7 +196,7 @@ def _cpu_timed(fn, batches, cpu_seconds):
 def memory_worker(kind: str, rows: int, batch: int, checkpoints) -> dict:
     """One backend grows to ``rows`` (50% new keys per batch, statistics recorded);
     RSS and (engine) bytes_held at each checkpoint."""
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # in a worker: the launching process loads no TensorFlow; its ranks do # pylint: disable=import-outside-toplevel
     tf.config.threading.set_intra_op_parallelism_threads(2)
     backend = Backend(kind)
     keys = ZipfKeys(batch, seed=2)
@@ -229,7 +232,6 @@ def run_worker(args) -> dict:
 
 # ------------------------------------------------------------------ main
 def plot(result: dict, path: str) -> str:
-    from tf_fusedemb.benchmarks import plots  # pylint: disable=import-outside-toplevel
     fig, (mem_ax, thr_ax) = plots.new_figure(12, 5, ncols=2)
     for kind, mem in result["memory"].items():
         pts = mem["points"]
@@ -295,7 +297,6 @@ def main(argv=None):
         result["engine_bytes_held_vs_rss"] = last["engine"].get("bytes_held_vs_rss")
     if args.plot:
         result["plot"] = plot(result, args.plot)
-    from tf_fusedemb.benchmarks.timing import emit  # pylint: disable=import-outside-toplevel
     emit(result, args.json)
 
 

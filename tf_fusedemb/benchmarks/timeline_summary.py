@@ -103,7 +103,8 @@ def read_timeline(path: str) -> List[Collective]:
 
 
 def _xspace(logdir: str):
-    # The profiler's protobuf, as TensorFlow ships it (no public module exports it).
+    # The profiler's protobuf, as TensorFlow ships it (no public module exports it); on
+    # use: summarising a Horovod timeline alone needs no TensorFlow.
     from tensorflow.tsl.profiler.protobuf import (  # pylint: disable=import-outside-toplevel
         xplane_pb2)
     files = sorted(glob.glob(os.path.join(logdir, "plugins", "profile", "*", "*.xplane.pb")))
@@ -299,9 +300,10 @@ def plot_steps(summary: dict, path: str, title: str = "") -> str:
     """PNG of one inner step per mode (the median-length one): rank 0's compute and
     Horovod's executions (colour by role: rows, keys, gradient AlltoAlls, AllReduces) on
     a common time axis from the step's start; returns ``path``."""
+    # matplotlib is optional (requirements.txt): only the plot needs it.
     import matplotlib  # pylint: disable=import-outside-toplevel
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+    import matplotlib.pyplot as plt  # optional, as above # pylint: disable=import-outside-toplevel
     modes = summary["modes"]
     fig, axes = plt.subplots(len(modes), 1, figsize=(11, 1.9 * len(modes) + 0.8), squeeze=False)
     colours = {"keys": "tab:orange", "rows": "tab:blue", "grad": "tab:red",

@@ -70,7 +70,7 @@ def in_graph_loop(body, iterations):
     times. The loop carries the first element of every output (a value, not a size: a
     size that is known statically would let grappler prune the op), so every op of
     every iteration runs. Divide the measured time by ``iterations``."""
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # on use: the launching process loads no TensorFlow; its ranks do # pylint: disable=import-outside-toplevel
 
     @tf.function
     def run():

@@ -130,6 +130,7 @@ class BLSAlltoallv:
     """
 
     def __init__(self, comm: Any, lag: int, capacity_bytes: int, timeout_s: float = 60.0):
+        # mpi4py is optional: only bounded-lag inference (mpirun) needs it.
         from mpi4py import MPI  # pylint: disable=import-outside-toplevel
         if not isinstance(lag, int) or lag < 0:
             raise ValueError(f"lag must be an int >= 0, got {lag!r}")

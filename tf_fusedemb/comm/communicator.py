@@ -112,7 +112,7 @@ class HorovodCommunicator(Communicator):
     """Horovod collectives (Gloo or MPI controller, CPU or GPU), initialised on demand."""
 
     def __init__(self) -> None:
-        import horovod.tensorflow as hvd  # pylint: disable=import-outside-toplevel
+        import horovod.tensorflow as hvd  # optional: one process needs no Horovod  pylint: disable=import-outside-toplevel
         self._hvd = hvd
         # Static process sets (one per node and rail) exist only if made at hvd.init.
         with tf.init_scope():

@@ -17,15 +17,15 @@ by its ranks, as on the emulated cluster).
 """
 import dataclasses
 import time
-from typing import TYPE_CHECKING, List, Mapping, Optional, Sequence, Union
+from typing import List, Mapping, Optional, Sequence, Union
 
 import numpy as np
+import tensorflow as tf
 
+from tf_fusedemb import ops
+from tf_fusedemb.comm.communicator import Communicator
 from tf_fusedemb.comm.topology import Topology
 from tf_fusedemb.ops import hashing
-
-if TYPE_CHECKING:  # the calibration imports TensorFlow only when it runs
-    from tf_fusedemb.comm.communicator import Communicator
 
 KEY_MESSAGE_BYTES = 16  # (ID, count|table) as two int64
 
@@ -155,8 +155,6 @@ def measure_node_stage_s_per_key(num_keys: int, dim: int, repeats: int = 5,
     (``rankwise_sort``), and the rows' fan-out (``recovery_gather``, float32[num_keys, dim])
     with its gradient (the node-level reduction). On shared cores this, not the bytes,
     can decide the choice: the model's ``dedup_s_per_key``."""
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    from tf_fusedemb import ops  # pylint: disable=import-outside-toplevel
     n = max(int(num_keys), 1)
     rng = np.random.default_rng(seed)
     ids = tf.constant(rng.integers(0, max(int(n * 0.8), 1), n), tf.int64)
@@ -203,7 +201,6 @@ def measure_link_costs(comm: "Communicator", inter_mbit: float, nbytes: float = 
     AlltoAll of one row per rank over all ranks. On shared cores the intra-node "link" is
     the CPU's copy through loopback, far below a NIC's speed: measuring it is what lets
     the planner see the node stage's cost."""
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
     topo = comm.topology
 
     def timed(splits, members, name):

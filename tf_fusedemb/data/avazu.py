@@ -42,7 +42,7 @@ def _has_header(path: str) -> bool:
 
 def _parse_batch(lines, origins, paths, hour_of_day: bool):
     """string[B] lines, int64[B] origins -> (features dict, label float32[B, 1])."""
-    import tensorflow as tf
+    import tensorflow as tf  # on use: tf_fusedemb.data imports without TensorFlow (data/__init__)
     t = split_fields(lines, origins, paths, ",", len(AVAZU_COLUMNS), "Avazu")          # [B, 24]
     label = tf.strings.to_number(t[:, 1:2], tf.float32)
     c = t[:, 2:]

@@ -29,7 +29,10 @@ or use `skip_lines` / `take_lines` directly.
 """
 from __future__ import annotations
 
+import sys
 from typing import Dict, Optional, Tuple
+
+import numpy as np
 
 from .pipeline import (PathOrPaths, count_lines, parse_and_prefetch, resolve_paths,
                        shard_shuffle_batch, split_fields, text_lines)
@@ -52,7 +55,6 @@ def dense_log1p(values):
     Returns:
       float32[...].
     """
-    import numpy as np
     return np.log1p(np.maximum(np.asarray(values, np.float64), 0.0)).astype(np.float32)
 
 
@@ -69,8 +71,7 @@ def parse_hex32(strings):
     Returns:
       int64[...] in [0, 2**32).
     """
-    import sys
-    import tensorflow as tf
+    import tensorflow as tf  # on use: tf_fusedemb.data imports without TensorFlow (data/__init__)
     band, bor = tf.bitwise.bitwise_and, tf.bitwise.bitwise_or
     shr, shl = tf.bitwise.right_shift, tf.bitwise.left_shift
     raw = tf.io.decode_raw(strings, tf.uint8, fixed_length=8)                         # [..., 8]
@@ -92,7 +93,7 @@ _LINE_REGEX = r"[^\t]*(?:\t[^\t]*){13}(?:\t[0-9a-fA-F]{0,8}){26}"
 def _parse_batch(lines, origins, paths, log1p: bool, with_missing: bool = False):
     """string[B] lines, int64[B] origins -> (features dict, label float32[B, 1]); with
     `with_missing`, also {feature: bool[B]} saying which cells were empty."""
-    import tensorflow as tf
+    import tensorflow as tf  # on use: tf_fusedemb.data imports without TensorFlow (data/__init__)
     t = split_fields(lines, origins, paths, "\t", CRITEO_NUM_FIELDS, "Criteo", _LINE_REGEX,
                      " (C1..C26 must be 0..8 hex digits)")                             # [B, 40]
     label = tf.strings.to_number(t[:, :1], tf.float32)
@@ -173,7 +174,6 @@ def read_criteo(path_or_paths: PathOrPaths, max_rows: Optional[int] = None, log1
       ValueError: no lines or max_rows < 1; tf.errors.InvalidArgumentError: a malformed line
       (naming file and line).
     """
-    import numpy as np
     if max_rows is not None and int(max_rows) < 1:
         raise ValueError(f"max_rows must be >= 1 or None, got {max_rows}")
     paths = resolve_paths(path_or_paths)

@@ -27,6 +27,7 @@ from typing import Dict, Sequence, Tuple
 
 import numpy as np
 
+from .criteo import CRITEO_CATEGORICAL, CRITEO_DENSE, read_criteo
 from .profile import DatasetProfile
 from .synthetic import zipf_parts
 
@@ -163,7 +164,6 @@ def fit_dense(name: str, values: np.ndarray, missing: np.ndarray) -> Dict:
 
 def fit_criteo(path, name: str = "criteo", max_rows: int = 0) -> DatasetProfile:
     """Fits a profile to a Criteo TSV, read by `criteo.read_criteo` (the one Criteo parser)."""
-    from .criteo import CRITEO_CATEGORICAL, CRITEO_DENSE, read_criteo  # imports TF
     cols = read_criteo(path, max_rows or None, with_missing=True)
     missing, n = cols["missing"], len(cols["label"])
     cat_profiles = [fit_counts(c, np.unique(cols[c][~missing[c]], return_counts=True)[1], n)

@@ -141,7 +141,7 @@ def movielens_dataset(directory, batch_size: int, history_len: int = 20, num_sha
       seed: the train permutation (same on all ranks). shuffle: default True for "train" only.
       repeat: loop forever (same order every epoch). drop_remainder: static batch dimension.
     """
-    import tensorflow as tf
+    import tensorflow as tf  # on use: tf_fusedemb.data imports without TensorFlow (data/__init__)
     check_shard(num_shards, shard_index)
     if split not in ("train", "test", "all"):
         raise ValueError(f"split must be 'train', 'test' or 'all', got {split!r}")

@@ -78,7 +78,7 @@ def text_lines(paths: Sequence[str], skip_first: Sequence[int] = (), block: int 
       tf.data.Dataset of (line: string[], origin: int64[] = file_index * 2**40 + line_number,
       line_number 1-based in its file); `origin_message` decodes it.
     """
-    import tensorflow as tf
+    import tensorflow as tf  # on use: tf_fusedemb.data imports without TensorFlow (data/__init__)
     skips = list(skip_first) or [0] * len(paths)
 
     def per_file(path, first, skip):
@@ -101,7 +101,7 @@ _LINE_BASE = 1 << 40
 
 def origin_message(paths: Sequence[str], origin):
     """int64[] origin from `text_lines` -> string[] "file <path> line <n>"."""
-    import tensorflow as tf
+    import tensorflow as tf  # on use: tf_fusedemb.data imports without TensorFlow (data/__init__)
     path = tf.gather(tf.constant(list(paths), tf.string), origin // _LINE_BASE)
     return tf.strings.join(["file ", path, " line ", tf.strings.as_string(origin % _LINE_BASE)])
 
@@ -122,7 +122,7 @@ def split_fields(lines, origins, paths: Sequence[str], sep: str, num_fields: int
       tf.errors.InvalidArgumentError naming the first bad line's file and line number, its field
       count and its first 120 characters.
     """
-    import tensorflow as tf
+    import tensorflow as tf  # on use: tf_fusedemb.data imports without TensorFlow (data/__init__)
     if len(sep) != 1:
         raise ValueError(f"sep must be one character, got {sep!r}")
     x = "\\x{%02x}" % ord(sep)
@@ -140,7 +140,7 @@ def split_fields(lines, origins, paths: Sequence[str], sep: str, num_fields: int
 def assert_ok(value, bad, message_fn):
     """`value` (a tf.Tensor), gated on a check: raises tf.errors.InvalidArgumentError(message_fn())
     when any of bool[B] `bad` is True. The message is only built on failure (tf.cond)."""
-    import tensorflow as tf
+    import tensorflow as tf  # on use: tf_fusedemb.data imports without TensorFlow (data/__init__)
 
     def fail():
         with tf.control_dependencies([tf.debugging.Assert(False, [message_fn()])]):
@@ -173,7 +173,7 @@ def shard_shuffle_batch(ds, batch_size: int, num_shards: int = 1, shard_index: i
 
 def parse_and_prefetch(ds, parse_fn: Callable, deterministic: bool = True):
     """map(parse_fn, AUTOTUNE parallel calls, deterministic order) -> prefetch(AUTOTUNE)."""
-    import tensorflow as tf
+    import tensorflow as tf  # on use: tf_fusedemb.data imports without TensorFlow (data/__init__)
     ds = ds.map(parse_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=bool(deterministic))
     return ds.prefetch(tf.data.AUTOTUNE)
 
@@ -181,7 +181,7 @@ def parse_and_prefetch(ds, parse_fn: Callable, deterministic: bool = True):
 def batch(ds, batch_size: int, drop_remainder: bool = False):
     """Batches elements, turning variable-length components (shape [None, ...]) into
     tf.RaggedTensor [B, None, ...] via `Dataset.ragged_batch`; all-fixed elements use `batch`."""
-    import tensorflow as tf
+    import tensorflow as tf  # on use: tf_fusedemb.data imports without TensorFlow (data/__init__)
     specs = tf.nest.flatten(ds.element_spec)
     ragged = any(isinstance(s, tf.RaggedTensorSpec) or
                  (isinstance(s, tf.TensorSpec) and not s.shape.is_fully_defined()) for s in specs)
@@ -203,7 +203,7 @@ def array_batches(arrays, batch_size: int, repeat: bool = False,
       a tf.data.Dataset of the nest's structure with leading dimension B (the last batch
       of a finite one may be shorter unless ``drop_remainder``), prefetched.
     """
-    import tensorflow as tf
+    import tensorflow as tf  # on use: tf_fusedemb.data imports without TensorFlow (data/__init__)
     flat = [tf.convert_to_tensor(a) for a in tf.nest.flatten(arrays)]
     n, b = int(flat[0].shape[0]), int(batch_size)
     if b <= 0:

@@ -213,7 +213,7 @@ def synthetic_dataset(batch_size: int, num_batches: Optional[int] = None, seed: 
     Batch i is drawn from stream i + 1 of `seed`, so the dataset is deterministic and batch i does
     not depend on how many batches were read before. num_batches=None repeats forever.
     """
-    import tensorflow as tf  # optional dependency: only this function needs it
+    import tensorflow as tf  # on use: tf_fusedemb.data imports without TensorFlow (data/__init__)
 
     _check(batch_size, seed)
     prof = load_profile(profile or "criteo")

@@ -3,12 +3,18 @@
 Importing this module registers the gradients but does not load the op library; the
 library loads on the first call of a wrapper (see :mod:`tf_fusedemb.ops._loader`).
 """
-from tf_fusedemb.ops._loader import is_loaded, load_library, register_ops
+from tf_fusedemb.ops._loader import is_loaded, load_library
 from tf_fusedemb.ops.category_hash import (CategoryHashResult, category_hash,
                                            category_key_strings, collision_partner)
 from tf_fusedemb.ops.rankwise_sort import RankwiseSortResult, owner_rank, rankwise_sort
 from tf_fusedemb.ops.recovery import recover_features, recovery_gather, recovery_pool
 from tf_fusedemb.ops.segment_unique import SegmentUniqueResult, segment_unique
+
+
+def register_ops():
+    """Loads the library; importing this package registered every op's gradient. Call
+    before loading a SavedModel."""
+    return load_library()
 
 __all__ = [
     "CategoryHashResult", "RankwiseSortResult", "SegmentUniqueResult", "category_hash",

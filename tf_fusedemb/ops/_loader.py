@@ -59,8 +59,3 @@ def raw_op(name: str) -> Callable[..., Any]:
     snake = "fused_emb_" + "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
     return getattr(load_library(), snake)
 
-
-def register_ops() -> Any:
-    """Loads the library and the gradient registrations; call before loading a SavedModel."""
-    from tf_fusedemb import ops  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
-    return load_library()

@@ -10,13 +10,11 @@ and tests compute the same values without the op library.
 * hashed unified key ``H(c, id) = mix64(uint64(id) ^ tag(c))`` as int64.
 * packed unified key ``(c << id_bits) | id`` with ``id_bits = 63 - ceil(log2(M))``.
 """
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import numpy.typing as npt
-
-if TYPE_CHECKING:  # TensorFlow is imported only by tf_mix64 (host code needs numpy alone)
-    import tensorflow as tf
+import tensorflow as tf  # ops/__init__ imports it anyway: no numpy-only path to keep
 
 _M1 = np.uint64(0xFF51AFD7ED558CCD)
 _M2 = np.uint64(0xC4CEB9FE1A85EC53)
@@ -83,7 +81,6 @@ def packed_unified_keys(ids: npt.ArrayLike, segment_ids: npt.ArrayLike, num_cate
 
 def tf_mix64(x: "tf.Tensor") -> "tf.Tensor":
     """Pure-TF fmix64 on an int64/int32 tensor -> uint64 tensor (for reference routes)."""
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
     x = tf.bitcast(tf.cast(x, tf.int64), tf.uint64)
     m1, m2, s = (tf.constant(int(v), tf.uint64) for v in (_M1, _M2, _S33))
     x = tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, s))

@@ -23,16 +23,14 @@ comment above _POWER_ITERATIONS for the measurements behind the choice and the a
 reductions (on the real Criteo sample at N = 4: 22% fewer keys, 17.5% with the previous,
 bisection-only version).
 
-Importing this module does not import TensorFlow; only `cluster_dataset` needs it.
+Only `cluster_dataset` uses TensorFlow (the package `tf_fusedemb.pipeline` imports it anyway).
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
-
-if TYPE_CHECKING:  # cluster_dataset imports TensorFlow when it is called (module doc)
-    import tensorflow as tf
+import tensorflow as tf
 
 __all__ = ["micro_batch_bounds", "unique_keys_per_micro_batch", "cluster_permutation",
            "cluster_dataset"]
@@ -518,7 +516,6 @@ def cluster_dataset(dataset: tf.data.Dataset, feature_names: Sequence[str],
       TypeError: an element tensor is a tf.SparseTensor (not supported by tf.gather), or a
         named feature is neither integer nor string.
     """
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
     n = int(num_micro_batches)
     if n < 1:

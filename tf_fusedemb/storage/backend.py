@@ -41,6 +41,10 @@ import numpy as np
 import tensorflow as tf
 
 from tf_fusedemb.specs import FusedGroup, STORAGES
+from tf_fusedemb.storage.dynamic_table import DynamicGroupTable  # TFRA loads on first table
+from tf_fusedemb.storage.engine_table import EngineGroupTable, EngineStatistics
+from tf_fusedemb.storage.static_table import StaticGroupTable
+from tf_fusedemb.storage.statistics import AccessStatistics
 
 if TYPE_CHECKING:  # the backends import their tables when they create one (TFRA is heavy)
     from tf_fusedemb.ops.category_hash import CategoryHashResult
@@ -194,8 +198,6 @@ class TfraBackend(StorageBackend):
 
     def create(self, group: FusedGroup, table_name: str,
                static: Optional[StaticLayout] = None) -> GroupStorage:
-        from tf_fusedemb.storage.dynamic_table import DynamicGroupTable  # loads TFRA
-        from tf_fusedemb.storage.statistics import AccessStatistics
         _no_layout(self, group, static)
         return GroupStorage(DynamicGroupTable(table_name, group.dim, group.initializer,
                                               group.optimizer),
@@ -210,7 +212,6 @@ class EngineBackend(StorageBackend):
 
     def create(self, group: FusedGroup, table_name: str,
                static: Optional[StaticLayout] = None) -> GroupStorage:
-        from tf_fusedemb.storage.engine_table import EngineGroupTable, EngineStatistics
         _no_layout(self, group, static)
         table = EngineGroupTable(table_name, group.dim, group.initializer, group.optimizer)
         return GroupStorage(table, EngineStatistics(group.name, [t.name for t in group.tables],
@@ -234,8 +235,6 @@ class StaticBackend(StorageBackend):
 
     def create(self, group: FusedGroup, table_name: str,
                static: Optional[StaticLayout] = None) -> GroupStorage:
-        from tf_fusedemb.storage.static_table import StaticGroupTable
-        from tf_fusedemb.storage.statistics import AccessStatistics
         if static is None:
             raise ValueError(f"group '{group.name}': the static backend needs its StaticLayout")
         table = StaticGroupTable(table_name, group.dim, group.initializer, group.optimizer,

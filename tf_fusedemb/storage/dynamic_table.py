@@ -12,8 +12,8 @@ __all__ = ["DynamicGroupTable"]
 
 
 def _tfra():
-    # Imported on first table creation: TFRA loads its kernels at import and is only
-    # needed by this storage backend.
+    # Imported on first table creation: TFRA (optional) loads its kernels at import and
+    # is only needed by this storage backend.
     import tensorflow_recommenders_addons as tfra  # pylint: disable=import-outside-toplevel
     return tfra.dynamic_embedding
 

@@ -26,16 +26,12 @@ All float math runs in float64 and is cast to float32 once at the end, in both m
 log and cos may differ by an ulp of float64 between libms, which changes the float32
 result only when the value sits on a rounding boundary (about 2^-29 per value).
 """
-from typing import TYPE_CHECKING
-
 import numpy as np
 import numpy.typing as npt
+import tensorflow as tf
 
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import InitializerSpec
-
-if TYPE_CHECKING:  # TensorFlow is imported by the TF mirror only: the numpy mirror needs none
-    import tensorflow as tf
 
 __all__ = ["SALT", "TRUNCATED_DRAWS", "init_rows", "init_rows_np"]
 
@@ -107,13 +103,11 @@ def init_rows_np(keys: npt.ArrayLike, dim: int, spec: InitializerSpec) -> np.nda
 
 # ------------------------------------------------------------------ TensorFlow
 def _tf_mix64_u(x):
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
     # tf_mix64 takes signed ints; bitcast keeps the bits (tf.cast would be a value cast).
     return hashing.tf_mix64(tf.bitcast(x, tf.int64))
 
 
 def _tf_normal(b):
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
     hi = tf.bitwise.right_shift(b, tf.constant(40, tf.uint64)) + tf.constant(1, tf.uint64)
     lo = tf.bitwise.bitwise_and(tf.bitwise.right_shift(b, tf.constant(16, tf.uint64)),
                                 tf.constant(0xFFFFFF, tf.uint64))
@@ -133,7 +127,6 @@ def init_rows(keys: "tf.Tensor", dim: int, spec: InitializerSpec) -> "tf.Tensor"
     Returns:
         float32[u, dim]; row i depends only on keys[i] and equals ``init_rows_np``.
     """
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
     keys = tf.reshape(tf.cast(keys, tf.int64), [-1])
     if spec.name == "zeros":
         return tf.zeros(tf.stack([tf.size(keys), dim]), tf.float32)

@@ -24,6 +24,8 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
+from tf_fusedemb.comm import get_communicator
+
 __all__ = ["BatchLosses", "DistributedTestCase", "fit_on_this_rank", "rank_bounds",
            "rank_dataset"]
 
@@ -84,7 +86,6 @@ def fit_on_this_rank(model_fn: Callable, data_fn: Callable, batch_size: int, epo
 
 def _rank_fit(model_fn, data_fn, batch_size, epochs):
     """One rank of assertEquivalentToSingleProcess."""
-    from tf_fusedemb.comm import get_communicator  # pylint: disable=import-outside-toplevel
     comm = get_communicator()
     return fit_on_this_rank(model_fn, data_fn, batch_size, epochs, comm.size, comm.rank)
 
@@ -102,7 +103,7 @@ class DistributedTestCase(tf.test.TestCase):
                   timeout: Optional[float] = None, env: Optional[Dict[str, str]] = None) -> list:
         """``fn(*args)`` on ``num_ranks`` local Gloo ranks (horovodrun); the results in rank
         order. Fails the test on a non-zero exit, a rank without a result or the timeout."""
-        import cloudpickle  # pylint: disable=import-outside-toplevel
+        import cloudpickle  # optional: comes with Horovod  pylint: disable=import-outside-toplevel
         if int(num_ranks) < 1:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
         with tempfile.TemporaryDirectory(prefix="fusedemb_ranks_") as work:

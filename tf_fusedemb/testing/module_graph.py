@@ -40,6 +40,7 @@ import argparse
 import ast
 import json
 import os
+import re
 import sys
 from collections import defaultdict
 
@@ -156,10 +157,15 @@ def scan(root=ROOT, package=PACKAGE, with_local=False):
         lines = source.splitlines()
         walker = _Walker()
         walker.visit(ast.parse(source, filename=path))
+        previous = None  # (the function-local import just before, its comment)
         for node, in_function in walker.found:
             if in_function:
-                text = " ".join(lines[node.lineno - 1:node.end_lineno])
-                comment = text.partition("#")[2].strip()
+                comment = _comment(lines, node)
+                # A run of imports, one right after the other, shares its first one's reason.
+                if previous and previous[0].end_lineno == node.lineno - 1 and \
+                        not _has_reason(comment):
+                    comment = previous[1]
+                previous = (node, comment)
                 for name in _imported_names(node):
                     local.append((module, node.lineno, name, comment))
                 if not with_local:
@@ -268,13 +274,24 @@ def report(root=ROOT, with_local=False):
     }
 
 
+def _comment(lines, node):
+    """The comments of an import statement: on its own lines and in the comment lines
+    just above it."""
+    text = [line.partition("#")[2] for line in lines[node.lineno - 1:node.end_lineno]]
+    above = node.lineno - 2
+    while above >= 0 and lines[above].strip().startswith("#"):
+        text.insert(0, lines[above].strip()[1:])
+        above -= 1
+    return " ".join(t.strip() for t in text if t.strip())
+
+
+_DIRECTIVE = re.compile(r"(pylint:\s*disable=[\w,-]+|noqa(:\s*[A-Z]+\d+(,\s*[A-Z]+\d+)*)?|"
+                        r"type:\s*ignore(\[[\w,-]+\])?)")
+
+
 def _has_reason(comment):
-    """A comment that says more than a pylint/noqa directive."""
-    text = comment
-    for marker in ("pylint:", "noqa"):
-        if marker in text:
-            text = text.split(marker)[0]
-    return bool(text.strip(" #;:"))
+    """A comment that says more than pylint/noqa/type directives."""
+    return bool(_DIRECTIVE.sub("", comment).strip(" #;:()"))
 
 
 def main(argv=None):

@@ -57,7 +57,7 @@ def unavailable_reason() -> Optional[str]:
     if shutil.which("mpirun") is None:
         return "mpirun not found (make mpi-tools installs Open MPI: openmpi-bin)"
     try:
-        import mpi4py  # noqa: F401 pylint: disable=import-outside-toplevel,unused-import
+        import mpi4py  # noqa: F401  optional: this is its availability check  pylint: disable=import-outside-toplevel,unused-import
     except ImportError:
         return "mpi4py is not installed (pip install -r requirements.txt)"
     return None

@@ -9,7 +9,7 @@ import sys
 
 def main(job: str, out_dir: str) -> None:
     import tf_fusedemb  # noqa: F401  (environment defaults before TensorFlow loads)
-    import cloudpickle  # pylint: disable=import-outside-toplevel
+    import cloudpickle  # optional: comes with Horovod  pylint: disable=import-outside-toplevel
     with open(job, "rb") as f:
         fn, args = cloudpickle.load(f)
     result = fn(*args)

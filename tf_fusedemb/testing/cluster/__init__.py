@@ -26,6 +26,7 @@ def unavailable_reason():
     ``pytest.mark.skipif`` in users' and our own tests)."""
     try:
         check_available()
+        # Horovod is optional: its absence is a reason this machine cannot run a cluster.
         import horovod.runner.gloo_run  # noqa: F401  pylint: disable=unused-import,import-outside-toplevel
     except (ClusterUnavailable, ImportError) as e:
         return str(e)

@@ -130,6 +130,7 @@ class EmulatedCluster:
 
     def plan(self) -> list:
         """Horovod's slot plan: list of SlotInfo, ranks filled host by host."""
+        # Horovod is optional: testing.cluster imports without it (unavailable_reason).
         from horovod.runner.common.util.hosts import (  # pylint: disable=import-outside-toplevel
             get_host_assignments, parse_hosts)
         spec = ",".join(f"{h.namespace}:{self.ranks_per_host}" for h in self.hosts)

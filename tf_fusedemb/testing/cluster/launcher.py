@@ -57,6 +57,7 @@ def _rendezvous_server(address: str):
     the job's traffic on the emulated network. The subclass sets the two attributes that
     init() and stop() use (horovod 0.28.1)."""
     try:
+        # Horovod is optional: testing.cluster imports without it (unavailable_reason).
         from horovod.runner.http.http_server import (  # pylint: disable=import-outside-toplevel
             RendezvousHandler, RendezvousHTTPServer, RendezvousServer)
         from horovod.runner.util.threads import (  # pylint: disable=import-outside-toplevel
@@ -138,6 +139,7 @@ def run_job(command: Sequence[str], plan: Sequence, rendezvous_address: str,
         ClusterTimeout: after killing every rank, when ``timeout`` ran out; its ``result``
             holds the output until then (returncode 124).
     """
+    # Horovod is optional: testing.cluster imports without it (unavailable_reason).
     from horovod.runner.gloo_run import (  # pylint: disable=import-outside-toplevel
         create_run_env_vars, create_slot_env_vars)
     plan = sorted(plan, key=lambda slot: slot.rank)  # procs[r] is rank r
