@@ -5,11 +5,12 @@ Everything here is built from public tf_keras layers. The models' dense layers t
 broadcast, and a model rebuilt from its config starts from the same weights (the
 embedding rows are seeded by their key already, see ``tf_fusedemb.storage``).
 """
-from typing import Mapping, Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 import tensorflow as tf
 import tf_keras
 
+from tf_fusedemb.comm import Communicator
 from tf_fusedemb.data.criteo import CRITEO_CATEGORICAL, CRITEO_DENSE
 from tf_fusedemb.layers.fused_embedding import FusedEmbedding
 from tf_fusedemb.models.fused_model import FusedModel
@@ -47,7 +48,7 @@ def _initializer(seed: Optional[int], offset: int):
     return tf_keras.initializers.GlorotUniform(seed=None if seed is None else seed + offset)
 
 
-def check_units(owner: str, field: str, units, allow_empty: bool = True) -> tuple:
+def check_units(owner: str, field: str, units: Any, allow_empty: bool = True) -> tuple:
     """``units`` as a tuple of ints > 0; ValueError naming ``owner`` and ``field`` otherwise."""
     try:
         units = tuple(units)
@@ -61,12 +62,13 @@ def check_units(owner: str, field: str, units, allow_empty: bool = True) -> tupl
     return units
 
 
-def check_choice(owner: str, field: str, value, choices: Sequence) -> None:
+def check_choice(owner: str, field: str, value: Any, choices: Sequence[Any]) -> None:
     if value not in choices:
         raise ValueError(f"{owner}: {field} must be one of {tuple(choices)}, got {value!r}")
 
 
-def check_feature_specs(owner: str, field: str, specs, allow_sequence: bool = False) -> tuple:
+def check_feature_specs(owner: str, field: str, specs: Any,
+                        allow_sequence: bool = False) -> tuple:
     """A non-empty tuple of FeatureSpecs with unique names; pooled only unless allowed."""
     specs = tuple(specs)
     if not specs:
@@ -84,7 +86,8 @@ def check_feature_specs(owner: str, field: str, specs, allow_sequence: bool = Fa
     return specs
 
 
-def check_dense_names(owner: str, names, taken: Sequence[str], allow_empty: bool = True) -> tuple:
+def check_dense_names(owner: str, names: Any, taken: Sequence[str],
+                      allow_empty: bool = True) -> tuple:
     """Dense feature names: unique non-empty strs, none of them a categorical feature."""
     if isinstance(names, str):
         raise ValueError(f"{owner}: dense_features must be a sequence of names, got the str "
@@ -137,7 +140,8 @@ def dense_matrix(features: Mapping, names: Sequence[str], owner: str = "model") 
     return tf.concat(out, axis=1)
 
 
-def make_embedding(specs, plan: Optional[FusionPlan], key_mode: str, communicator):
+def make_embedding(specs: Sequence[FeatureSpec], plan: Optional[FusionPlan], key_mode: str,
+                   communicator: Optional[Communicator]) -> FusedEmbedding:
     """The model's one FusedEmbedding layer (named "fused_embedding")."""
     return FusedEmbedding(specs, plan=plan, key_mode=key_mode, communicator=communicator,
                           name="fused_embedding")
@@ -173,7 +177,7 @@ class MLP(tf_keras.layers.Layer):
     """
 
     def __init__(self, units: Sequence[int], activation: str = "relu", activate_last: bool = True,
-                 seed: Optional[int] = 0, **kwargs):
+                 seed: Optional[int] = 0, **kwargs: Any):
         super().__init__(**kwargs)
         self.units = check_units(f"MLP '{self.name}'", "units", units)
         self.activation = activation
@@ -186,24 +190,24 @@ class MLP(tf_keras.layers.Layer):
                                   bias_initializer="zeros", name=f"dense_{i}")
             for i, u in enumerate(self.units)]
 
-    def call(self, inputs):
+    def call(self, inputs: tf.Tensor) -> tf.Tensor:
         x = inputs
         for layer in self.dense_layers:
             x = layer(x)
         return x
 
-    def compute_output_shape(self, input_shape):
+    def compute_output_shape(self, input_shape: tf.TensorShape) -> tf.TensorShape:
         shape = tf.TensorShape(input_shape)
         return shape if not self.units else shape[:-1].concatenate([self.units[-1]])
 
-    def get_config(self):
+    def get_config(self) -> Dict[str, Any]:
         config = super().get_config()
         config.update(units=list(self.units), activation=self.activation,
                       activate_last=self.activate_last, seed=self.seed)
         return config
 
 
-def logit_layer(seed: Optional[int], offset: int, name: str = "logit"):
+def logit_layer(seed: Optional[int], offset: int, name: str = "logit") -> tf_keras.layers.Dense:
     """The final Dense(1) of a model: float32[B, d] -> logits float32[B, 1]."""
     return tf_keras.layers.Dense(1, kernel_initializer=_initializer(seed, offset),
                                  bias_initializer="zeros", name=name)
@@ -226,16 +230,16 @@ class RecModel(FusedModel):
     """
 
     @tf.autograph.experimental.do_not_convert
-    def train_step(self, data):
+    def train_step(self, data: Any) -> Dict[str, tf.Tensor]:
         return super().train_step(data)
 
     @tf.autograph.experimental.do_not_convert
-    def test_step(self, data):
+    def test_step(self, data: Any) -> Dict[str, tf.Tensor]:
         return super().test_step(data)
 
     @tf.autograph.experimental.do_not_convert
-    def predict_step(self, data):
+    def predict_step(self, data: Any) -> Any:
         return super().predict_step(data)
 
-    def get_build_config(self):
+    def get_build_config(self) -> None:
         return None

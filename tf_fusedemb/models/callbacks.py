@@ -1,11 +1,13 @@
 """Keras callbacks of tf_fusedemb."""
+from typing import Any, Dict, List, Optional, Tuple
+
 import logging
 
 import tf_keras
 
 from tf_fusedemb.comm import CommCounters
 from tf_fusedemb.comm.counters import FIELDS as COUNTER_FIELDS
-from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
+from tf_fusedemb.layers.fused_embedding import FusedEmbedding, fused_embedding_layers
 
 logger = logging.getLogger("tf_fusedemb")
 
@@ -23,21 +25,25 @@ class CommCountersLogger(tf_keras.callbacks.Callback):
     per-group figures with the ``tf_fusedemb`` logger.
     """
 
-    def __init__(self, log_every=100):
+    def __init__(self, log_every: int = 100):
         super().__init__()
         self.log_every = log_every
-        self._layers, self._last, self._step = [], {}, 0
-        self._epoch = {}  # sums of this epoch's per-step totals, and the step count
+        self._layers: List[FusedEmbedding] = []
+        # The last counter snapshot of each (layer index, group name).
+        self._last: Dict[Tuple[int, str], Dict[str, int]] = {}
+        self._step = 0
+        # Sums of this epoch's per-step totals, and the step count.
+        self._epoch: Dict[str, float] = {}
 
-    def _snapshot(self):
+    def _snapshot(self) -> Dict[Tuple[int, str], Dict[str, int]]:
         return {(i, g): c for i, layer in enumerate(self._layers)
                 for g, c in layer.comm_counters().items()}
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:
         self._layers = fused_embedding_layers(self.model)
         self._last = self._snapshot()
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
         now = self._snapshot()
         per_group = {key: CommCounters.per_step(self._last[key], now[key]) for key in now}
         self._last = now
@@ -55,10 +61,10 @@ class CommCountersLogger(tf_keras.callbacks.Callback):
                             d["rounds"], d["bytes_sent"], d["bytes_received"],
                             d["mean_message_bytes"])
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
         self._epoch = {}
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
         if logs is not None and self._epoch.get("steps"):
             steps = self._epoch["steps"]
             logs.update(_summary({f: v / steps for f, v in self._epoch.items()

@@ -6,11 +6,12 @@ for Web-scale Learning to Rank Systems") on a FusedEmbedding.
     stacked:  x0 -> cross x L -> deep MLP -> Dense(1)
     parallel: (cross x L)(x0) ++ deep(x0) -> Dense(1)   -> logits float32[B, 1]
 """
-from typing import Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import tensorflow as tf
 import tf_keras
 
+from tf_fusedemb.comm import Communicator
 from tf_fusedemb.models import blocks
 from tf_fusedemb.models.fused_model import register_model_class
 from tf_fusedemb.specs import FeatureSpec, FusionPlan
@@ -37,7 +38,7 @@ class CrossLayer(tf_keras.layers.Layer):
       inputs: (x0, x_l), float32[B, d] each. Returns float32[B, d].
     """
 
-    def __init__(self, low_rank: Optional[int] = None, seed: Optional[int] = 0, **kwargs):
+    def __init__(self, low_rank: Optional[int] = None, seed: Optional[int] = 0, **kwargs: Any):
         super().__init__(**kwargs)
         if low_rank is not None and (not isinstance(low_rank, int) or isinstance(low_rank, bool)
                                      or low_rank <= 0):
@@ -49,7 +50,7 @@ class CrossLayer(tf_keras.layers.Layer):
         return tf_keras.initializers.GlorotUniform(
             seed=None if self.seed is None else self.seed + offset)
 
-    def build(self, input_shape):
+    def build(self, input_shape: Tuple[tf.TensorShape, tf.TensorShape]) -> None:
         if not isinstance(input_shape, (list, tuple)) or len(input_shape) != 2:
             raise ValueError(f"CrossLayer '{self.name}': expected inputs (x0, x_l), got "
                              f"{input_shape}")
@@ -67,7 +68,8 @@ class CrossLayer(tf_keras.layers.Layer):
         self.bias = self.add_weight("bias", [d0], initializer="zeros")
         super().build(input_shape)
 
-    def call(self, inputs):
+    def call(self, inputs: Tuple[tf.Tensor, tf.Tensor]) -> tf.Tensor:
+        """``(x0, x_l)``, float32[B, d] each -> x_{l+1} float32[B, d]."""
         x0, xl = inputs
         if self.low_rank is None:
             proj = tf.matmul(xl, self.kernel)
@@ -75,10 +77,11 @@ class CrossLayer(tf_keras.layers.Layer):
             proj = tf.matmul(tf.matmul(xl, self.kernel_v), self.kernel_u)
         return x0 * (proj + self.bias) + xl
 
-    def compute_output_shape(self, input_shape):
+    def compute_output_shape(self, input_shape: Tuple[tf.TensorShape, tf.TensorShape]
+                             ) -> tf.TensorShape:
         return tf.TensorShape(input_shape[1])
 
-    def get_config(self):
+    def get_config(self) -> Dict[str, Any]:
         config = super().get_config()
         config.update(low_rank=self.low_rank, seed=self.seed)
         return config
@@ -114,7 +117,8 @@ class DCNv2(blocks.RecModel):
                  num_cross_layers: int = 3, deep: Sequence[int] = (128, 64),
                  low_rank: Optional[int] = None, structure: str = "stacked",
                  plan: Optional[FusionPlan] = None, key_mode: str = "hashed",
-                 seed: Optional[int] = 0, communicator=None, name: str = "dcn_v2", **kwargs):
+                 seed: Optional[int] = 0, communicator: Optional[Communicator] = None,
+                 name: str = "dcn_v2", **kwargs: Any):
         super().__init__(name=name, **kwargs)
         owner = "DCNv2"
         self.categorical = blocks.check_feature_specs(owner, "categorical", categorical)
@@ -146,7 +150,7 @@ class DCNv2(blocks.RecModel):
                                name="deep")
         self.logit = blocks.logit_layer(seed, 200)
 
-    def x0(self, features) -> tf.Tensor:
+    def x0(self, features: Mapping[str, tf.Tensor]) -> tf.Tensor:
         """The cross network's input: embeddings ++ dense features, float32[B, d0]."""
         embs = self.embedding(blocks.select_features(features, self.categorical_names, "DCNv2"))
         parts = [embs[n] for n in self.categorical_names]
@@ -161,7 +165,8 @@ class DCNv2(blocks.RecModel):
             x = layer([x0, x])
         return x
 
-    def call(self, features, training=None):
+    def call(self, features: Mapping[str, tf.Tensor],
+             training: Optional[bool] = None) -> tf.Tensor:
         x0 = self.x0(features)
         if self.structure == "stacked":
             h = self.deep(self.cross(x0))
@@ -169,7 +174,7 @@ class DCNv2(blocks.RecModel):
             h = tf.concat([self.cross(x0), self.deep(x0)], axis=1)
         return self.logit(h)
 
-    def get_config(self):
+    def get_config(self) -> Dict[str, Any]:
         return {"name": self.name,
                 "categorical": [f.to_dict() for f in self.categorical],
                 "dense_features": list(self.dense_features),
@@ -178,5 +183,6 @@ class DCNv2(blocks.RecModel):
                 **blocks.embedding_config(self.plan_arg, self.key_mode)}
 
     @classmethod
-    def from_config(cls, config, custom_objects=None):
+    def from_config(cls, config: Dict[str, Any],
+                    custom_objects: Optional[Dict[str, Any]] = None) -> "DCNv2":
         return cls(**blocks.specs_from_config(config, "categorical"))

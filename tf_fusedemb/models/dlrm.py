@@ -6,12 +6,13 @@ Recommendation Systems") on a FusedEmbedding.
     z = x ++ [<v_i, v_j> for i > j], v = (x, e_1, .., e_M)   float32[B, d + F(F-1)/2], F = M + 1
     z --top MLP--> Dense(1) --> logits float32[B, 1]
 """
-from typing import Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 import tf_keras
 
+from tf_fusedemb.comm import Communicator
 from tf_fusedemb.models import blocks
 from tf_fusedemb.models.fused_model import register_model_class
 from tf_fusedemb.specs import FeatureSpec, FusionPlan
@@ -32,7 +33,7 @@ class DotInteraction(tf_keras.layers.Layer):
       <x_1,x_0>, <x_2,x_0>, <x_2,x_1>, <x_3,x_0>, ...  (i > j, i outer, j inner).
     """
 
-    def build(self, input_shape):
+    def build(self, input_shape: Sequence[tf.TensorShape]) -> None:
         if not isinstance(input_shape, (list, tuple)) or not input_shape:
             raise ValueError(f"DotInteraction '{self.name}': expected a list of [B, d] tensors, "
                              f"got {input_shape}")
@@ -46,7 +47,7 @@ class DotInteraction(tf_keras.layers.Layer):
         self._pair_index = tf.constant(rows * f + cols, tf.int32)
         super().build(input_shape)
 
-    def call(self, inputs):
+    def call(self, inputs: Sequence[tf.Tensor]) -> tf.Tensor:
         inputs = list(inputs)
         f = self._num_inputs
         x = tf.stack(inputs, axis=1)                       # [B, F, d]
@@ -54,7 +55,7 @@ class DotInteraction(tf_keras.layers.Layer):
         pairs = tf.gather(tf.reshape(gram, [-1, f * f]), self._pair_index, axis=1)
         return tf.concat([inputs[0], pairs], axis=1)
 
-    def compute_output_shape(self, input_shape):
+    def compute_output_shape(self, input_shape: Sequence[tf.TensorShape]) -> tf.TensorShape:
         f, d = len(input_shape), tf.TensorShape(input_shape[0])[-1]
         return tf.TensorShape([tf.TensorShape(input_shape[0])[0], d + f * (f - 1) // 2])
 
@@ -98,7 +99,8 @@ class DLRM(blocks.RecModel):
     def __init__(self, categorical: Sequence[FeatureSpec], dense_features: Sequence[str],
                  bottom_mlp: Sequence[int] = (64, 16), top_mlp: Sequence[int] = (64, 32),
                  plan: Optional[FusionPlan] = None, key_mode: str = "hashed",
-                 seed: Optional[int] = 0, communicator=None, name: str = "dlrm", **kwargs):
+                 seed: Optional[int] = 0, communicator: Optional[Communicator] = None,
+                 name: str = "dlrm", **kwargs: Any):
         super().__init__(name=name, **kwargs)
         owner = "DLRM"
         self.categorical = blocks.check_feature_specs(owner, "categorical", categorical)
@@ -131,13 +133,14 @@ class DLRM(blocks.RecModel):
         f = 1 + len(self.categorical)
         return self.dim + f * (f - 1) // 2
 
-    def call(self, features, training=None):
+    def call(self, features: Mapping[str, tf.Tensor],
+             training: Optional[bool] = None) -> tf.Tensor:
         embs = self.embedding(blocks.select_features(features, self.categorical_names, "DLRM"))
         x = self.bottom_mlp(blocks.dense_matrix(features, self.dense_features, "DLRM"))
         z = self.interaction([x] + [embs[n] for n in self.categorical_names])
         return self.logit(self.top_mlp(z))
 
-    def get_config(self):
+    def get_config(self) -> Dict[str, Any]:
         return {"name": self.name,
                 "categorical": [f.to_dict() for f in self.categorical],
                 "dense_features": list(self.dense_features),
@@ -145,5 +148,6 @@ class DLRM(blocks.RecModel):
                 "seed": self.seed, **blocks.embedding_config(self.plan_arg, self.key_mode)}
 
     @classmethod
-    def from_config(cls, config, custom_objects=None):
+    def from_config(cls, config: Dict[str, Any],
+                    custom_objects: Optional[Dict[str, Any]] = None) -> "DLRM":
         return cls(**blocks.specs_from_config(config, "categorical"))

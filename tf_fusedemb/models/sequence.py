@@ -13,11 +13,12 @@ TableSpec share rows (FusedRec keys a row by (table, ID); the planner keeps a sh
 table's features in one group), so a movie's embedding as a target and in a history is
 the same row and both uses train it.
 """
-from typing import Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 import tf_keras
 
+from tf_fusedemb.comm import Communicator
 from tf_fusedemb.models import blocks
 from tf_fusedemb.models.fused_model import register_model_class
 from tf_fusedemb.specs import FeatureSpec, FusionPlan, InitializerSpec, OptimizerSpec, TableSpec
@@ -60,7 +61,8 @@ def movielens_feature_specs(dim: int = 16, history_len: int = 20,
             FeatureSpec("history", movie, combiner=None, max_len=history_len)]
 
 
-def sequence_lengths(value, lengths=None) -> tf.Tensor:
+def sequence_lengths(value: Union[tf.Tensor, tf.RaggedTensor, tf.SparseTensor],
+                     lengths: Optional[tf.Tensor] = None) -> tf.Tensor:
     """Valid length of each sample's sequence, int32[B].
 
     ``value``: the sequence feature's input. RaggedTensor [B, None] -> its row lengths;
@@ -99,7 +101,7 @@ class LocalActivationUnit(tf_keras.layers.Layer):
     """
 
     def __init__(self, units: Sequence[int] = (64, 32), activation: str = "sigmoid",
-                 weighting: str = "softmax", seed: Optional[int] = 0, **kwargs):
+                 weighting: str = "softmax", seed: Optional[int] = 0, **kwargs: Any):
         super().__init__(**kwargs)
         self.units = blocks.check_units(f"LocalActivationUnit '{self.name}'", "units", units)
         blocks.check_choice(f"LocalActivationUnit '{self.name}'", "weighting", weighting,
@@ -108,7 +110,9 @@ class LocalActivationUnit(tf_keras.layers.Layer):
         self.mlp = blocks.MLP(self.units, activation=activation, seed=seed, name="mlp")
         self.score = blocks.logit_layer(seed, 50, name="score")
 
-    def call(self, inputs):
+    def call(self, inputs: Tuple[tf.Tensor, tf.Tensor, tf.Tensor]) -> Tuple[tf.Tensor, tf.Tensor]:
+        """``(history float32[B, L, d], target float32[B, d], mask bool[B, L])`` ->
+        ``(interest float32[B, d], weights float32[B, L])``."""
         history, target, mask = inputs
         length = tf.shape(history)[1]
         t = tf.tile(target[:, None, :], [1, length, 1])                     # [B, L, d]
@@ -128,7 +132,7 @@ class LocalActivationUnit(tf_keras.layers.Layer):
         interest = tf.einsum("bl,bld->bd", weights, history)
         return interest, weights
 
-    def get_config(self):
+    def get_config(self) -> Dict[str, Any]:
         config = super().get_config()
         config.update(units=list(self.units), activation=self.activation,
                       weighting=self.weighting, seed=self.seed)
@@ -176,8 +180,9 @@ class SequenceModel(blocks.RecModel):
                  attention_activation: str = "sigmoid", attention_weights: str = "softmax",
                  mlp: Sequence[int] = (128, 64), length_key: Optional[str] = None,
                  plan: Optional[FusionPlan] = None, key_mode: str = "hashed",
-                 seed: Optional[int] = 0, communicator=None, name: str = "sequence_model",
-                 **kwargs):
+                 seed: Optional[int] = 0, communicator: Optional[Communicator] = None,
+                 name: str = "sequence_model",
+                 **kwargs: Any):
         super().__init__(name=name, **kwargs)
         owner = "SequenceModel"
         self.feature_specs = blocks.check_feature_specs(owner, "features", features,
@@ -224,7 +229,8 @@ class SequenceModel(blocks.RecModel):
                               name="mlp")
         self.logit = blocks.logit_layer(seed, 200)
 
-    def interest(self, features):
+    def interest(self, features: Mapping[str, tf.Tensor]
+                 ) -> Tuple[tf.Tensor, tf.Tensor, Dict[str, tf.Tensor]]:
         """(interest float32[B, d], attention weights float32[B, L], embeddings dict)."""
         embs = self.embedding(blocks.select_features(features, self.feature_names,
                                                      "SequenceModel"))
@@ -237,13 +243,14 @@ class SequenceModel(blocks.RecModel):
         interest, weights = self.attention([history, embs[self.target], mask])
         return interest, weights, embs
 
-    def call(self, features, training=None):
+    def call(self, features: Mapping[str, tf.Tensor],
+             training: Optional[bool] = None) -> tf.Tensor:
         interest, _, embs = self.interest(features)
         h = tf.concat([embs[n] for n in self.context_names] + [embs[self.target], interest],
                       axis=1)
         return self.logit(self.mlp(h))
 
-    def get_config(self):
+    def get_config(self) -> Dict[str, Any]:
         return {"name": self.name,
                 "features": [f.to_dict() for f in self.feature_specs],
                 "target": self.target, "sequence": self.sequence,
@@ -254,5 +261,6 @@ class SequenceModel(blocks.RecModel):
                 **blocks.embedding_config(self.plan_arg, self.key_mode)}
 
     @classmethod
-    def from_config(cls, config, custom_objects=None):
+    def from_config(cls, config: Dict[str, Any],
+                    custom_objects: Optional[Dict[str, Any]] = None) -> "SequenceModel":
         return cls(**blocks.specs_from_config(config, "features"))

@@ -74,7 +74,8 @@ class AutoPipeline:
       schedules: {label: PipelineOptions} of the candidates measured, in order.
     """
 
-    def __init__(self, model: tf_keras.Model, loss: LossLike, optimizer: tf_keras.optimizers.Optimizer,
+    def __init__(self, model: tf_keras.Model, loss: LossLike,
+                 optimizer: tf_keras.optimizers.Optimizer,
                  options: PipelineOptions, communicator: Optional[Communicator] = None,
                  candidates: Sequence[int] = CANDIDATES, warmup: int = 2, timed: int = 3,
                  margin: float = MARGIN):

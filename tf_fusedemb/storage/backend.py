@@ -74,7 +74,8 @@ class TableStorage(Protocol):
 
     def apply_gradients(self, keys: tf.Tensor, grads: tf.Tensor,
                         init_keys: Optional[tf.Tensor] = None, step: Optional[tf.Tensor] = None,
-                        return_rows: bool = False) -> Union[tf.Operation, Tuple[tf.Operation, tf.Tensor]]:
+                        return_rows: bool = False
+                        ) -> Union[tf.Operation, Tuple[tf.Operation, tf.Tensor]]:
         """One optimizer step on the rows of UNIQUE ``keys`` int64[u] with ``grads``
         float32[u, dim]; inserts new keys. Returns the op, or (op, rows float32[u, dim])."""
 

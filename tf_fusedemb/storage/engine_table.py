@@ -72,7 +72,8 @@ class EngineGroupTable(GroupTable):
     # ---------------------------------------------------------------- GroupTable
     def apply_gradients(self, keys: tf.Tensor, grads: tf.Tensor,
                         init_keys: Optional[tf.Tensor] = None, step: Optional[tf.Tensor] = None,
-                        return_rows: bool = False) -> Union[tf.Operation, Tuple[tf.Operation, tf.Tensor]]:
+                        return_rows: bool = False
+                        ) -> Union[tf.Operation, Tuple[tf.Operation, tf.Tensor]]:
         """GroupTable.apply_gradients in one engine pass per key (read, optimizer, write).
 
         Args:

@@ -105,7 +105,8 @@ class GroupTable(tf.Module):
 
     def apply_gradients(self, keys: tf.Tensor, grads: tf.Tensor,
                         init_keys: Optional[tf.Tensor] = None, step: Optional[tf.Tensor] = None,
-                        return_rows: bool = False) -> Union[tf.Operation, Tuple[tf.Operation, tf.Tensor]]:
+                        return_rows: bool = False
+                        ) -> Union[tf.Operation, Tuple[tf.Operation, tf.Tensor]]:
         """One optimizer step on the rows of ``keys``; new keys are inserted.
 
         Reads the rows (stored, or the initial rows of ``init_keys``) and their slots

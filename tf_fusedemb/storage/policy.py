@@ -105,7 +105,8 @@ class GroupPolicy:
         out = np.zeros(len(cats), bool)
         if not excess:
             return out
-        offers: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}  # category -> (local positions, int64[o, 3] order keys), first e
+        # category -> (local positions, int64[o, 3] order keys), the first e of each
+        offers: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
         for c, e in excess.items():
             tuples = np.stack([np.asarray(stats[k], np.int64)[alive[c]]
                                for k in ("counts", "last_steps", "ids")], 1).reshape(-1, 3)
