@@ -12,6 +12,7 @@ import tensorflow as tf
 import tf_keras
 
 import keras_parity as kp
+import tf_fusedemb.layers
 from conftest import REPO_ROOT
 from tf_fusedemb.layers import FusedEmbedding
 from tf_fusedemb.models import fuse_model
@@ -19,6 +20,13 @@ from tf_fusedemb.specs import OptimizerSpec
 from tf_fusedemb.testing import DistributedTestCase
 
 OPT = OptimizerSpec.adagrad(0.3)
+
+
+def test_the_old_import_path_gives_the_same_function_with_a_warning():
+    with pytest.warns(DeprecationWarning, match="tf_fusedemb.models.fuse_model"):
+        assert tf_fusedemb.layers.fuse_model is fuse_model
+    with pytest.raises(AttributeError, match="no attribute 'fuse_modle'"):
+        tf_fusedemb.layers.fuse_modle  # pylint: disable=pointless-statement
 
 
 def test_predictions_equal_before_training():
