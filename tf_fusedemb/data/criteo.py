@@ -30,7 +30,7 @@ or use `skip_lines` / `take_lines` directly.
 from __future__ import annotations
 
 import sys
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -157,7 +157,7 @@ def criteo_eval_split(path_or_paths: PathOrPaths, batch_size: int, eval_fraction
 
 
 def read_criteo(path_or_paths: PathOrPaths, max_rows: Optional[int] = None, log1p: bool = False,
-                with_missing: bool = False) -> Dict[str, object]:
+                with_missing: bool = False) -> Dict[str, Any]:
     """The first `max_rows` lines (all when None) as numpy columns, parsed by `criteo_dataset`'s
     parser (same validation, same missing values), eagerly.
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import csv
 import functools
 import os
-from typing import Dict
+from typing import Dict, Optional
 
 import numpy as np
 
@@ -129,7 +129,7 @@ def movielens_arrays(directory, history_len: int = 20, test_fraction: float = 0.
 
 def movielens_dataset(directory, batch_size: int, history_len: int = 20, num_shards: int = 1,
                       shard_index: int = 0, split: str = "train", test_fraction: float = 0.1,
-                      seed: int = 0, shuffle: bool = None, repeat: bool = False,
+                      seed: int = 0, shuffle: Optional[bool] = None, repeat: bool = False,
                       drop_remainder: bool = False, deterministic: bool = True):
     """tf.data.Dataset of MovieLens batches `(features, label)` (shapes in the module docstring).
 

@@ -32,14 +32,14 @@ def resolve_paths(path_or_paths: PathOrPaths) -> List[str]:
     Raises:
       FileNotFoundError: a path or pattern matches no file.
     """
-    one = isinstance(path_or_paths, (str, os.PathLike))
-    items = [path_or_paths] if one else list(path_or_paths)
+    items: List[Union[str, os.PathLike]] = (
+        [path_or_paths] if isinstance(path_or_paths, (str, os.PathLike)) else list(path_or_paths))
     out: List[str] = []
     for item in items:
-        item = os.fspath(item)
-        matches = sorted(_glob.glob(item)) if _glob.has_magic(item) else [item]
+        path = os.fspath(item)
+        matches = sorted(_glob.glob(path)) if _glob.has_magic(path) else [path]
         if not matches or not all(os.path.isfile(m) for m in matches):
-            raise FileNotFoundError(f"no data file at {item!r}")
+            raise FileNotFoundError(f"no data file at {path!r}")
         out.extend(matches)
     if not out:
         raise FileNotFoundError("no data files given")

@@ -161,8 +161,8 @@ def _generate(num_rows: int, seed: int, stream: int, profile: DatasetProfile,
         out[f.name] = _categorical(_rng(seed, stream, i), num_rows, i, f)
     if not batch_ids_only:
         base = len(profile.categorical)
-        for j, f in enumerate(profile.dense):
-            out[f.name] = _dense(_rng(seed, stream, base + j), num_rows, f)
+        for j, d in enumerate(profile.dense):
+            out[d.name] = _dense(_rng(seed, stream, base + j), num_rows, d)
         out["label"] = (_rng(seed, stream, base + len(profile.dense)).random(num_rows)
                         < profile.label_positive_rate).astype(np.float32)
     return out
