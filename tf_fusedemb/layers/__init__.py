@@ -5,6 +5,7 @@
 """
 import importlib
 import warnings
+from typing import Any
 
 from tf_fusedemb.layers.converter import from_keras_embeddings
 from tf_fusedemb.layers.fused_embedding import FusedEmbedding, fused_embedding_layers, use_context
@@ -14,7 +15,7 @@ __all__ = ["FusedEmbedding", "LookupContext", "LookupRecord", "from_keras_embedd
            "fused_embedding_layers", "use_context"]
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     # The one name kept for old code; resolved on access (models/ sits above layers/, so
     # importing it here would be an upward import).
     if name == "fuse_model":

@@ -1,5 +1,5 @@
 """Switching a model with one ``tf.keras.layers.Embedding`` per feature to FusedEmbedding."""
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import tf_keras
 
@@ -48,10 +48,10 @@ def embedding_table_spec(name: str, config: Mapping, optimizer: OptimizerSpec,
                      vocabulary_size=None if dynamic else int(config["input_dim"]))
 
 
-def from_keras_embeddings(embeddings: Mapping[str, object], optimizer: OptimizerSpec,
+def from_keras_embeddings(embeddings: Mapping[str, Any], optimizer: OptimizerSpec,
                           combiners: Optional[Mapping[str, Optional[str]]] = None,
                           max_lens: Optional[Mapping[str, int]] = None, dynamic: bool = False,
-                          **layer_kwargs):
+                          **layer_kwargs: Any) -> FusedEmbedding:
     """A FusedEmbedding equivalent to one Keras Embedding per feature.
 
     Args:

@@ -19,7 +19,7 @@ ID out of its feature's range (``InputReport``) sends every peer one message ``(
 it from the key exchange and fails with the same error (``GroupLookup.route``), instead of
 the bad rank failing alone while the others wait for it.
 """
-from typing import TYPE_CHECKING, Any, Dict, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Mapping, NamedTuple, Optional, Tuple
 
 import tensorflow as tf
 
@@ -137,7 +137,7 @@ class FlatExchange:
                                                self.counters)
         return recv, {"sort_indices": srt.indices, "recv_splits": recv_splits}
 
-    def send_rows(self, rows: tf.Tensor, state: ExchangeState, suffix: str) -> tf.Tensor:
+    def send_rows(self, rows: tf.Tensor, state: Mapping[str, Any], suffix: str) -> tf.Tensor:
         """The owner's ``rows`` float32[m, dim] (one per received key message) back to the
         requesters: float32[u, dim] in rank-sorted order (``state["sort_indices"]``)."""
         back, _ = self.comm.alltoall(rows, state["recv_splits"], f"{self._prefix}/rows{suffix}",

@@ -1,18 +1,20 @@
 """``FusedEmbedding``: a dict of features in, a dict of embeddings out, fused and sharded."""
 import contextlib
-from typing import Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
+import numpy.typing as npt
 import tensorflow as tf
 import tf_keras
 
-from tf_fusedemb.comm import get_communicator
+from tf_fusedemb.comm import Communicator, get_communicator
 from tf_fusedemb.comm.cost_model import TrafficHints, estimate
 from tf_fusedemb.layers.group_lookup import GroupLookup
 from tf_fusedemb.layers.lookup_context import NO_CONTEXT, LookupContext
 from tf_fusedemb.layers.inputs import flatten_feature, to_tensor
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FeatureSpec, FusionPlan, describe_plan_difference, plan_fusion
+from tf_fusedemb.storage.backend import StatisticsStorage
 
 
 # Registered as "tf_fusedemb>FusedEmbedding": a model config holding it survives
@@ -56,9 +58,9 @@ class FusedEmbedding(tf_keras.layers.Layer):
     """
 
     def __init__(self, features: Sequence[FeatureSpec], plan: Optional[FusionPlan] = None,
-                 key_mode: str = "hashed", communicator=None,
+                 key_mode: str = "hashed", communicator: Optional[Communicator] = None,
                  exchange: Union[None, str, Mapping[str, str]] = None,
-                 traffic: Optional[TrafficHints] = None, **kwargs):
+                 traffic: Optional[TrafficHints] = None, **kwargs: Any):
         super().__init__(**kwargs)
         self.features = tuple(features)
         self.plan = plan if plan is not None else plan_fusion(self.features)
@@ -68,7 +70,7 @@ class FusedEmbedding(tf_keras.layers.Layer):
         self.key_mode = key_mode
         self._comm = communicator or get_communicator()
         self.exchange, self.traffic = exchange, traffic
-        # Chosen locally (a function of the plan, topology, environment and arguments);
+        # Chosen locally (a function of the plan, topology and arguments);
         # the ranks compare plans and choices at the first call they make together
         # (``agree_across_ranks``): a constructor runs no collective, so a model can be
         # built, cloned or rebuilt from its config on one rank alone.
@@ -80,7 +82,7 @@ class FusedEmbedding(tf_keras.layers.Layer):
         # Installed by a training step for one forward pass (see lookup_context).
         self.lookup_context = NO_CONTEXT
 
-    def agree_across_ranks(self):
+    def agree_across_ranks(self) -> None:
         """Checks (once) that every rank built this layer with the same features, specs and
         fusion plan, and chose the same exchange per group: one ``allgather_object``, run
         eagerly even while a step is being traced. Collective: every rank calls it at the
@@ -119,7 +121,7 @@ class FusedEmbedding(tf_keras.layers.Layer):
                     "traffic= (e.g. link costs measured on one rank and shared).")
         self._agreed = True
 
-    def __call__(self, inputs, *args, **kwargs):
+    def __call__(self, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         # Keras converts Python/numpy leaves of the input dict one element at a time before
         # call(), so e.g. a list holding 2**63 would fail with no feature named: convert
         # them here, per feature, first.
@@ -156,7 +158,8 @@ class FusedEmbedding(tf_keras.layers.Layer):
         return [flatten_feature(f, inputs[f.name], id_bits, defer_range_check=defer)
                 for f in lookup.group.features]
 
-    def route(self, inputs: Mapping[str, tf.Tensor], context: LookupContext = NO_CONTEXT):
+    def route(self, inputs: Mapping[str, tf.Tensor],
+              context: LookupContext = NO_CONTEXT) -> List[Dict[str, tf.Tensor]]:
         """Key routing of ``inputs`` ahead of the forward pass (used by pipelines): one
         ``GroupLookup.route`` dict per group, in ``self.groups`` order; collective names
         take ``context.suffix``."""
@@ -165,7 +168,8 @@ class FusedEmbedding(tf_keras.layers.Layer):
         return [lookup.route(self._flat_features(lookup, inputs), context)
                 for lookup in self.groups]
 
-    def call(self, inputs: Mapping[str, tf.Tensor], training=None):
+    def call(self, inputs: Mapping[str, tf.Tensor],
+             training: Optional[bool] = None) -> Dict[str, tf.Tensor]:
         # Access statistics count training lookups (and direct calls), never those of
         # evaluate/predict (training=False): eviction and reports must not see eval data.
         record = training is not False
@@ -180,7 +184,7 @@ class FusedEmbedding(tf_keras.layers.Layer):
                 outputs[spec.name] = _shape_output(spec, flat, emb)
         return outputs
 
-    def set_embedding_weights(self, weights: Mapping[str, object]):
+    def set_embedding_weights(self, weights: Mapping[str, npt.ArrayLike]) -> None:
         """Loads whole tables, e.g. the weights of the Keras Embeddings this layer replaces
         (``{feature or table name: float32[V, dim]}``, row i = ID i). A collective:
         every rank calls it with the same names and shapes; rank 0's matrices are
@@ -192,12 +196,12 @@ class FusedEmbedding(tf_keras.layers.Layer):
             if name not in tables:
                 raise ValueError(f"FusedEmbedding '{self.name}': no feature or table {name!r}")
             lookup = next(g for g in self.groups if tables[name] in g.table_names)
-            matrix = self._comm.broadcast(tf.constant(matrix, tf.float32), 0,
-                                          f"fusedemb/embedding_weights/{name}").numpy()
-            lookup.load_rows(tables[name], np.arange(len(matrix)), matrix)
+            rows = self._comm.broadcast(tf.constant(matrix, tf.float32), 0,
+                                        f"fusedemb/embedding_weights/{name}").numpy()
+            lookup.load_rows(tables[name], np.arange(len(rows)), rows)
 
     @property
-    def communicator(self):
+    def communicator(self) -> Communicator:
         """The Communicator this layer's lookups run over (rank, size, collectives)."""
         return self._comm
 
@@ -205,7 +209,7 @@ class FusedEmbedding(tf_keras.layers.Layer):
         """The fusion plan with each group's exchange and its predicted costs."""
         return self.plan.describe(self.exchanges)
 
-    def comm_counters(self):
+    def comm_counters(self) -> Dict[str, Dict[str, int]]:
         """{group name: cumulative counter snapshot} (eager)."""
         return {g.group.name: g.counters.snapshot() for g in self.groups}
 
@@ -226,7 +230,7 @@ class FusedEmbedding(tf_keras.layers.Layer):
         payload bytes (eager)."""
         return {g.group.name: g.memory() for g in self.groups}
 
-    def statistics(self, group_name=None):
+    def statistics(self, group_name: Optional[str] = None) -> StatisticsStorage:
         """AccessStatistics of a group (by name, default the only/first group)."""
         for g in self.groups:
             if group_name in (None, g.group.name):
@@ -248,7 +252,7 @@ class FusedEmbedding(tf_keras.layers.Layer):
             out[g.group.name] = dict(zip(names, summed.tolist()))
         return out
 
-    def get_config(self):
+    def get_config(self) -> Dict[str, Any]:
         config = super().get_config()
         config.update(features=[f.to_dict() for f in self.features],
                       plan=self.plan.to_dict(), key_mode=self.key_mode)
@@ -260,7 +264,7 @@ class FusedEmbedding(tf_keras.layers.Layer):
         return config
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: Dict[str, Any]) -> "FusedEmbedding":
         config = dict(config)
         config["features"] = [FeatureSpec.from_dict(f) for f in config["features"]]
         config["plan"] = FusionPlan.from_dict(config["plan"])
@@ -269,7 +273,7 @@ class FusedEmbedding(tf_keras.layers.Layer):
         return cls(**config)
 
 
-def fused_embedding_layers(model):
+def fused_embedding_layers(model: Any) -> List["FusedEmbedding"]:
     """The FusedEmbedding layers of ``model`` (itself included), in tracking order."""
     found = [m for m in [model, *getattr(model, "submodules", ())]
              if isinstance(m, FusedEmbedding)]
@@ -277,7 +281,7 @@ def fused_embedding_layers(model):
 
 
 @contextlib.contextmanager
-def use_context(model, context: LookupContext):
+def use_context(model: Any, context: LookupContext) -> Iterator[LookupContext]:
     """Installs ``context`` on every FusedEmbedding layer of ``model`` (a Keras model or
     layer) for the block; yields it."""
     layers = fused_embedding_layers(model)

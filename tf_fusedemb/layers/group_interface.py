@@ -19,7 +19,7 @@ else (they never read or replace a group's attributes).
 Shapes: n fused IDs of this rank, u unique per feature, u_l unique keys on the owner,
 m key messages received by the owner.
 """
-from typing import (Any, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple,
+from typing import (Any, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union,
                     runtime_checkable)
 
 import numpy as np
@@ -71,7 +71,8 @@ class DistributedGroupLookup(GroupEmbeddings, Protocol):
 
     def apply_gradients(self, keys: tf.Tensor, grads: tf.Tensor,
                         init_keys: Optional[tf.Tensor] = None, step: Optional[tf.Tensor] = None,
-                        return_rows: bool = False):
+                        return_rows: bool = False
+                        ) -> Union[tf.Operation, Tuple[tf.Operation, tf.Tensor]]:
         """One optimizer step on the owner rows of UNIQUE ``keys`` int64[u] with ``grads``
         float32[u, dim] (new keys start from their initial rows of ``init_keys``). Returns
         the op, or (op, the updated rows float32[u, dim]) with ``return_rows``."""

@@ -7,20 +7,26 @@ along the same path -> recovery. Backward is the tape's: recovery gradient (loca
 accumulation by I_r) -> the gradient AlltoAll(s) -> gather gradient (accumulation by I_l on
 the owner). Three AlltoAll rounds per step (flat), six (hierarchical).
 """
+from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Sequence, Tuple, Union, cast
+
 import numpy as np
 import tensorflow as tf
 
 from tf_fusedemb import ops
-from tf_fusedemb.comm import CommCounters
+from tf_fusedemb.comm import CommCounters, Communicator
 from tf_fusedemb.layers.exchange import (CATEGORY_BITS, EXCHANGES, FlatExchange, decode_keys,
                                          decode_report, input_report, received_report)
+from tf_fusedemb.layers.group_interface import Combiners, GroupState, KeyExchange
 from tf_fusedemb.layers.hierarchical_exchange import HierarchicalExchange
-from tf_fusedemb.layers.inputs import id_ranges, out_of_range_message
+from tf_fusedemb.layers.inputs import FlatFeature, id_ranges, out_of_range_message
 from tf_fusedemb.layers.lookup_context import NO_CONTEXT, LookupContext
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FusedGroup
 from tf_fusedemb.storage.backend import GroupStorage, StaticLayout, backend_for
 from tf_fusedemb.storage.policy import GroupPolicy
+
+if TYPE_CHECKING:  # a type only: the static backend makes this table
+    from tf_fusedemb.storage.static_table import StaticGroupTable
 
 KEY_MODES = ("hashed", "packed")
 
@@ -38,7 +44,8 @@ class GroupLookup(tf.Module):
         needs several nodes of several ranks in ``communicator.topology``).
     """
 
-    def __init__(self, group: FusedGroup, communicator, key_mode="hashed", exchange="flat"):
+    def __init__(self, group: FusedGroup, communicator: Communicator, key_mode: str = "hashed",
+                 exchange: str = "flat"):
         super().__init__(name=f"group_{group.name}")
         if key_mode not in KEY_MODES:
             raise ValueError(f"key_mode must be one of {KEY_MODES}, got {key_mode!r}")
@@ -65,7 +72,8 @@ class GroupLookup(tf.Module):
                                      link_classes=communicator.topology.cross_size > 1)
         # Both exchanges where the topology allows (same tables and owners: a step may
         # use either, see LookupContext.exchange); ``exchange`` is the group's own.
-        self.exchanges = {"flat": FlatExchange(communicator, group.name, self.counters)}
+        self.exchanges: Dict[str, KeyExchange] = {
+            "flat": FlatExchange(communicator, group.name, self.counters)}
         if exchange == "hierarchical" or communicator.topology.is_hierarchical:
             self.exchanges["hierarchical"] = HierarchicalExchange(
                 communicator, group.name, self.counters, len(self.table_names))
@@ -83,6 +91,10 @@ class GroupLookup(tf.Module):
             self._min_counts = tf.constant(self.policy.min_counts)
             self._backend.install_admission(GroupStorage(self.table, self.stats),
                                             self.policy.min_counts, self._admitted)
+
+    def _static_table(self) -> "StaticGroupTable":
+        """A static group's table (the static backend made it; callers check is_static)."""
+        return cast("StaticGroupTable", self.table)
 
     def _static_layout(self) -> StaticLayout:
         g = self.group
@@ -105,7 +117,7 @@ class GroupLookup(tf.Module):
             raise ValueError(f"group '{self.group.name}' is dynamic: its keys have no offsets")
         return self._offsets
 
-    def key_metadata(self, keys):
+    def key_metadata(self, keys: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """(table index int64[u], instance ID int64[u]) of stored keys: decoded for static
         and packed keys, from the access statistics for hashed keys (eager)."""
         keys = np.asarray(keys, np.int64)
@@ -144,7 +156,7 @@ class GroupLookup(tf.Module):
         rows["tables"], rows["ids"] = self.key_metadata(rows["keys"])
         return rows
 
-    def load_rows(self, table: str, ids, rows):
+    def load_rows(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
         """Writes ``rows`` as the values of ``ids`` of ``table`` (e.g. weights of a Keras
         Embedding being converted), keeping only the IDs this rank owns. The rows become
         stored keys with optimizer slots at their initial values, and their (table, ID)
@@ -170,7 +182,7 @@ class GroupLookup(tf.Module):
         self.table.load({"keys": keys, "values": rows})
         self.stats.register(keys, segment, ids, step=int(self.table.step.numpy()))
 
-    def storage_keys(self, ids, tables) -> tuple:
+    def storage_keys(self, ids: np.ndarray, tables: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """(storage keys int64[n], plan-independent init keys int64[n]) of instance ``ids``
         int64[n] of the group's tables ``tables`` int64[n] (indices into
         ``table_names``), as numpy arrays (eager): ``offset[table] + ID`` for static
@@ -194,7 +206,7 @@ class GroupLookup(tf.Module):
         state.update({"stats/" + k: v for k, v in self.stats.export().items()})
         return state
 
-    def restore_state(self, shards, rank: int, size: int) -> None:
+    def restore_state(self, shards: Sequence[GroupState], rank: int, size: int) -> None:
         """Loads, out of ``shards`` (the ``save_state`` dicts of every rank of the run
         that saved, any number), the rows and statistics that rank ``rank`` of ``size``
         owns (owner = mix64(raw ID) mod size), with their optimizer slots, and the
@@ -207,7 +219,7 @@ class GroupLookup(tf.Module):
         for slot in self.table.slot_names:
             rows[slot] = merged(slot)[mine]
         self.table.load(rows)
-        self.table.step.assign(int(max(s["step"] for s in shards)))
+        self.table.step.assign(max(int(s["step"]) for s in shards))
         fields = ["keys", "counts", "categories", "ids"]
         if all("stats/last_steps" in s for s in shards):  # absent before eviction
             fields.append("last_steps")
@@ -225,9 +237,12 @@ class GroupLookup(tf.Module):
         if not self.group.is_static:
             raise ValueError(f"group '{self.group.name}' is dynamic: it has no dense rows; "
                              "use stored_rows()")
-        return self.table.dense_values().numpy()
+        return self._static_table().dense_values().numpy()
 
-    def apply_gradients(self, keys, grads, init_keys=None, step=None, return_rows=False):
+    def apply_gradients(self, keys: tf.Tensor, grads: tf.Tensor,
+                        init_keys: Optional[tf.Tensor] = None, step: Optional[tf.Tensor] = None,
+                        return_rows: bool = False
+                        ) -> Union[tf.Operation, Tuple[tf.Operation, tf.Tensor]]:
         """One optimizer step on the owner rows of UNIQUE ``keys`` int64[u] with ``grads``
         float32[u, dim]; new keys start from the initial rows of ``init_keys`` int64[u]
         (admission decides which are stored). ``step``: the step the update belongs to
@@ -253,7 +268,7 @@ class GroupLookup(tf.Module):
         """Rows the group occupies in memory on this rank: a static table's allocated
         rows (all it owns, written or not), a dynamic table's stored rows (eager)."""
         if self.group.is_static:
-            return int(self.table.values.shape[0])
+            return int(self._static_table().values.shape[0])
         return self.num_stored_rows()
 
     def static_shard(self) -> tuple:
@@ -261,9 +276,10 @@ class GroupLookup(tf.Module):
         allocated for (one rank's share of the rows)."""
         if not self.group.is_static:
             raise ValueError(f"group '{self.group.name}' is dynamic: it has no static shard")
-        return self.table.rank, self.table.num_ranks, self.table.vocabulary_size
+        table = self._static_table()
+        return table.rank, table.num_ranks, table.vocabulary_size
 
-    def lookup_rows(self, keys, init_keys=None) -> tf.Tensor:
+    def lookup_rows(self, keys: tf.Tensor, init_keys: Optional[tf.Tensor] = None) -> tf.Tensor:
         """This rank's rows of storage ``keys`` int64[u] (initial rows from ``init_keys``
         for keys never stored, not inserted): float32[u, dim]. Sharded inference's
         owner-side read."""
@@ -309,12 +325,13 @@ class GroupLookup(tf.Module):
                 "bytes": self._backend.memory_bytes(GroupStorage(self.table, self.stats),
                                                     self.group.dim)}
 
-    def hashed_keys(self, ids, segment_ids):
+    def hashed_keys(self, ids: tf.Tensor, segment_ids: tf.Tensor) -> tf.Tensor:
         """Plan-independent unified keys mix64(id ^ tag(table)): int64[n]."""
         mixed = tf.bitwise.bitwise_xor(tf.cast(ids, tf.int64), tf.gather(self._tags, segment_ids))
         return tf.bitcast(hashing.tf_mix64(mixed), tf.int64)
 
-    def route(self, flats, context: LookupContext = NO_CONTEXT, record_statistics: bool = True):
+    def route(self, flats: Sequence[FlatFeature], context: LookupContext = NO_CONTEXT,
+              record_statistics: bool = True) -> Dict[str, tf.Tensor]:
         """Steps 1-5 of the lookup for ``flats``: fuse, segment unique, rankwise sort, the
         key AlltoAll and category hashing on the owner (access statistics recorded).
 
@@ -364,7 +381,7 @@ class GroupLookup(tf.Module):
         with tf.control_dependencies([check]):
             return tf.identity(recv)
 
-    def exchange_for(self, context: LookupContext):
+    def exchange_for(self, context: LookupContext) -> KeyExchange:
         """The exchange of ``context.exchange``, or the group's own."""
         if context.exchange is None:
             return self.exchange
@@ -374,13 +391,14 @@ class GroupLookup(tf.Module):
                              f"({self.comm.topology.describe()}) allows {sorted(self.exchanges)}")
         return self.exchanges[context.exchange]
 
-    def retrieve(self, routed):
+    def retrieve(self, routed: Mapping[str, tf.Tensor]) -> tf.Tensor:
         """Step 6: the owner's rows of ``routed["keys"]``: float32[u_l, dim]."""
         rows = self.table.lookup(routed["keys"], routed["init_keys"])
         rows.set_shape([None, self.group.dim])  # collectives and tables lose the static dim
         return rows
 
-    def serve(self, routed, rows, flats, combiners, context: LookupContext = NO_CONTEXT):
+    def serve(self, routed: Mapping[str, tf.Tensor], rows: tf.Tensor, flats: Sequence[FlatFeature],
+              combiners: Combiners, context: LookupContext = NO_CONTEXT) -> List[tf.Tensor]:
         """Steps 7-8: rows back to the requesters (AlltoAll) and recovery per feature.
         With a tape in ``context`` the owner's ``rows`` are watched and recorded."""
         context.record(rows, routed["keys"], routed["init_keys"], self, self.group.name)
@@ -390,8 +408,9 @@ class GroupLookup(tf.Module):
         return ops.recover_features(back, routed["sort_indices"], routed["unique_inverse"],
                                     [f.row_splits for f in flats], combiners)
 
-    def __call__(self, flats, combiners, context: LookupContext = NO_CONTEXT,
-                 record_statistics: bool = True):
+    def __call__(self, flats: Sequence[FlatFeature], combiners: Combiners,
+                 context: LookupContext = NO_CONTEXT,
+                 record_statistics: bool = True) -> List[tf.Tensor]:
         """Embeddings of the group's features.
 
         Args:

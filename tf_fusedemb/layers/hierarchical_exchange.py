@@ -17,7 +17,7 @@ Backward mirrors it through the tape: the fan-out's gradient sums the node mates
 gradients of a key (TawPipe's group-local reduction) before the rail AlltoAll carries one
 gradient row per node and key to the owner.
 """
-from typing import TYPE_CHECKING, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple
 
 import tensorflow as tf
 
@@ -115,7 +115,7 @@ class HierarchicalExchange:
                                                    tf.size(node_uniq.unique_keys))
         return node_uniq, node_counts, order
 
-    def send_rows(self, rows: tf.Tensor, state: ExchangeState, suffix: str) -> tf.Tensor:
+    def send_rows(self, rows: tf.Tensor, state: Mapping[str, Any], suffix: str) -> tf.Tensor:
         """Same contract as ``FlatExchange.send_rows``."""
         comm = self.comm
         node_rows, _ = comm.alltoall(rows, state["rail_splits"],

@@ -60,15 +60,16 @@ class LookupContext:
     exchange: Optional[str] = None
     substitutes: Dict[int, Any] = dataclasses.field(default_factory=dict)
 
-    def lookup_for(self, lookup):
+    def lookup_for(self, lookup: Any) -> Any:
         """What gives ``lookup``'s embeddings in this pass: its substitute, or itself."""
         return self.substitutes.get(id(lookup), lookup)
 
-    def prepared_for(self, lookup) -> Optional[dict]:
+    def prepared_for(self, lookup: Any) -> Optional[dict]:
         """The prepared lookup of ``lookup``, or None."""
         return self.prepared.get(id(lookup))
 
-    def record(self, rows, keys, init_keys, lookup, group):
+    def record(self, rows: tf.Tensor, keys: tf.Tensor, init_keys: tf.Tensor, lookup: Any,
+               group: str) -> None:
         """Watches ``rows`` on the tape and records them (no-op without a tape)."""
         if self.tape is None:
             return

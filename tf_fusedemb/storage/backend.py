@@ -175,7 +175,7 @@ class StorageBackend(abc.ABC):
         """The table (named ``table_name``) and statistics of ``group`` on this rank;
         ``static`` is required by, and only by, the static backend."""
 
-    def install_admission(self, storage: GroupStorage, min_counts: Sequence[int],
+    def install_admission(self, storage: GroupStorage, min_counts: np.ndarray,
                           admitted: Callable[[tf.Tensor], tf.Tensor]) -> None:
         """Makes updates store only admitted keys: per table t a key without a row needs
         an access count >= ``min_counts[t]`` (int64[T]); ``admitted`` (keys int64[u] ->
@@ -218,7 +218,7 @@ class EngineBackend(StorageBackend):
         return GroupStorage(table, EngineStatistics(group.name, [t.name for t in group.tables],
                                                     table.engine))
 
-    def install_admission(self, storage: GroupStorage, min_counts: Sequence[int],
+    def install_admission(self, storage: GroupStorage, min_counts: np.ndarray,
                           admitted: Callable[[tf.Tensor], tf.Tensor]) -> None:
         # Decided inside the update kernel from the block's count and table: the same rule.
         _engine_table(storage).set_admission(min_counts)
@@ -243,7 +243,7 @@ class StaticBackend(StorageBackend):
                                  num_ranks=static.num_ranks, owner_ids=static.owner_ids)
         return GroupStorage(table, AccessStatistics(group.name, [t.name for t in group.tables]))
 
-    def install_admission(self, storage: GroupStorage, min_counts: Sequence[int],
+    def install_admission(self, storage: GroupStorage, min_counts: np.ndarray,
                           admitted: Callable[[tf.Tensor], tf.Tensor]) -> None:
         raise ValueError("static tables have no admission (their memory is fixed)")
 

@@ -55,7 +55,7 @@ class EngineGroupTable(GroupTable):
         self._min_counts: Optional[tf.Tensor] = None  # int64[T] while admission is on
 
     # ---------------------------------------------------------------- admission
-    def set_admission(self, min_counts: Optional[Sequence[int]]) -> None:
+    def set_admission(self, min_counts: Optional[Union[Sequence[int], np.ndarray]]) -> None:
         """Admission inside the update: ``min_counts`` int64[T], the count a key of table t
         needs before its row is stored (GroupLookup._admitted's rule: a stored key or a key
         never recorded is always admitted); None turns admission off."""
