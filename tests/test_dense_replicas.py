@@ -310,3 +310,40 @@ def test_check_every_must_be_a_positive_int(bad):
     from tf_fusedemb.training.replicas import DenseReplicas
     with pytest.raises(ValueError, match="check_every"):
         DenseReplicas(tf_keras.Sequential(), bad)
+
+
+def _extra_models_rank(kinds):
+    """Rank r first builds r throw-away unnamed models (a user's experiments, a second
+    model for evaluation...): Keras then numbers rank r's layer names differently
+    (``fused_embedding_1``, ``dense_3``), and those names used to enter the collectives'
+    names, so the ranks' first training step never matched and hung. Then it trains."""
+    from tf_fusedemb.comm import get_communicator
+    comm = get_communicator()
+    for _ in range(comm.rank):
+        functional_model()
+        tf_keras.Sequential([tf_keras.layers.Dense(3)])(np.zeros([1, 2], np.float32))
+    x, y = _data()
+    train = rank_dataset((x, y), rank_bounds(len(y), [16, 16], comm.rank))
+    out = {}
+    for kind in kinds:
+        model = _compiled(kind)
+        _build(model, _x_for(kind, x))
+        model.fit(train, epochs=1, verbose=0)
+        out[kind] = {"final": _dense_weights(model),
+                     "names": sorted(l.name for l in model.layers)}
+    return out
+
+
+class LayerNamesTest(DistributedTestCase):
+    timeout = 300  # a hang fails here instead of blocking the suite
+
+    def test_ranks_with_other_layer_names_train_together(self):
+        kinds = ["functional", "pipelined"]
+        ranks = self.run_ranks(_extra_models_rank, 2, (kinds,))
+        for kind in kinds:
+            self.assertNotEqual(ranks[0][kind]["names"], ranks[1][kind]["names"],
+                                f"{kind}: the ranks' layer names are equal; the test would "
+                                "not see names entering the collectives")
+            for (name, value), other in zip(_by_position(ranks[0][kind]["final"]).items(),
+                                            _by_position(ranks[1][kind]["final"]).values()):
+                np.testing.assert_array_equal(other, value, err_msg=f"{kind}: variable {name}")

@@ -2,10 +2,21 @@
 
 Every collective gets a deterministic name built by the caller from the group and its
 role ("<group>/keys", "<group>/rows"), so all ranks build identical graphs.
+
+Horovod matches a collective across ranks by its graph node name, which TensorFlow
+prefixes with the name scopes it was built in, and those hold Keras's per-process layer
+names (``fused_embedding_2``, ``dense_7``): a rank that built one more unnamed model
+before training would name its collectives differently and every rank would wait
+forever. So each collective is built in an absolute name scope of its own
+(``<name>.<k>/``, k counting that name's collectives in the graph being traced, the
+same on every rank), and its inputs are renamed there, so nothing a rank did before
+enters the names.
 """
+import collections
 import contextlib
 import os
 import sys
+import weakref
 from typing import Any, ContextManager, Iterator, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
@@ -184,40 +195,67 @@ class HorovodCommunicator(Communicator):
         # anyway (stateful ops in a tf.function, or eagerly), and gating on them would
         # chain every collective of a group behind the previous one's counter update in
         # program order, which serialises pipelined micro-batches (tf_fusedemb.pipeline).
+        def scoped(x, send, collective_name):
+            with collective_scope(collective_name):
+                return collective(tf.identity(x, "x"), tf.identity(send, "splits"),
+                                  collective_name)
+
         @tf.custom_gradient
         def exchange(x):
-            received, recv_splits = collective(x, splits, name)
+            received, recv_splits = scoped(x, splits, name)
             count(splits, recv_splits, x)
 
             def grad(dy):
-                back, _ = collective(dy, recv_splits, name + "_grad")
+                back, _ = scoped(dy, recv_splits, name + "_grad")
                 count(recv_splits, splits, dy)
                 return back
             return (tf.identity(received), tf.identity(recv_splits)), \
                 lambda dy, _dsplits: grad(dy)
         if not tensor.dtype.is_floating:  # keys: no gradient, plain collective
-            received, recv_splits = collective(tensor, splits, name)
+            received, recv_splits = scoped(tensor, splits, name)
             count(splits, recv_splits, tensor)
             return received, recv_splits
         return exchange(tensor)
 
     def allreduce_sum(self, tensor: tf.Tensor, name: str) -> tf.Tensor:
-        return self._hvd.allreduce(tensor, op=self._hvd.Sum, name=name)
+        with collective_scope(name):
+            return self._hvd.allreduce(tf.identity(tensor, "x"), op=self._hvd.Sum, name=name)
 
     def allreduce_sum_list(self, tensors: Sequence[tf.Tensor], name: str) -> List[tf.Tensor]:
         # One grouped collective for all dense gradients (EmbRace's dense AllReduce).
-        del name  # grouped_allreduce names its ops after the graph's node names
-        return self._hvd.grouped_allreduce(list(tensors), op=self._hvd.Sum)
+        # Horovod names it after its first and last inputs: renamed in the scope.
+        with collective_scope(name):
+            inputs = [tf.identity(t, f"x{i}") for i, t in enumerate(tensors)]
+            return self._hvd.grouped_allreduce(inputs, op=self._hvd.Sum)
 
     def allgather(self, tensor: tf.Tensor, name: str) -> tf.Tensor:
-        return self._hvd.allgather(tf.stop_gradient(tensor), name=name)
+        with collective_scope(name):
+            return self._hvd.allgather(tf.stop_gradient(tensor, "x"), name=name)
 
     def broadcast(self, tensor: tf.Tensor, root: int, name: str) -> tf.Tensor:
-        return self._hvd.broadcast(tf.stop_gradient(tensor), root, name=name)
+        with collective_scope(name):
+            return self._hvd.broadcast(tf.stop_gradient(tensor, "x"), root, name=name)
 
     def allgather_object(self, obj: Any) -> List[Any]:
         with self.watch("allgather_object"):
             return self._hvd.allgather_object(obj)
+
+
+_NAMES_IN_GRAPH: "weakref.WeakKeyDictionary[Any, collections.Counter]" = \
+    weakref.WeakKeyDictionary()
+
+
+def collective_scope(name: str) -> ContextManager[Any]:
+    """An absolute name scope ``<name>.<k>/`` for one collective built in a traced graph
+    (k: how many collectives of that name the graph has so far); nothing when eager.
+    The scope replaces the caller's (layer) name scopes, see the module doc."""
+    if tf.executing_eagerly():
+        return contextlib.nullcontext()
+    counts = _NAMES_IN_GRAPH.setdefault(tf.compat.v1.get_default_graph(),
+                                        collections.Counter())
+    k = counts[name]
+    counts[name] += 1
+    return tf.name_scope(f"{name}.{k}/")
 
 
 _COMMUNICATOR: Optional[Communicator] = None
