@@ -23,11 +23,13 @@ Restore onto M ranks: every rank reads all N shards and keeps the rows it owns u
 import json
 import os
 import shutil
+from typing import Any, Dict, Mapping, Optional
 
 import numpy as np
 import tensorflow as tf
+import tf_keras
 
-from tf_fusedemb.comm import get_communicator
+from tf_fusedemb.comm import Communicator, get_communicator
 from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
 from tf_fusedemb.specs import describe_plan_difference
 from tf_fusedemb.training import faults
@@ -49,8 +51,10 @@ class CheckpointManager:
         reports what an uninterrupted one would.
     """
 
-    def __init__(self, directory, model, optimizer=None, max_to_keep=3, communicator=None,
-                 extra=None):
+    def __init__(self, directory: str, model: tf_keras.Model,
+                 optimizer: Optional[tf_keras.optimizers.Optimizer] = None, max_to_keep: int = 3,
+                 communicator: Optional[Communicator] = None,
+                 extra: Optional[Mapping[str, Any]] = None):
         self.directory = directory
         self.comm = communicator or get_communicator()
         self.layers = fused_embedding_layers(model)
@@ -66,7 +70,7 @@ class CheckpointManager:
         self.max_to_keep = max_to_keep
 
     # ---- save -------------------------------------------------------------------------
-    def save(self, step, state=None):
+    def save(self, step: int, state: Optional[Dict[str, Any]] = None) -> str:
         """Writes checkpoint ``step`` (all ranks must call it); returns its path."""
         with self.comm.watch(f"checkpoint save {int(step)}"):
             return self._save(int(step), state)
@@ -133,7 +137,7 @@ class CheckpointManager:
             self.comm.allreduce_sum(tf.constant(0, tf.int32), f"fusedemb/{name}").numpy()
 
     # ---- restore ----------------------------------------------------------------------
-    def latest(self):
+    def latest(self) -> Optional[str]:
         """Path of the newest complete checkpoint, or None."""
         pointer = os.path.join(self.directory, LATEST)
         if not os.path.exists(pointer):
@@ -141,7 +145,7 @@ class CheckpointManager:
         with open(pointer) as f:
             return os.path.join(self.directory, f.read().strip())
 
-    def restore(self, path=None):
+    def restore(self, path: Optional[str] = None) -> Optional[Dict[str, Any]]:
         """Restores ``path`` (default: the latest) onto this world size; returns its
         meta dict (with the user ``state``), or None when there is no checkpoint."""
         path = path or self.latest()

@@ -31,15 +31,17 @@ The loss's sizes (element counts, rows) are summed over ranks at the step's star
 depend on the labels only), so the backward never waits for a collective; the loss sums,
 only needed for the reported value, travel with the dense gradients.
 """
-from typing import List, NamedTuple, Optional
+from typing import Any, Collection, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
+import tf_keras
 
-from tf_fusedemb.comm import get_communicator
+from tf_fusedemb.comm import Communicator, get_communicator
 from tf_fusedemb.layers.fused_embedding import fused_embedding_layers, use_context
-from tf_fusedemb.layers.lookup_context import LookupContext
+from tf_fusedemb.layers.group_interface import DistributedGroupLookup
+from tf_fusedemb.layers.lookup_context import LookupContext, LookupRecord
 from tf_fusedemb.training import keysets
-from tf_fusedemb.training.loss import KerasLoss, LossTotals
+from tf_fusedemb.training.loss import KerasLoss, LossLike, LossPartial, LossTotals
 from tf_fusedemb.training.micro_batches import batch_size_of, micro_batch_slices, slice_rows
 from tf_fusedemb.training.replicas import replicas_of
 
@@ -85,21 +87,23 @@ class Schedule:
         del i
         return {}
 
-    def after_forward(self, i: int, outputs):
+    def after_forward(self, i: int, outputs: Any) -> None:
         """Runs once micro-batch ``i``'s forward pass is built; ``outputs`` are its
         predictions (a pipeline starts the next batch's key routing after micro-batch 0,
         so its AlltoAlls queue behind the row AlltoAlls this batch's forward waits for)."""
 
-    def after_backward(self, done: List[tf.Tensor]):
+    def after_backward(self, done: List[tf.Tensor]) -> None:
         """Runs once every micro-batch's local backward is computed (``done``): a
         pipeline's delayed writes and next-batch retrieval go here."""
 
-    def apply_rows(self, lookup, keys, grads, init_keys):
+    def apply_rows(self, lookup: DistributedGroupLookup, keys: tf.Tensor, grads: tf.Tensor,
+                   init_keys: tf.Tensor) -> None:
         """Applies one group's coalesced row gradients (keys int64[u], grads
         float32[u, dim], init_keys int64[u])."""
         lookup.apply_gradients(keys, grads, init_keys)
 
-    def update_dense(self, comm, optimizer, grads: List[tf.Tensor], variables,
+    def update_dense(self, comm: Communicator, optimizer: tf_keras.optimizers.Optimizer,
+                     grads: List[tf.Tensor], variables: List[tf.Variable],
                      row_grads: List[tf.Tensor], extras: List[tf.Tensor]) -> List[tf.Tensor]:
         """Sums this rank's dense ``grads`` (one per variable) over ranks and applies them
         with ``optimizer``; returns ``extras`` (other tensors to sum, e.g. the loss sums)
@@ -122,27 +126,30 @@ class Schedule:
         return late[split:]
 
 
-def as_keras_loss(loss, model=None) -> KerasLoss:
+def as_keras_loss(loss: LossLike, model: Optional[tf_keras.Model] = None) -> KerasLoss:
     """``loss`` as a :class:`KerasLoss` (a loss name, function, Loss object, or already one)."""
     if isinstance(loss, KerasLoss):
         return loss
     return KerasLoss(loss, output_names=getattr(model, "output_names", None))
 
 
-def regularization(model) -> Optional[tf.Tensor]:
+def regularization(model: tf_keras.Model) -> Optional[tf.Tensor]:
     """Sum of the model's regularisation losses (``model.losses``), or None."""
     losses = model.losses
     return tf.add_n([tf.cast(l, tf.float32) for l in losses]) if losses else None
 
 
-def loss_totals(loss: KerasLoss, partials, reg, comm) -> LossTotals:
+def loss_totals(loss: KerasLoss, partials: Sequence[LossPartial], reg: Optional[tf.Tensor],
+                comm: Communicator) -> LossTotals:
     """Sums the slices' ``partials`` over micro-batches and ranks (one AllReduce) and
     combines them (see KerasLoss)."""
     summed = tf.add_n([p.stacked() for p in partials])
     return loss.combine(partials[0], comm.allreduce_sum(summed, LOSS_STATS), reg)
 
 
-def train_step(model, x, y, loss, optimizer, sample_weight=None, communicator=None,
+def train_step(model: tf_keras.Model, x: Any, y: Any, loss: LossLike,
+               optimizer: tf_keras.optimizers.Optimizer, sample_weight: Any = None,
+               communicator: Optional[Communicator] = None,
                schedule: Optional[Schedule] = None) -> StepResult:
     """One training step on this rank's slice ``(x, y, sample_weight)``.
 
@@ -164,7 +171,11 @@ def train_step(model, x, y, loss, optimizer, sample_weight=None, communicator=No
     replicas.synchronize(comm, optimizer, x, training=True)
     # FWP: every micro-batch's forward first, then the backwards, so each one's
     # collectives can be in flight while another computes.
-    tapes, partials, preds, records, reg = [], [], [], [], None
+    tapes: List[tf.GradientTape] = []
+    partials: List[LossPartial] = []
+    preds: List[Any] = []  # each micro-batch's model outputs
+    records: List[List[LookupRecord]] = []
+    reg: Optional[tf.Tensor] = None
     lookup_inputs = {f.name for layer in fused_embedding_layers(model) for f in layer.features}
     for i, (lo, hi) in enumerate(micro_batch_slices(batch_size_of(y), schedule.micro_batches)):
         context = schedule.context(i)
@@ -197,7 +208,9 @@ def train_step(model, x, y, loss, optimizer, sample_weight=None, communicator=No
     regularization_scale = loss.regularization_coefficient(partials[0], sizes)
     dense_vars = list(model.trainable_variables)  # built by the first forward
     dense_sum = [tf.zeros_like(v) for v in dense_vars]
-    parts, previous = {}, []
+    # id(lookup) -> its micro-batches' (keys, row gradients, init keys)
+    parts: Dict[int, List[Tuple[tf.Tensor, tf.Tensor, tf.Tensor]]] = {}
+    previous: List[tf.Tensor] = []
     for i, (tape, part, recs) in enumerate(zip(tapes, partials, records)):
         targets, scales = list(part.sums), list(coefficients)
         if i == 0 and reg is not None:
@@ -233,7 +246,8 @@ def train_step(model, x, y, loss, optimizer, sample_weight=None, communicator=No
     return StepResult(totals.value, totals.weight, pred)
 
 
-def test_step(model, x, y, loss, sample_weight=None, communicator=None) -> StepResult:
+def test_step(model: tf_keras.Model, x: Any, y: Any, loss: LossLike, sample_weight: Any = None,
+              communicator: Optional[Communicator] = None) -> StepResult:
     """The loss of this rank's slice in the global batch, without training (Keras's
     ``evaluate``); the same collectives on every rank."""
     comm = communicator or get_communicator()
@@ -245,7 +259,7 @@ def test_step(model, x, y, loss, sample_weight=None, communicator=None) -> StepR
     return StepResult(totals.value, totals.weight, y_pred)
 
 
-def top_layers_split(variables) -> int:
+def top_layers_split(variables: Sequence[tf.Variable]) -> int:
     """Index splitting ``variables`` (a model's, in creation order) into the bottom ones
     and the top ones, created last, holding at most half the elements (at least one
     variable stays at the bottom)."""
@@ -257,13 +271,13 @@ def top_layers_split(variables) -> int:
     return split
 
 
-def dense_gradient(grad, var):
+def dense_gradient(grad: Optional[tf.Tensor], var: tf.Variable) -> tf.Tensor:
     """A dense variable's gradient as a tensor; zeros for None, so every rank's
     collectives stay identical."""
     return tf.zeros_like(var) if grad is None else tf.convert_to_tensor(grad)
 
 
-def row_gradient(grad, rows):
+def row_gradient(grad: Union[None, tf.Tensor, tf.IndexedSlices], rows: tf.Tensor) -> tf.Tensor:
     """The gradient of recorded owner rows as float32[u_l, dim]: IndexedSlices (from the
     gather by I_l) are accumulated per row; None gives zeros."""
     if grad is None:
@@ -273,7 +287,7 @@ def row_gradient(grad, rows):
     return grad
 
 
-def after(deps: List[tf.Tensor], x, skip=()):
+def after(deps: List[tf.Tensor], x: Any, skip: Collection[str] = ()) -> Any:
     """``x`` (a tensor, or a dict / list / tuple of them) whose plain tensors, except the
     dict entries named in ``skip``, are only available once ``deps`` are computed
     (identities with control dependencies): a schedule's ordering, never a value change.
