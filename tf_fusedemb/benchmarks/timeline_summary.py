@@ -28,7 +28,8 @@ _TRANSFER = ("MPI_ALLTOALL", "GLOO_ALLREDUCE", "GLOO_ALLGATHER", "GLOO_BCAST")
 _OPS = ("ALLTOALL", "ALLREDUCE", "ALLGATHER", "BROADCAST", "REDUCESCATTER")
 _DTYPE_BYTES = {"float32": 4, "int32": 4, "int64": 8, "float64": 8, "uint8": 1, "int8": 1,
                 "float16": 2, "bool": 1}
-_GROUPED = re.compile(r"^HorovodGroupedAllreduce_.*_(\d+)of(\d+)$")
+# A part of a grouped AllReduce, under its collective scope (comm.collective_scope).
+_GROUPED = re.compile(r"(^|/)HorovodGroupedAllreduce_.*_(\d+)of(\d+)$")
 
 Interval = Tuple[float, float]
 
@@ -48,9 +49,10 @@ class Collective:
     def role(self) -> str:
         """The name without the model's scopes, e.g. "g0/rows/mb1_grad", "loss_stats";
         the parts of the grouped dense-gradient AllReduce are "dense_grads"."""
-        if _GROUPED.match(self.name):
+        if _GROUPED.search(self.name):
             return "dense_grads"
-        tail = self.name.split("fusedemb/", 1)[-1]
+        # "<name>.<k>/<name>": the collective's scope (comm.collective_scope), then its name
+        tail = self.name.rsplit("fusedemb/", 1)[-1]
         return re.sub(r"_d\d+_\w+?/", "/", tail, count=1)
 
 
