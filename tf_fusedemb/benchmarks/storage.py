@@ -34,6 +34,7 @@ import numpy as np  # noqa: E402
 
 from tf_fusedemb.benchmarks import plots  # noqa: E402
 from tf_fusedemb.benchmarks.timing import emit, time_side_by_side  # noqa: E402
+from tf_fusedemb.specs import InitializerSpec, OptimizerSpec  # noqa: E402
 
 BACKENDS = ("engine", "tfra")
 DIM = 16
@@ -60,6 +61,7 @@ class ZipfKeys:
 
     def _key(self, ids):
         # Spread ids over int64 (mix64 as the unified keys are): hot keys are not adjacent.
+        # tf_fusedemb.ops loads TensorFlow: only the workers draw keys, never the launcher.
         from tf_fusedemb.ops import hashing  # pylint: disable=import-outside-toplevel
         return hashing.mix64(np.asarray(ids, np.int64)).view(np.int64)
 
@@ -92,7 +94,6 @@ class Backend:
     def __init__(self, kind: str):
         # In a worker: the launching process loads no TensorFlow; its ranks do.
         import tensorflow as tf  # pylint: disable=import-outside-toplevel
-        from tf_fusedemb.specs import InitializerSpec, OptimizerSpec  # pylint: disable=import-outside-toplevel
         from tf_fusedemb.storage.statistics import AccessStatistics  # pylint: disable=import-outside-toplevel
         from tf_fusedemb.storage.engine_table import EngineGroupTable, EngineStatistics  # pylint: disable=import-outside-toplevel
         from tf_fusedemb.storage.tables import DynamicGroupTable  # pylint: disable=import-outside-toplevel
