@@ -25,12 +25,15 @@ Inputs per feature: int IDs [B] or [B, L], RaggedTensor [B, None] or SparseTenso
 naming the feature (``max_len`` sizes the exchange's slots).
 """
 import os
-from typing import Callable, Iterable, Iterator, Optional, Tuple
+from typing import (Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Mapping,
+                    Optional, Protocol, Sequence, Tuple)
 
 import numpy as np
 import tensorflow as tf
+import tf_keras
 
 from tf_fusedemb.comm.communicator import Communicator, communicator_scope
+from tf_fusedemb.comm.counters import CommCounters
 from tf_fusedemb.comm.topology import Topology
 from tf_fusedemb.inference import distributed_payload as payload
 from tf_fusedemb.layers.fused_embedding import fused_embedding_layers, use_context
@@ -50,17 +53,19 @@ class InferenceCommunicator(Communicator):
     empty batch that creates a model's variables runs the layer's own lookup: its
     AlltoAlls send nothing and receive nothing; one that would send IDs is an error."""
 
-    def __init__(self, rank: int, size: int, mpi_comm=None):
+    def __init__(self, rank: int, size: int, mpi_comm: Any = None):
         self.rank, self.size = int(rank), int(size)
         self.topology = Topology(self.rank, self.size, 1)
         self._mpi_comm = mpi_comm
 
-    def allgather_object(self, obj):
+    def allgather_object(self, obj: Any) -> List[Any]:
         if self._mpi_comm is None:
             return [obj] * self.size
         return self._mpi_comm.allgather(obj)
 
-    def alltoall(self, tensor, splits, name, counters=None, members=None):
+    def alltoall(self, tensor: tf.Tensor, splits: tf.Tensor, name: str,
+                 counters: Optional[CommCounters] = None,
+                 members: Optional[Sequence[int]] = None) -> Tuple[tf.Tensor, tf.Tensor]:
         del counters, members
         splits = tf.cast(splits, tf.int32)
         check = tf.debugging.assert_equal(
@@ -79,7 +84,7 @@ _NO_COLLECTIVE = ("a model built for sharded inference makes no collective looku
                   "ShardedPredictor (tf_fusedemb.inference.distributed)")
 
 
-def for_rank(rank: int, size: int, mpi_comm=None):
+def for_rank(rank: int, size: int, mpi_comm: Any = None) -> ContextManager[Communicator]:
     """Context manager: models (their FusedEmbedding layers) built inside it belong to
     rank ``rank`` of ``size`` (:class:`InferenceCommunicator`), so each static table
     creates only that rank's rows. Needed by every rank of sharded inference whose model
@@ -88,7 +93,7 @@ def for_rank(rank: int, size: int, mpi_comm=None):
     return communicator_scope(InferenceCommunicator(rank, size, mpi_comm))
 
 
-def check_sharded(model, rank: int, size: int) -> None:
+def check_sharded(model: tf_keras.Model, rank: int, size: int) -> None:
     """Raises ValueError when a static table of ``model`` was not built for rank ``rank``
     of ``size`` (built outside :func:`for_rank`, it would allocate every row of its
     vocabulary on every rank, or rows another rank owns)."""
@@ -107,7 +112,8 @@ def check_sharded(model, rank: int, size: int) -> None:
                     f"({rank}, {size}) so each rank holds only its own rows")
 
 
-def restore_shard(model, checkpoint_dir: str, rank: int, size: int, path=None) -> dict:
+def restore_shard(model: tf_keras.Model, checkpoint_dir: str, rank: int, size: int,
+                  path: Optional[str] = None) -> dict:
     """Restores this rank's share of a training checkpoint (dense weights in full, the
     embedding rows it owns under ``size`` ranks); returns the checkpoint's meta dict.
     ``model`` must be built (its variables created) first.
@@ -143,13 +149,13 @@ def _lookups(model):
     return [g for layer in fused_embedding_layers(model) for g in layer.groups]
 
 
-def stored_rows(model) -> int:
+def stored_rows(model: tf_keras.Model) -> int:
     """Rows this rank holds in the model's FusedEmbedding tables: written (trained or
     restored) rows, as a checkpoint counts them (eager)."""
     return _stored_rows(_lookups(model))
 
 
-def resident_rows(model) -> int:
+def resident_rows(model: tf_keras.Model) -> int:
     """Rows this rank's tables occupy in memory: a static table's allocated rows (all it
     owns, written or not), a dynamic table's stored rows (eager)."""
     return _resident_rows(_lookups(model))
@@ -178,6 +184,16 @@ class _PushedEmbeddings:
         return self.pending
 
 
+class PushExchange(Protocol):
+    """What :class:`ShardedPredictor` pushes through, e.g.
+    :class:`~tf_fusedemb.comm.bls_alltoallv.BLSAlltoallv`: iteration ``j``'s N uint8
+    messages out, then the N received."""
+
+    def start(self, j: int, sends: Sequence[np.ndarray]) -> None: ...
+
+    def finish(self, j: int) -> List[np.ndarray]: ...
+
+
 class ShardedPredictor:
     """Push side and owner side of sharded inference for one rank.
 
@@ -194,7 +210,7 @@ class ShardedPredictor:
         :func:`check_sharded`).
     """
 
-    def __init__(self, model, rank: int, size: int, exchange):
+    def __init__(self, model: tf_keras.Model, rank: int, size: int, exchange: PushExchange):
         check_sharded(model, rank, size)
         self.model, self.rank, self.size, self.exchange = model, rank, size, exchange
         self._lookups = _lookups(model)
@@ -204,9 +220,10 @@ class ShardedPredictor:
             id(lookup): pushed for lookup, pushed in zip(self._lookups, self._injected)})
         self.features = [f for g in self._lookups for f in g.group.features]
         self.dims = [f.dim for f in self.features]
-        self._pending = {}
+        # batch j -> (this rank's rows of its features, their row splits per pooled feature)
+        self._pending: Dict[int, Tuple[Dict[str, Any], List[np.ndarray]]] = {}
         self._dense = tf.function(self._dense_part, reduce_retracing=True)
-        self.max_batch = None  # the global batch the exchange's capacity was sized for
+        self.max_batch: Optional[int] = None  # the global batch the exchange's capacity was sized for
 
     def stored_rows(self) -> int:
         """Written rows this rank holds in its tables (see :func:`stored_rows`, eager)."""
@@ -226,7 +243,7 @@ class ShardedPredictor:
         return payload.capacity_bytes(entries, self.dims)
 
     # ---- push side ----------------------------------------------------------------------
-    def push(self, j: int, batch) -> None:
+    def push(self, j: int, batch: Mapping[str, Any]) -> None:
         """Looks up this rank's keys of global batch ``j`` ({feature: IDs [B] | [B, L] |
         RaggedTensor [B, None] | SparseTensor [B, L]}, dense features [B]) and pushes the
         partials to the owners.
@@ -236,7 +253,7 @@ class ShardedPredictor:
             sizes, a sequence longer than its ``max_len``, a batch larger than the one
             the capacity was sized for, invalid IDs (as ``FusedEmbedding``).
         """
-        blocks = [[] for _ in range(self.size)]
+        blocks: List[List[payload.Block]] = [[] for _ in range(self.size)]  # per owner rank
         splits = []
         batch_size = None
         for lookup in self._lookups:

@@ -18,7 +18,7 @@ Block = Tuple[np.ndarray, np.ndarray, np.ndarray]  # (index int64[m], count int6
 def pack(blocks: Sequence[Block]) -> np.ndarray:
     """uint8 bytes of the blocks (see module doc)."""
     header = np.array([len(b[0]) for b in blocks], np.int64)
-    parts = [header]
+    parts: List[np.ndarray] = [header]
     for index, count, values in blocks:
         parts += [np.asarray(index, np.int64), np.asarray(count, np.int64),
                   np.asarray(values, np.float64).reshape(-1)]

@@ -9,7 +9,10 @@ int64[B]; a "list" feature (multi-hot or sequence) as int64[B, L] zero-padded pl
 ``<name>_length`` int64[B]; dense features as float32[B]. It returns ``logits`` and
 ``probability`` [B, 1]. The SavedModel contains core TF ops only.
 """
+from typing import Any, Dict, Mapping, Sequence
+
 import tensorflow as tf
+import tf_keras
 
 from tf_fusedemb.inference.serving import ServingGroup
 from tf_fusedemb.layers.fused_embedding import fused_embedding_layers, use_context
@@ -18,11 +21,11 @@ from tf_fusedemb.layers.lookup_context import LookupContext
 KINDS = ("scalar", "list")
 
 
-def serving_context(model) -> LookupContext:
+def serving_context(model: tf_keras.Model) -> LookupContext:
     """A LookupContext in which every FusedEmbedding group of ``model`` is looked up by
     its one-host core-TF copy (``ServingGroup``); the model itself is not changed.
     Needs a single-process model holding all rows (e.g. restored on one rank)."""
-    substitutes = {}
+    substitutes: Dict[int, Any] = {}  # id(GroupLookup) -> its ServingGroup
     for layer in fused_embedding_layers(model):
         if layer.communicator.size != 1:
             raise ValueError("export runs in one process holding every row: restore the "
@@ -31,7 +34,8 @@ def serving_context(model) -> LookupContext:
     return LookupContext(substitutes=substitutes)
 
 
-def export_saved_model(model, export_dir, feature_kinds, dense_features=()):
+def export_saved_model(model: tf_keras.Model, export_dir: str, feature_kinds: Mapping[str, str],
+                       dense_features: Sequence[str] = ()) -> str:
     """Writes a SavedModel with a raw-feature serving signature; returns ``export_dir``.
 
     Args:

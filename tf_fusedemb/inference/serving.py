@@ -5,9 +5,14 @@ loads anywhere TensorFlow does (``saved_model_cli run`` included). Rows are keye
 the plan-independent hashed key mix64(id ^ tag(table)); keys never trained get their
 deterministic initial row, exactly as in training.
 """
+from typing import Any, List, Sequence
+
 import numpy as np
 import tensorflow as tf
 
+from tf_fusedemb.layers.group_interface import Combiners
+from tf_fusedemb.layers.group_lookup import GroupLookup
+from tf_fusedemb.layers.inputs import FlatFeature
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.storage.initializers import init_rows
 
@@ -19,7 +24,7 @@ class ServingGroup(tf.Module):
       lookup: the trained ``GroupLookup`` of a single-process layer (all rows local).
     """
 
-    def __init__(self, lookup):
+    def __init__(self, lookup: GroupLookup):
         super().__init__(name=f"serving_{lookup.group.name}")
         self.group = lookup.group
         self.key_mode, self.table_names = lookup.key_mode, lookup.table_names  # input checks
@@ -57,7 +62,8 @@ class ServingGroup(tf.Module):
         fresh = init_rows(keys, self.group.dim, self.group.initializer)
         return tf.where((pos >= 0)[:, None], stored, fresh)
 
-    def __call__(self, flats, combiners, context=None, record_statistics=False):
+    def __call__(self, flats: Sequence[FlatFeature], combiners: Combiners, context: Any = None,
+                 record_statistics: bool = False) -> List[tf.Tensor]:
         """Same contract as ``GroupLookup.__call__``: per feature [B_f, dim] pooled or
         [n_f, dim] one row per ID. ``context`` and ``record_statistics`` are ignored:
         serving neither trains, prefetches nor counts."""

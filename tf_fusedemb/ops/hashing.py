@@ -10,7 +10,7 @@ and tests compute the same values without the op library.
 * hashed unified key ``H(c, id) = mix64(uint64(id) ^ tag(c))`` as int64.
 * packed unified key ``(c << id_bits) | id`` with ``id_bits = 63 - ceil(log2(M))``.
 """
-from typing import Optional, Sequence
+from typing import Iterable, Optional
 
 import numpy as np
 import numpy.typing as npt
@@ -50,13 +50,13 @@ def category_tag(name: str) -> np.uint64:
     return mix64(np.array([h], dtype=np.uint64))[0]
 
 
-def category_tags(names: Sequence[str]) -> np.ndarray:
+def category_tags(names: Iterable[str]) -> np.ndarray:
     """Tags of the category ``names`` as int64[M] (the uint64 bits reinterpreted), the form
     graphs take them in (``tf.constant``; TF has no uint64 XOR on CPU)."""
     return np.array([category_tag(n) for n in names], dtype=np.uint64).view(np.int64)
 
 
-def hashed_unified_keys(ids: npt.ArrayLike, category_names: Sequence[str]) -> np.ndarray:
+def hashed_unified_keys(ids: npt.ArrayLike, category_names: Iterable[str]) -> np.ndarray:
     """Hashed unified keys ``mix64(uint64(id) ^ tag(c))`` as int64; ``category_names[i]``
     is the category of ``ids[i]``."""
     tags = category_tags(category_names).view(np.uint64)
