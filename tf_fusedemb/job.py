@@ -7,6 +7,10 @@ repeats; eval is finite), ``feature_kinds`` says which FusedEmbedding inputs are
 or lists (for the serving signature).
 """
 import os
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import tensorflow as tf
 
 from tf_fusedemb import models
 from tf_fusedemb.data import avazu, criteo, movielens
@@ -15,6 +19,7 @@ from tf_fusedemb.data.pipeline import array_batches
 from tf_fusedemb.data.synthetic import generate_criteo_like
 from tf_fusedemb.data.teacher import teacher_labels
 from tf_fusedemb.models.blocks import criteo_feature_specs
+from tf_fusedemb.models.fused_model import FusedModel
 from tf_fusedemb.models.sequence import SequenceModel, movielens_feature_specs
 from tf_fusedemb.specs import OptimizerSpec
 
@@ -22,7 +27,8 @@ DATASETS = ("synthetic", "criteo", "movielens", "avazu")
 MODELS = ("dlrm", "dcn", "sequence")
 
 
-def _synthetic_frame(num_rows, data_seed, teacher_seed):
+def _synthetic_frame(num_rows: int, data_seed: int,
+                     teacher_seed: int) -> Tuple[Dict[str, np.ndarray], np.ndarray]:
     data = generate_criteo_like(num_rows, seed=data_seed)
     label, _ = teacher_labels(data, seed=teacher_seed)
     feats = {k: data[k] for k in CRITEO_CATEGORICAL}
@@ -30,7 +36,8 @@ def _synthetic_frame(num_rows, data_seed, teacher_seed):
     return feats, label[:, None]
 
 
-def _from_frame(feats, label, batch, rank, size, repeat):
+def _from_frame(feats: Mapping[str, np.ndarray], label: np.ndarray, batch: int, rank: int,
+                size: int, repeat: bool) -> tf.data.Dataset:
     # Contiguous rank slices of equal length, so every rank makes the same number of steps.
     per_rank = len(label) // size
     lo, hi = rank * per_rank, (rank + 1) * per_rank
@@ -38,15 +45,21 @@ def _from_frame(feats, label, batch, rank, size, repeat):
                          repeat=repeat, drop_remainder=repeat)
 
 
-def make_data(name, path, batch_size, rank, size, rows=200_000, eval_rows=20_000, seed=0):
-    """Train/eval datasets of ``name`` (see module doc)."""
+def make_data(name: str, path: Optional[str], batch_size: int, rank: int, size: int,
+              rows: int = 200_000, eval_rows: int = 20_000, seed: int = 0
+              ) -> Tuple[tf.data.Dataset, tf.data.Dataset, Dict[str, str], Sequence[str]]:
+    """Train/eval datasets of ``name`` (see module doc), with ``{feature: "scalar" | "list"}``
+    and the dense feature names (float32[B] each)."""
     kinds = {c: "scalar" for c in CRITEO_CATEGORICAL}
     if name == "synthetic":
         # One teacher (seed) labels both splits; their rows come from different seeds.
-        train = _synthetic_frame(rows, seed, seed)
-        evaluation = _synthetic_frame(eval_rows, seed + 10_000, seed)
-        return (_from_frame(*train, batch_size, rank, size, True),
-                _from_frame(*evaluation, batch_size, rank, size, False), kinds, CRITEO_DENSE)
+        train_frame = _synthetic_frame(rows, seed, seed)
+        eval_frame = _synthetic_frame(eval_rows, seed + 10_000, seed)
+        return (_from_frame(*train_frame, batch_size, rank, size, True),
+                _from_frame(*eval_frame, batch_size, rank, size, False), kinds, CRITEO_DENSE)
+    if not path:  # every other source reads files
+        raise ValueError(f"--data {name} needs --data-path" if name in DATASETS else
+                         f"--data must be one of {DATASETS}, got {name!r}")
     if name == "criteo":
         if path and os.path.isdir(path):  # the Kaggle layout: train.txt, held-out test.txt
             train = criteo.criteo_dataset(os.path.join(path, "train.txt"), batch_size,
@@ -73,7 +86,8 @@ def make_data(name, path, batch_size, rank, size, rows=200_000, eval_rows=20_000
     raise ValueError(f"--data must be one of {DATASETS}, got {name!r}")
 
 
-def make_model(model, feature_kinds, dense_names, dim=16, lr=0.05):
+def make_model(model: str, feature_kinds: Mapping[str, str], dense_names: Sequence[str],
+               dim: int = 16, lr: float = 0.05) -> FusedModel:
     """A FusedModel by name over the data's features."""
     optimizer = OptimizerSpec.adagrad(lr)
     if model == "sequence":

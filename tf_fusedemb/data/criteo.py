@@ -30,9 +30,12 @@ or use `skip_lines` / `take_lines` directly.
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 import numpy as np
+
+if TYPE_CHECKING:  # the datasets are built by data.pipeline (importing this module needs no TF)
+    import tensorflow as tf
 
 from .pipeline import (PathOrPaths, count_lines, parse_and_prefetch, resolve_paths,
                        shard_shuffle_batch, split_fields, text_lines)
@@ -138,7 +141,7 @@ def criteo_dataset(path_or_paths: PathOrPaths, batch_size: int, num_shards: int 
 
 def criteo_eval_split(path_or_paths: PathOrPaths, batch_size: int, eval_fraction: float = 0.1,
                       num_lines: Optional[int] = None, eval_batch_size: Optional[int] = None,
-                      **kwargs) -> Tuple[object, object]:
+                      **kwargs: Any) -> Tuple[tf.data.Dataset, tf.data.Dataset]:
     """(train, eval) datasets: eval = the last `eval_fraction` of the lines (time order).
 
     The eval dataset is neither shuffled nor repeated; both are sharded by `num_shards` /

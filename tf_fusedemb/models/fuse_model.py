@@ -7,7 +7,7 @@ the Embedding was called on} and whose dict output feeds every former consumer; 
 is rebuilt with ``FusedModel.from_config`` and every weight is copied over. So the result
 shares no layer or variable with the original, and predicts the same before training.
 """
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import tensorflow as tf
 import tf_keras
@@ -21,7 +21,7 @@ __all__ = ["fuse_model"]
 
 
 def fuse_model(model: tf_keras.Model, optimizer: OptimizerSpec, dynamic: bool = False,
-               name: str = "fused_embedding", **layer_kwargs):
+               name: str = "fused_embedding", **layer_kwargs: Any) -> FusedModel:
     """The same model with its top-level Embedding layers fused into one FusedEmbedding.
 
     Each call of an Embedding becomes one feature (named after the layer; a second call of
