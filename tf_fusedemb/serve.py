@@ -21,8 +21,8 @@ label`` in input order. Runs single-process without mpirun too.
 import argparse
 import json
 import os
-import sys
 import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -42,7 +42,7 @@ DATASETS = job.DATASETS
 MODELS = job.MODELS
 
 
-def parse_args(argv=None):
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint-dir", required=True)
     p.add_argument("--data", required=True, choices=DATASETS)
@@ -65,7 +65,7 @@ def parse_args(argv=None):
     return args
 
 
-def check_checkpoint(directory):
+def check_checkpoint(directory: str) -> None:
     """Fails early, on every rank, with what is missing."""
     if not os.path.isdir(directory):
         raise SystemExit(f"serve: checkpoint directory {directory!r} does not exist")
@@ -74,7 +74,8 @@ def check_checkpoint(directory):
                          "pointer); train with --checkpoint-dir first")
 
 
-def global_batches(args):
+def global_batches(args: argparse.Namespace
+                   ) -> Tuple[tf.data.Dataset, Dict[str, str], Sequence[str]]:
     """(dataset of (features, label) global batches, feature kinds, dense names)."""
     if args.data == "criteo":
         path = args.data_path
@@ -89,7 +90,8 @@ def global_batches(args):
     return evaluation, kinds, dense
 
 
-def build(args, rank, size, comm=None):
+def build(args: argparse.Namespace, rank: int, size: int,
+          comm: Any = None) -> Tuple[tf_keras.Model, tf.data.Dataset, Dict[str, Any]]:
     """The model built for rank ``rank`` of ``size`` (``comm``: the mpi4py communicator)
     with this rank's shard restored, and the batches."""
     data, kinds, dense = global_batches(args)
@@ -104,7 +106,8 @@ def build(args, rank, size, comm=None):
     return model, data, meta
 
 
-def write_tsv(path, logits, labels):
+def write_tsv(path: str, logits: np.ndarray, labels: np.ndarray) -> None:
+    """Writes per sample its probability sigmoid(logit) and label (float[n] each) as TSV."""
     prob = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -114,7 +117,8 @@ def write_tsv(path, logits, labels):
     os.replace(tmp, path)
 
 
-def serve(args):
+def serve(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
+    """Sharded inference of ``args`` on this MPI rank; rank 0 returns the result."""
     check_checkpoint(args.checkpoint_dir)  # before a model is built: fail fast
     # mpi4py is an optional dependency (requirements.txt), needed by this command alone.
     from mpi4py import MPI  # pylint: disable=import-outside-toplevel
@@ -122,8 +126,8 @@ def serve(args):
     rank, size = comm.rank, comm.size
     model, data, meta = build(args, rank, size, comm)
     predictor = ShardedPredictor(model, rank, size, exchange=None)
-    predictor.exchange = BLSAlltoallv(comm, args.lag, predictor.capacity_bytes(args.batch_size),
-                                      timeout_s=args.timeout)
+    exchange = predictor.exchange = BLSAlltoallv(
+        comm, args.lag, predictor.capacity_bytes(args.batch_size), timeout_s=args.timeout)
     labels, logits, counted = {}, {}, {}
     bar = tf_keras.utils.Progbar(None, unit_name="batch", stateful_metrics=["samples/s"]) \
         if rank == 0 else None
@@ -145,7 +149,7 @@ def serve(args):
         first_done = first_done or (time.perf_counter(), seen)  # after tracing
         if bar is not None:
             bar.update(j + 1, [("samples/s", seen / (time.perf_counter() - start))])
-    predictor.exchange.close()
+    exchange.close()
     wall = time.perf_counter() - start
     order = sorted(logits)
     parts = comm.gather([(j, logits[j], labels[j]) for j in order], root=0)
@@ -153,13 +157,15 @@ def serve(args):
     resident = comm.gather(predictor.resident_rows(), root=0)
     if rank != 0:
         return None
+    assert parts is not None  # gathered at rank 0
     # Samples of batch j: rank 0's block, then rank 1's, ... (contiguous sample owners).
-    by_batch = {}
+    by_batch: Dict[int, List[Tuple[np.ndarray, np.ndarray]]] = {}  # j -> (logits, labels) per rank
     for part in parts:
         for j, lg, lb in part:
             by_batch.setdefault(j, []).append((lg, lb))
-    all_logits = np.concatenate([x for j in sorted(by_batch) for x, _ in by_batch[j]] or [[]])
-    all_labels = np.concatenate([y for j in sorted(by_batch) for _, y in by_batch[j]] or [[]])
+    batches = [by_batch[j] for j in sorted(by_batch)]
+    all_logits = np.concatenate([x for b in batches for x, _ in b]) if batches else np.zeros(0)
+    all_labels = np.concatenate([y for b in batches for _, y in b]) if batches else np.zeros(0)
     write_tsv(args.output, all_logits, all_labels)
     result = {"ranks": size, "lag": args.lag, "samples": int(len(all_logits)),
               "batches": len(by_batch), "seconds": round(wall, 3),
@@ -180,7 +186,8 @@ def _rate(first_done, total, end):
     return round((total - first_done[1]) / (end - first_done[0]), 1)
 
 
-def main(argv=None):
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """The command line (see the module doc)."""
     args = parse_args(argv)
     try:
         serve(args)
@@ -191,4 +198,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -25,7 +26,7 @@ import tensorflow as tf  # noqa: E402
 import tf_keras  # noqa: E402
 
 from tf_fusedemb import job  # noqa: E402
-from tf_fusedemb.comm import get_communicator  # noqa: E402
+from tf_fusedemb.comm import Communicator, get_communicator  # noqa: E402
 from tf_fusedemb.inference import export_saved_model  # noqa: E402
 from tf_fusedemb.models import fused_embedding_layers  # noqa: E402
 from tf_fusedemb.pipeline import PipelineOptions, cluster_dataset, make_pipeline  # noqa: E402
@@ -37,7 +38,7 @@ from tf_fusedemb.training.replicas import replicas_of  # noqa: E402
 from tf_fusedemb.training.tracing import RankInvariantFunction  # noqa: E402
 
 
-def parse_args(argv=None):
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="dlrm", choices=job.MODELS)
     p.add_argument("--data", default="synthetic", choices=job.DATASETS)
@@ -80,7 +81,9 @@ def parse_args(argv=None):
     return args
 
 
-def build(args, comm):
+def build(args: argparse.Namespace, comm: Communicator) -> Tuple[
+        tf_keras.Model, tf.data.Dataset, tf.data.Dataset, Dict[str, str], Sequence[str]]:
+    """(model, train dataset, eval dataset, feature kinds, dense feature names) of ``args``."""
     train, evaluation, kinds, dense = job.make_data(
         args.data, args.data_path, args.batch_size, comm.rank, comm.size, rows=args.rows,
         eval_rows=args.eval_rows, seed=args.seed)
@@ -92,7 +95,8 @@ def build(args, comm):
     return model, train, evaluation, kinds, dense
 
 
-def evaluate(model, evaluation, comm):
+def evaluate(model: tf_keras.Model, evaluation: tf.data.Dataset,
+             comm: Communicator) -> Dict[str, Any]:
     """Global AUC and logloss of the held-out split (predictions gathered on all ranks).
 
     Ranks may hold different numbers of eval batches (real data sharded by line): every
@@ -120,13 +124,15 @@ def evaluate(model, evaluation, comm):
             "eval_rows": int(len(y))}
 
 
-def log_scalars(writer, step, values):
+def log_scalars(writer: Any, step: int, values: Dict[str, float]) -> None:
+    """Writes ``values`` at ``step`` to the TensorBoard ``writer`` (a tf.summary writer)."""
     with writer.as_default(step=step):
         for k, v in values.items():
             tf.summary.scalar(k, v)
 
 
-def train(args):
+def train(args: argparse.Namespace) -> Dict[str, Any]:
+    """The main job of ``args``; returns its result (what it prints after RESULT)."""
     comm = get_communicator()
     tf.random.set_seed(args.seed)
     model, train_ds, evaluation, kinds, dense = build(args, comm)
@@ -140,6 +146,7 @@ def train(args):
     if manager is not None and manager.latest():
         try:  # the same command again resumes; another model cannot (named in one line)
             meta = manager.restore()
+            assert meta is not None  # latest() found a complete checkpoint
         except ValueError as e:
             raise SystemExit(f"tf_fusedemb.train: cannot resume from {args.checkpoint_dir}: {e} "
                              "(`make train FRESH=1` starts afresh)") from None
@@ -234,7 +241,7 @@ def train(args):
     return result
 
 
-def run_export(args):
+def run_export(args: argparse.Namespace) -> Dict[str, Any]:
     """Exports in a separate single-process run (merges every shard on this host)."""
     if not args.checkpoint_dir:
         raise ValueError("--export-dir needs --checkpoint-dir (the export merges its shards)")
@@ -248,7 +255,7 @@ def run_export(args):
     return json.loads(lines[-1][len("EXPORT "):])
 
 
-def export_only(args):
+def export_only(args: argparse.Namespace) -> None:
     """Restore the latest checkpoint on one process, export, verify the SavedModel."""
     comm = get_communicator()
     model, _, evaluation, kinds, dense = build(args, comm)
@@ -271,7 +278,8 @@ def export_only(args):
         raise SystemExit(f"exported predictions differ from the trained model by {diff}")
 
 
-def main(argv=None):
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """The command line (see the module doc)."""
     args = parse_args(argv)
     if args.export_only:
         export_only(args)

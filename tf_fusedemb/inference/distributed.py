@@ -203,14 +203,16 @@ class ShardedPredictor:
         embeddings through a LookupContext, so one model may serve several predictors.
       rank, size: this rank and the number of ranks.
       exchange: ``start(j, sends: N uint8 arrays)`` / ``finish(j) -> N uint8 arrays``,
-        e.g. :class:`~tf_fusedemb.comm.bls_alltoallv.BLSAlltoallv`.
+        e.g. :class:`~tf_fusedemb.comm.bls_alltoallv.BLSAlltoallv`; None: set ``exchange``
+        before the first :meth:`push` (its capacity may come from :meth:`capacity_bytes`).
 
     Raises:
       ValueError: a static table of ``model`` was not built for this rank (see
         :func:`check_sharded`).
     """
 
-    def __init__(self, model: tf_keras.Model, rank: int, size: int, exchange: PushExchange):
+    def __init__(self, model: tf_keras.Model, rank: int, size: int,
+                 exchange: Optional[PushExchange]):
         check_sharded(model, rank, size)
         self.model, self.rank, self.size, self.exchange = model, rank, size, exchange
         self._lookups = _lookups(model)
@@ -224,6 +226,11 @@ class ShardedPredictor:
         self._pending: Dict[int, Tuple[Dict[str, Any], List[np.ndarray]]] = {}
         self._dense = tf.function(self._dense_part, reduce_retracing=True)
         self.max_batch: Optional[int] = None  # the global batch the exchange's capacity was sized for
+
+    def _exchange(self) -> PushExchange:
+        if self.exchange is None:  # e.g. serve.py sizes it by capacity_bytes, then sets it
+            raise ValueError("ShardedPredictor: set its exchange before pushing")
+        return self.exchange
 
     def stored_rows(self) -> int:
         """Written rows this rank holds in its tables (see :func:`stored_rows`, eager)."""
@@ -272,7 +279,7 @@ class ShardedPredictor:
         lo, hi = int(bounds[self.rank]), int(bounds[self.rank + 1])
         self._pending[j] = ({name: _rows(value, lo, hi) for name, value in batch.items()},
                             [s[lo:hi + 1] - s[lo] for s in splits])
-        self.exchange.start(j, [payload.pack(b) for b in blocks])
+        self._exchange().start(j, [payload.pack(b) for b in blocks])
 
     def _check_fits(self, j, spec, row_splits):
         """The feature's entries fit the slots sized by :meth:`capacity_bytes` (sequence
@@ -342,7 +349,7 @@ class ShardedPredictor:
     # ---- owner side ---------------------------------------------------------------------
     def complete(self, j: int) -> np.ndarray:
         """Logits float32[B_r] of this rank's samples of batch ``j`` (after ``push(j)``)."""
-        received = self.exchange.finish(j)
+        received = self._exchange().finish(j)
         features, splits = self._pending.pop(j)
         blocks = [payload.unpack(m, self.dims) for m in received]
         embeddings, f = [], 0

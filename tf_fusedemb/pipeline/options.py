@@ -1,7 +1,7 @@
 """PipelineOptions: which of NestPipe's and EmbRace's schedules, and which exchange, a training
 loop uses."""
 import dataclasses
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 from tf_fusedemb.layers.exchange import EXCHANGES
 
@@ -40,7 +40,7 @@ class PipelineOptions:
         prevents, kept only so tests can show that it differs.
     """
     prefetch: bool = False
-    micro_batches: object = 1  # int >= 1 or "auto"
+    micro_batches: Union[int, str] = 1  # int >= 1 or "auto"
     vertical: Optional[bool] = None
     sync_buffers: bool = True
     exchange: Optional[str] = None  # None, "flat", "hierarchical" or "auto"
@@ -58,6 +58,14 @@ class PipelineOptions:
                              "prior rows are those the prefetched next batch uses)")
         if not self.sync_buffers and not self.prefetch:
             raise ValueError("PipelineOptions: sync_buffers=False only applies with prefetch")
+
+    @property
+    def num_micro_batches(self) -> int:
+        """``micro_batches`` of options that run one schedule (not "auto")."""
+        if isinstance(self.micro_batches, str):
+            raise ValueError(f"PipelineOptions {self.label!r}: micro_batches is left to "
+                             "measurement (an AutoPipeline chooses it)")
+        return self.micro_batches
 
     @property
     def is_measured(self) -> bool:
