@@ -11,7 +11,7 @@ HVD_STAMP := $(VENV)/.horovod-installed
 export TF_USE_LEGACY_KERAS := 1
 export TF_CPP_MIN_LOG_LEVEL := 2
 
-.PHONY: setup ops test train smoke bench clean
+.PHONY: setup ops typecheck test train smoke bench clean
 NP ?= 2
 
 setup: netns-tools mpi-tools $(HVD_STAMP) ops
@@ -58,9 +58,21 @@ $(OPS_SO): $(STAMP) setup.py $(wildcard custom_ops/*.cc custom_ops/*.h)
 	$(PY) setup.py build_ext --inplace
 	touch $@
 
-# The whole suite; multi-process Horovod tests carry their own timeouts, and every test
-# is bounded by pytest-timeout so a hang fails instead of blocking CI.
-test: setup
+# The type checker: mypy (pinned in requirements-typecheck.txt, its own stamp, so changing it
+# rebuilds neither the stack nor Horovod) on tf_fusedemb/ with the configuration of mypy.ini.
+# Any error fails it; it needs no op library (nor Horovod): under a minute without its cache.
+TYPECHECK_STAMP := $(VENV)/.typecheck-installed
+$(TYPECHECK_STAMP): $(STAMP) requirements-typecheck.txt
+	$(PIP) install -r requirements-typecheck.txt
+	touch $@
+
+typecheck: $(TYPECHECK_STAMP)
+	$(PY) -m mypy
+
+# The whole suite, after the type check (first, so that a type error fails the run before
+# Horovod is built and the long suite runs); multi-process Horovod tests carry their own
+# timeouts, and every test is bounded by pytest-timeout so a hang fails instead of blocking CI.
+test: typecheck setup
 	$(PY) -m pytest -q -rs --timeout=900 tests
 
 # The main job: DLRM on Criteo-profile synthetic data (teacher labels), NP workers;

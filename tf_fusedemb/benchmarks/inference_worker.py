@@ -11,6 +11,7 @@ iteration, which no bound can mask.
 """
 import os
 import time
+from typing import Callable
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -21,7 +22,8 @@ import tensorflow as tf  # noqa: E402
 from tf_fusedemb import models  # noqa: E402
 from tf_fusedemb.benchmarks.timing import interleaved_rounds  # noqa: E402
 from tf_fusedemb.comm.bls_alltoallv import BLSAlltoallv  # noqa: E402
-from tf_fusedemb.inference.distributed import ShardedPredictor, run_bounded_lag  # noqa: E402
+from tf_fusedemb.inference.distributed import (PushExchange, ShardedPredictor,  # noqa: E402
+                                               run_bounded_lag)
 from tf_fusedemb.specs import FeatureSpec, OptimizerSpec, TableSpec  # noqa: E402
 
 MODES = ("none", "random", "straggler")
@@ -114,7 +116,9 @@ class Ranks:
             self.gather = hvd.allgather_object
             self.bcast = lambda v: hvd.broadcast_object(v, root_rank=0)
             baseline = HorovodExchange(hvd)
-            self.make_exchange = lambda k, capacity, timeout: baseline
+            # (lag, capacity bytes, timeout s) -> the exchange of one timed block
+            self.make_exchange: Callable[[int, int, float], PushExchange] = \
+                lambda k, capacity, timeout: baseline
         else:
             # mpi4py (optional) only for the BLS job; the baseline runs under horovodrun.
             from mpi4py import MPI  # pylint: disable=import-outside-toplevel

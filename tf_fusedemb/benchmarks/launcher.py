@@ -141,6 +141,7 @@ def launch_local(module, num_proc, argv, marker, timeout=None):
     try:
         if timer is not None:
             timer.start()
+        assert proc.stdout is not None  # stdout=PIPE
         for line in proc.stdout:
             if marker in line:
                 result = json.loads(line.split(marker, 1)[1])

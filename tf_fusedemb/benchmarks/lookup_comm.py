@@ -43,6 +43,7 @@ class AlltoallShim:
     so a (re)trace of it is always counted into that variant's counters."""
 
     _installed = None
+    _rank = 0  # this process's rank (the constructor sets it)
 
     def __init__(self, hvd, rank):
         self.hvd, self.rank = hvd, rank

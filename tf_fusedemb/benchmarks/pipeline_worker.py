@@ -2,6 +2,7 @@
 what is measured and how."""
 import os
 import time
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -89,12 +90,12 @@ def _send_plan(x, n, size):
     b = len(x[CAT[0]])
     for i in range(n):
         lo, hi = i * b // n, (i + 1) * b // n
-        ids, feats = [], []
+        id_parts, feat_parts = [], []
         for f, c in enumerate(CAT):
             u = np.unique(x[c][lo:hi])
-            ids.append(u)
-            feats.append(np.full(len(u), f, np.int64))
-        ids, feats = np.concatenate(ids), np.concatenate(feats)
+            id_parts.append(u)
+            feat_parts.append(np.full(len(u), f, np.int64))
+        ids, feats = np.concatenate(id_parts), np.concatenate(feat_parts)
         owner = hashing.owner_rank(ids, size)
         order = np.argsort(owner, kind="stable")
         send = np.stack([ids[order], feats[order]], 1).astype(np.int64)
@@ -174,7 +175,7 @@ def _settle_auto(pipeline, batches):
 def _clustering_counts(batches_cats):
     """Summed unique (feature, ID) keys over the N micro-batches of each batch, unclustered
     vs clustered, for N in MICRO; and the CPU cost of clustering a batch for N = 4."""
-    unique = {n: {"plain": [], "clustered": []} for n in MICRO}
+    unique: Dict[int, Dict[str, List[int]]] = {n: {"plain": [], "clustered": []} for n in MICRO}
     cost_ms = []
     for cats in batches_cats:
         for n in MICRO:
@@ -237,7 +238,7 @@ def _summarize(step, diffs, alone):
     def vs_sync(mode):
         return round(t_sync / step[mode], 3) if mode in step else None
     pipelined = {n: step[n] for n in real if n != "sync"}
-    best = min(pipelined, key=pipelined.get) if pipelined else None
+    best = min(pipelined, key=lambda n: pipelined[n]) if pipelined else None
     out = {
         "step_ms": {n: step[n] for n in real},
         "compute_only_step_ms": {n: step[n] for n in step if n.startswith("local_")},
@@ -295,9 +296,9 @@ def run(args):
     local_model, local_optimizer = build_model(local, args)
     modes = {m: REAL[m] for m in args.modes if m != "auto"}
     auto = _auto_factory() if "auto" in args.modes else None
-    runs = {}
+    runs: Dict[str, Tuple[NestedPipeline, Any]] = {}  # mode -> (its pipeline, its batches)
     for name, options in modes.items():
-        shared = runs.get(CLUSTERED_OF.get(name))
+        shared = runs.get(CLUSTERED_OF.get(name, ""))
         pipeline = shared[0] if shared else NestedPipeline(model, loss_fn, optimizer, options,
                                                            communicator=comm)
         runs[name] = (pipeline, clustered if name.endswith("_cluster") else batches)
@@ -369,8 +370,8 @@ def run(args):
             settled = {"auto_choice": choice, "auto_settle_steps": k,
                        "auto_settle_s": round(time.perf_counter() - t0, 1)}
             log(f"{label} Mbit/s: auto chose {choice} after {k} steps")
-        times = {name: [] for name in list(runs) + list(calls)}
-        diffs = {name: [] for name in runs if f"local_{name}" in runs}
+        times: Dict[str, List[float]] = {name: [] for name in list(runs) + list(calls)}
+        diffs: Dict[str, List[float]] = {name: [] for name in runs if f"local_{name}" in runs}
 
         def after_round(r, label=label):
             state["cursor"] += args.steps

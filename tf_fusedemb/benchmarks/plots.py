@@ -1,12 +1,15 @@
 """The PNG plots of the benchmarks: one figure set-up and one way to finish and save it.
 
 matplotlib is imported on first use with the Agg backend (no display needed)."""
-from typing import Tuple
+from typing import TYPE_CHECKING, Any, Tuple
+
+if TYPE_CHECKING:  # matplotlib itself is imported on first use
+    from matplotlib.figure import Figure
 
 
-def new_figure(width: float = 8, height: float = 5, ncols: int = 1) -> Tuple[object, object]:
+def new_figure(width: float = 8, height: float = 5, ncols: int = 1) -> Tuple["Figure", Any]:
     """(figure, axes) of a new matplotlib figure, Agg backend; ``ncols`` > 1 gives an
-    array of axes side by side."""
+    array of axes side by side (so the axes are typed Any: an Axes or an array of them)."""
     # matplotlib is optional (requirements.txt): only --plot needs it.
     import matplotlib  # pylint: disable=import-outside-toplevel
     matplotlib.use("Agg")
@@ -14,7 +17,7 @@ def new_figure(width: float = 8, height: float = 5, ncols: int = 1) -> Tuple[obj
     return plt.subplots(1, ncols, figsize=(width, height))
 
 
-def write_figure(fig, path: str, dpi: int = 120) -> str:
+def write_figure(fig: "Figure", path: str, dpi: int = 120) -> str:
     """Lays out ``fig``, writes it to ``path`` and closes it; returns ``path``."""
     import matplotlib.pyplot as plt  # optional: only --plot needs it # pylint: disable=import-outside-toplevel
     fig.tight_layout()

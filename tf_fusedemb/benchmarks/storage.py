@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any, Dict, List
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -38,9 +39,6 @@ from tf_fusedemb.specs import InitializerSpec, OptimizerSpec  # noqa: E402
 
 BACKENDS = ("engine", "tfra")
 DIM = 16
-# The fields AccessStatistics.record reads of a CategoryHashResult.
-Hashed = collections.namedtuple("Hashed", ["lookup_keys", "lookup_ids", "lookup_segment_ids",
-                                           "inverse", "num_collisions"])
 
 
 # ------------------------------------------------------------------ workload
@@ -94,6 +92,7 @@ class Backend:
     def __init__(self, kind: str):
         # In a worker: the launching process loads no TensorFlow; its ranks do.
         import tensorflow as tf  # pylint: disable=import-outside-toplevel
+        from tf_fusedemb.ops.category_hash import CategoryHashResult  # pylint: disable=import-outside-toplevel
         from tf_fusedemb.storage.statistics import AccessStatistics  # pylint: disable=import-outside-toplevel
         from tf_fusedemb.storage.engine_table import EngineGroupTable, EngineStatistics  # pylint: disable=import-outside-toplevel
         from tf_fusedemb.storage.tables import DynamicGroupTable  # pylint: disable=import-outside-toplevel
@@ -119,8 +118,9 @@ class Backend:
         @tf.function(input_signature=[tf.TensorSpec([None], tf.int64)])
         def record(keys):
             n = tf.size(keys)
-            hashed = Hashed(keys, keys, tf.zeros([n], tf.int32), tf.range(n),
-                            tf.constant(0, tf.int64))
+            # Every key its own (table 0, ID key) pair, seen once: no collision.
+            hashed = CategoryHashResult(keys, keys, tf.zeros([n], tf.int32), tf.range(n),
+                                        tf.ones([n], tf.int32), tf.constant(0, tf.int64))
             self.stats.record(hashed, tf.ones([n], tf.int64), self.table.step)
             return n
 
@@ -160,13 +160,14 @@ def throughput_worker(threads: int, rows: int, batch: int, repeats: int) -> dict
     warmup = 3
     batches = [tf.constant(keys.next(new_fraction=0.1)) for _ in range(repeats + warmup)]
     probes = [tf.constant(keys.next(new_fraction=0.0)) for _ in range(repeats + warmup)]
-    variants, cpu = {}, collections.defaultdict(list)
+    variants: Dict[str, Any] = {}
+    cpu: Dict[str, List[float]] = collections.defaultdict(list)  # CPU seconds per variant
     for k, backend in backends.items():
         for op, fn, data in (("update", backend.update, batches), ("lookup", backend.lookup, probes),
                              ("record", backend.record, probes)):
             variants[f"{k}_{op}"] = _cpu_timed(fn, iter(data), cpu[f"{k}_{op}"])
     times = time_side_by_side(variants, repeats, warmup=warmup)
-    out = {k: {} for k in BACKENDS}
+    out: Dict[str, Dict[str, Any]] = {k: {} for k in BACKENDS}
     for k in BACKENDS:
         for op in ("update", "lookup", "record"):
             name = f"{k}_{op}"

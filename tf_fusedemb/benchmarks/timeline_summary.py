@@ -22,7 +22,7 @@ import json
 import os
 import re
 import statistics
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 _TRANSFER = ("MPI_ALLTOALL", "GLOO_ALLREDUCE", "GLOO_ALLGATHER", "GLOO_BCAST")
 _OPS = ("ALLTOALL", "ALLREDUCE", "ALLGATHER", "BROADCAST", "REDUCESCATTER")
@@ -85,7 +85,9 @@ def read_timeline(path: str) -> List[Collective]:
                 start = args["start_time_since_epoch_in_micros"]
             elif "name" in args:
                 names[e["pid"]] = args["name"]
-    out, stacks, ready = [], {}, {}
+    out: List["Collective"] = []
+    stacks: Dict[Any, List[list]] = {}  # pid -> open [name, begin, transfer] spans
+    ready: Dict[Any, Dict[int, float]] = {}  # pid -> {tensor: when it was ready}
     for e in events:
         ph, pid = e.get("ph"), e.get("pid")
         if ph == "X" and pid in names:
@@ -146,7 +148,7 @@ def read_compute(logdir: str, first_step_begin: float,
     if not calls:
         raise ValueError(f"{logdir}: no _step call in the profile")
     guess = first_step_begin - min(calls)
-    ends = {}
+    ends: Dict[str, List[float]] = {}
     for c in collectives:
         ends.setdefault(c.name, []).append(c.end)
     diffs = [min(ends[op], key=lambda end: abs(end - (t + guess))) - t
@@ -158,7 +160,7 @@ def read_compute(logdir: str, first_step_begin: float,
 # ---------------------------------------------------------------------------- intervals
 def union(spans: Sequence[Interval]) -> List[Interval]:
     """The union of intervals, as sorted disjoint intervals."""
-    out = []
+    out: List[Interval] = []
     for a, b in sorted(spans):
         if out and a <= out[-1][1]:
             out[-1] = (out[-1][0], max(out[-1][1], b))
@@ -191,7 +193,7 @@ def intersect(x: Sequence[Interval], y: Sequence[Interval]) -> float:
 # ---------------------------------------------------------------------------- summary
 def _executions(collectives: Sequence[Collective]) -> List[dict]:
     """Collectives merged per execution: the parts of a grouped AllReduce run as one."""
-    merged = []
+    merged: List[dict] = []
     for c in sorted(collectives, key=lambda c: c.begin):
         last = merged[-1] if merged else None
         if (last is not None and c.role == last["role"] == "dense_grads"
@@ -253,7 +255,7 @@ def summarize(timeline: str, windows: Sequence[dict]) -> dict:
         compute = (read_compute(window["tf_profile"], spans[0][0], collectives)
                    if window.get("tf_profile") else None)
         steps = [_step_detail(b, e, executions, compute) for b, e in spans[1:-1]]
-        roles = {}
+        roles: Dict[str, List[dict]] = {}
         for s in steps:
             for r in s["collectives"]:
                 roles.setdefault(r["role"], []).append(r)

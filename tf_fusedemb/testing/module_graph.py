@@ -42,6 +42,7 @@ import json
 import os
 import re
 import sys
+from typing import Dict, Set
 from collections import defaultdict
 
 PACKAGE = "tf_fusedemb"
@@ -149,7 +150,7 @@ def scan(root=ROOT, package=PACKAGE, with_local=False):
     time}} (with ``with_local``, also those its functions import); local [(module, line,
     imported name, comment)] for each function-local import."""
     files = module_files(root, package)
-    edges = {m: set() for m in files}
+    edges: Dict[str, Set[str]] = {m: set() for m in files}
     local = []
     for module, path in files.items():
         with open(path, encoding="utf-8") as f:

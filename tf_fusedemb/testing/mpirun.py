@@ -138,7 +138,8 @@ def _run_bounded(command, timeout, env, cwd, capture=True):
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
         if isinstance(error, subprocess.TimeoutExpired):  # what the job printed says where
-            error.stdout, error.stderr = out, err
+            # text=True: str, as subprocess itself stores there (typeshed says bytes)
+            error.stdout, error.stderr = out, err  # type: ignore[assignment]
         raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 

@@ -95,7 +95,8 @@ def _run(args: argparse.Namespace) -> int:
                   f"{rates}", file=sys.stderr, flush=True)
             code = cluster.run(args.command, timeout=args.timeout)
             if code:
-                print(f"[cluster {cluster.name}] rank {cluster.last_result.failed_rank} exited "
+                failed = cluster.last_result.failed_rank if cluster.last_result else "?"
+                print(f"[cluster {cluster.name}] rank {failed} exited "
                       f"with status {code}; the other ranks were stopped", file=sys.stderr)
             return code
     except ClusterUnavailable as e:

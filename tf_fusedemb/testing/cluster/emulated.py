@@ -13,11 +13,11 @@ import signal
 import sys
 import threading
 import warnings
-from typing import IO, List, Mapping, Optional, Sequence
+from typing import List, Mapping, Optional, Sequence
 
 from tf_fusedemb.testing.cluster import network
 from tf_fusedemb.testing.cluster.errors import ClusterTimeout, ClusterUnavailable
-from tf_fusedemb.testing.cluster.launcher import JobResult, run_job
+from tf_fusedemb.testing.cluster.launcher import JobResult, TextSink, run_job
 from tf_fusedemb.testing.cluster.placement import assign_cpus
 
 _ACTIVE_NAMES: set = set()  # default names in use in this process (concurrent clusters)
@@ -114,7 +114,7 @@ class EmulatedCluster:
             atexit.unregister(self.close)
             self._release_name()
         finally:
-            if main:
+            if old is not None:  # set on the main thread only
                 signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
     def _release_name(self) -> None:
@@ -138,8 +138,8 @@ class EmulatedCluster:
 
     def run(self, command: Sequence[str], timeout: Optional[float] = None,
             env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
-            echo: bool = True, stdout: Optional[IO[str]] = None,
-            stderr: Optional[IO[str]] = None, grace_s: float = 3.0) -> int:
+            echo: bool = True, stdout: Optional[TextSink] = None,
+            stderr: Optional[TextSink] = None, grace_s: float = 3.0) -> int:
         """Runs ``command`` on every rank and returns the job's exit status.
 
         Output is kept in :attr:`last_result` (a JobResult) and, with ``echo``, written line
@@ -162,6 +162,7 @@ class EmulatedCluster:
         extra = {"FUSEDEMB_CLUSTER": self.name}
         extra.update(env or {})
         self.last_result = None
+        assert self.network.bridge_address is not None  # set when the cluster started
         try:
             result = run_job(list(command), self.plan(), self.network.bridge_address,
                              cpus=cpus, env=extra, cwd=cwd, timeout=timeout,

@@ -15,11 +15,19 @@ import signal
 import subprocess
 import threading
 import time
-from typing import IO, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import IO, Any, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 from tf_fusedemb.testing.cluster.errors import ClusterTimeout, ClusterUnavailable
 from tf_fusedemb.testing.cluster.network import HOST_IFACE
 from tf_fusedemb.testing.cluster.placement import thread_env
+
+
+class TextSink(Protocol):
+    """Where a job's prefixed lines go: a text stream (sys.stdout), or any object with these."""
+
+    def write(self, text: str, /) -> Any: ...
+
+    def flush(self) -> Any: ...
 
 _POLL_S = 0.05
 
@@ -78,7 +86,7 @@ def _rendezvous_server(address: str):
     return _BoundRendezvousServer(0)
 
 
-def _pump(pipe: IO[bytes], prefix: str, sink: Optional[IO[str]], lines: List[str],
+def _pump(pipe: IO[bytes], prefix: str, sink: Optional[TextSink], lines: List[str],
           lock: threading.Lock) -> None:
     """Copies a rank's pipe line by line into ``lines`` and, prefixed, into ``sink``."""
     for raw in iter(pipe.readline, b""):
@@ -114,7 +122,7 @@ def run_job(command: Sequence[str], plan: Sequence, rendezvous_address: str,
             cpus: Optional[Sequence[Tuple[int, ...]]] = None,
             env: Optional[Mapping[str, str]] = None,
             cwd: Optional[str] = None, timeout: Optional[float] = None,
-            stdout: Optional[IO[str]] = None, stderr: Optional[IO[str]] = None,
+            stdout: Optional[TextSink] = None, stderr: Optional[TextSink] = None,
             inter_op_threads: Optional[int] = None, grace_s: float = 3.0) -> JobResult:
     """Runs ``command`` once per slot of ``plan``, each in its slot's host, and waits.
 

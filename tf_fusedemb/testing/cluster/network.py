@@ -33,7 +33,7 @@ _NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,9}$")
 # Default names are "fe<pid>" plus an optional letter; the pid lets a later run tell a crashed
 # run's leftovers (pid gone) from a live cluster of another process.
 _DEFAULT_NAME_RE = re.compile(r"^fe(\d+)[a-z]?$")
-_DEFAULT_POOL = ipaddress.ip_network("10.77.0.0/16")  # /24s of it are handed out in order
+_DEFAULT_POOL = ipaddress.IPv4Network("10.77.0.0/16")  # /24s of it are handed out in order
 _LOCK_PATH = "/run/lock/tf_fusedemb_cluster.lock" if os.path.isdir("/run/lock") \
     else "/tmp/tf_fusedemb_cluster.lock"
 
@@ -168,7 +168,10 @@ def sweep_stale() -> List[str]:
              for m in [_DEFAULT_NAME_RE.match(n.rsplit("_", 1)[0])] if m}
     stale = []
     for name in sorted(names):
-        pid = int(_DEFAULT_NAME_RE.match(name).group(1))
+        match = _DEFAULT_NAME_RE.match(name)
+        if match is None:  # names holds matches only; for the type checker
+            continue
+        pid = int(match.group(1))
         try:
             os.kill(pid, 0)
             continue  # alive: a cluster of a running process
