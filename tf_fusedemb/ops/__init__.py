@@ -3,6 +3,8 @@
 Importing this module registers the gradients but does not load the op library; the
 library loads on the first call of a wrapper (see :mod:`tf_fusedemb.ops._loader`).
 """
+from typing import Any
+
 from tf_fusedemb.ops._loader import is_loaded, load_library
 from tf_fusedemb.ops.category_hash import (CategoryHashResult, category_hash,
                                            category_key_strings, collision_partner)
@@ -11,10 +13,11 @@ from tf_fusedemb.ops.recovery import recover_features, recovery_gather, recovery
 from tf_fusedemb.ops.segment_unique import SegmentUniqueResult, segment_unique
 
 
-def register_ops():
+def register_ops() -> Any:
     """Loads the library; importing this package registered every op's gradient. Call
     before loading a SavedModel."""
     return load_library()
+
 
 __all__ = [
     "CategoryHashResult", "RankwiseSortResult", "SegmentUniqueResult", "category_hash",
