@@ -123,6 +123,7 @@ bench: setup
 SAN_DIR := build/sanitize
 SAN_LIB := $(SAN_DIR)/_fusedemb_ops_asan_ubsan.so
 SAN_TESTS ?= tests/test_segment_unique.py tests/test_rankwise_sort.py tests/test_category_hash.py \
+	tests/test_key_messages.py \
 	tests/test_recovery.py tests/test_ops_loading.py tests/test_hostile_ops.py \
 	tests/test_engine.py tests/test_engine_stress.py
 # -U__SANITIZE_ADDRESS__: absl (the storage engine's hash index) comes from TensorFlow's

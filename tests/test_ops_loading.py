@@ -34,12 +34,15 @@ def test_op_types_in_graphs_are_the_fixed_names():
     def f(k, s):
         u = ops.segment_unique(k, s)
         r = ops.rankwise_sort(u.unique_keys, u.unique_segment_splits, 2)
-        h = ops.category_hash(r.sorted_keys, r.sorted_segment_ids, ["a", "b"])
+        m = ops.unpack_key_messages(ops.pack_key_messages(
+            r.sorted_keys, r.sorted_segment_ids, r.indices, u.counts, [1, 0]))
+        h = ops.category_hash(m.ids, m.tables, ["a", "b"])
+        init = ops.hashed_unified_keys(h.lookup_ids, h.lookup_segment_ids, [7, 9])
         rows = tf.zeros([tf.size(r.sorted_keys), 2])
         g, rec = ops.recovery_gather(rows, r.indices, u.inverse)
         p = ops.recovery_pool(rows, rec, tf.range(tf.size(rec, tf.int64) + 1), [0, tf.size(
             rec, tf.int64)], ["mean"])
-        return g, p, h.lookup_keys, ops.owner_rank(k, 2)
+        return g, p, h.lookup_keys, init, ops.owner_rank(k, 2)
 
     graph = f.get_concrete_function(tf.TensorSpec([None], tf.int64),
                                     tf.TensorSpec([None], tf.int64)).graph

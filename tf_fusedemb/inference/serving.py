@@ -53,6 +53,8 @@ class ServingGroup(tf.Module):
     def _rows(self, ids, table):
         if self.index is None:
             return tf.gather(self.rows, tf.gather(self._offsets, table) + ids)
+        # In core TF (not ops.hashed_unified_keys, its kernel): the SavedModel carries no
+        # FusedEmb op, so it loads without the op library.
         mixed = tf.bitwise.bitwise_xor(ids, tf.gather(self._tags, table))
         keys = tf.bitcast(hashing.tf_mix64(mixed), tf.int64)
         pos = self.index.lookup(keys)

@@ -11,7 +11,8 @@ the owners' rows back in the requester's order. Two exchanges:
 
 Both carry a key as an int64 pair ``(ID, count << CATEGORY_BITS | table)``: the owner
 learns each key's table (lossless lookup) and how often the requester(s) saw it (exact
-access statistics) without a second exchange.
+access statistics) without a second exchange. One op packs them from the rank-sorted keys
+(``ops.pack_key_messages``), one unpacks them (``ops.unpack_key_messages``).
 
 Bad input is reported through the same exchange, at no extra round: a requester with an
 ID out of its feature's range (``InputReport``) sends every peer one message ``(ID, rank
@@ -25,6 +26,7 @@ import tensorflow as tf
 
 from tf_fusedemb import ops
 from tf_fusedemb.comm.counters import CommCounters
+from tf_fusedemb.ops.key_messages import CATEGORY_BITS
 
 if TYPE_CHECKING:  # a type only: the communicator module starts Horovod's watchdog machinery
     from tf_fusedemb.comm.communicator import Communicator
@@ -32,7 +34,6 @@ if TYPE_CHECKING:  # a type only: the communicator module starts Horovod's watch
 # What send_keys hands to send_rows and the gradient exchange (sort indices, splits, ...).
 ExchangeState = Dict[str, Any]
 
-CATEGORY_BITS = 16
 EXCHANGES = ("flat", "hierarchical")
 BAD_INPUT = (1 << CATEGORY_BITS) - 1  # the table field of a bad-input report (no table's)
 
@@ -85,20 +86,6 @@ def decode_report(message: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
             message[0, 0])
 
 
-def encode_keys(ids: tf.Tensor, counts: tf.Tensor, tables: tf.Tensor) -> tf.Tensor:
-    """Key messages int64[n, 2] of ``ids`` int64[n] seen ``counts`` int[n] times, of table
-    ``tables`` int[n]."""
-    tag = tf.bitwise.bitwise_or(tf.bitwise.left_shift(tf.cast(counts, tf.int64), CATEGORY_BITS),
-                                tf.cast(tables, tf.int64))
-    return tf.stack([tf.cast(ids, tf.int64), tag], axis=1)
-
-
-def decode_keys(messages: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-    """(ids int64[n], counts int64[n], tables int32[n]) of key messages int64[n, 2]."""
-    tables = tf.cast(tf.bitwise.bitwise_and(messages[:, 1], (1 << CATEGORY_BITS) - 1), tf.int32)
-    return messages[:, 0], tf.bitwise.right_shift(messages[:, 1], CATEGORY_BITS), tables
-
-
 class FlatExchange:
     """One AlltoAll over all ranks for keys, one for rows (3 rounds per training step).
 
@@ -129,9 +116,8 @@ class FlatExchange:
           what ``send_rows`` needs.
         """
         srt = ops.rankwise_sort(uniq.unique_keys, uniq.unique_segment_splits, self.comm.size)
-        counts = tf.gather(uniq.counts, tf.math.invert_permutation(srt.indices))
-        tables = tf.gather(feature_table, srt.sorted_segment_ids)
-        send, splits = with_report(encode_keys(srt.sorted_keys, counts, tables),
+        send, splits = with_report(ops.pack_key_messages(srt.sorted_keys, srt.sorted_segment_ids,
+                                                         srt.indices, uniq.counts, feature_table),
                                    srt.rank_splits, report)
         recv, recv_splits = self.comm.alltoall(send, splits, f"{self._prefix}/keys{suffix}",
                                                self.counters)

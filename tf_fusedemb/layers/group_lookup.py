@@ -14,8 +14,8 @@ import tensorflow as tf
 
 from tf_fusedemb import ops
 from tf_fusedemb.comm import CommCounters, Communicator
-from tf_fusedemb.layers.exchange import (CATEGORY_BITS, EXCHANGES, FlatExchange, decode_keys,
-                                         decode_report, input_report, received_report)
+from tf_fusedemb.layers.exchange import (CATEGORY_BITS, EXCHANGES, FlatExchange, decode_report,
+                                         input_report, received_report)
 from tf_fusedemb.layers.group_interface import Combiners, GroupState, KeyExchange
 from tf_fusedemb.layers.hierarchical_exchange import HierarchicalExchange
 from tf_fusedemb.layers.inputs import FlatFeature, id_ranges, out_of_range_message
@@ -326,9 +326,9 @@ class GroupLookup(tf.Module):
                                                     self.group.dim)}
 
     def hashed_keys(self, ids: tf.Tensor, segment_ids: tf.Tensor) -> tf.Tensor:
-        """Plan-independent unified keys mix64(id ^ tag(table)): int64[n]."""
-        mixed = tf.bitwise.bitwise_xor(tf.cast(ids, tf.int64), tf.gather(self._tags, segment_ids))
-        return tf.bitcast(hashing.tf_mix64(mixed), tf.int64)
+        """Plan-independent unified keys mix64(id ^ tag(table)) of ``ids`` int[n] of the
+        tables ``segment_ids`` int[n]: int64[n]."""
+        return ops.hashed_unified_keys(ids, segment_ids, self._tags)
 
     def route(self, flats: Sequence[FlatFeature], context: LookupContext = NO_CONTEXT,
               record_statistics: bool = True) -> Dict[str, tf.Tensor]:
@@ -352,7 +352,7 @@ class GroupLookup(tf.Module):
                                                            context.suffix, report)
         if report is not None:
             recv = self._fail_on_reported_input(recv)
-        recv_ids, accesses, category = decode_keys(recv)
+        recv_ids, accesses, category = ops.unpack_key_messages(recv)
         hashed = ops.category_hash(recv_ids, category, self.table_names, mode=self.key_mode)
         if self.group.is_static:
             keys = tf.gather(self._offsets, hashed.lookup_segment_ids) + hashed.lookup_ids

@@ -19,12 +19,13 @@ gradient row per node and key to the owner.
 """
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple
 
+import numpy as np
 import tensorflow as tf
 
 from tf_fusedemb import ops
 from tf_fusedemb.comm.counters import CommCounters
-from tf_fusedemb.layers.exchange import (ExchangeState, InputReport, decode_keys, encode_keys,
-                                         received_report, with_report)
+from tf_fusedemb.layers.exchange import (ExchangeState, InputReport, received_report,
+                                         with_report)
 
 if TYPE_CHECKING:  # a type only, as in layers/exchange.py
     from tf_fusedemb.comm.communicator import Communicator
@@ -62,9 +63,8 @@ class HierarchicalExchange:
         # (1) by the owner's local rank: mix64(id) mod L (N = C * L, so (h mod N) mod L).
         srt = ops.rankwise_sort(uniq.unique_keys, uniq.unique_segment_splits,
                                 comm.topology.local_size)
-        counts = tf.gather(uniq.counts, tf.math.invert_permutation(srt.indices))
-        tables = tf.gather(feature_table, srt.sorted_segment_ids)
-        send, splits = with_report(encode_keys(srt.sorted_keys, counts, tables),
+        send, splits = with_report(ops.pack_key_messages(srt.sorted_keys, srt.sorted_segment_ids,
+                                                         srt.indices, uniq.counts, feature_table),
                                    srt.rank_splits, report)
         got, node_splits = comm.alltoall(send, splits, f"{self._prefix}/keys_node{suffix}",
                                          self.counters, self._node)
@@ -95,9 +95,10 @@ class HierarchicalExchange:
             tf.reduce_sum(rail_send), tf.reduce_sum(owner.rank_splits),
             message="hierarchical exchange: a key's owner is not on this rank's rail "
                     "(the ranks are not laid out node-major)")
-        counts = tf.gather(node_counts, tf.math.invert_permutation(owner.indices))
-        with tf.control_dependencies([check]):
-            send = encode_keys(owner.sorted_keys, counts, owner.sorted_segment_ids)
+        with tf.control_dependencies([check]):  # segments are tables here: the identity map
+            send = ops.pack_key_messages(owner.sorted_keys, owner.sorted_segment_ids,
+                                         owner.indices, node_counts,
+                                         np.arange(self.num_tables, dtype=np.int64))
         return (send, tf.cast(rail_send, tf.int32), owner.indices,
                 tf.gather(node_uniq.inverse, tf.math.invert_permutation(order)))
 
@@ -105,7 +106,7 @@ class HierarchicalExchange:
         """Node-level dedup of the key messages int64[m1, 2] of the node mates: (the
         ``segment_unique`` of their IDs grouped by table, its keys' summed counts
         int64[u1], the grouping permutation int32[m1])."""
-        ids, counts, tables = decode_keys(got)
+        ids, counts, tables = ops.unpack_key_messages(got)
         order = tf.argsort(tables, stable=True)
         per_table = tf.math.bincount(tables, minlength=self.num_tables,
                                      maxlength=self.num_tables, dtype=tf.int64)

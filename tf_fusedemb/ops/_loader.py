@@ -20,6 +20,7 @@ ENGINE_OP_NAMES = ("EngineHandle", "EngineLookup", "EngineApplyGradients", "Engi
                    "EngineFind", "EngineGatherRows", "EngineWriteRows", "EngineRemoveRows",
                    "EngineForget", "EngineExport", "EngineSize")
 OP_NAMES = ("SegmentUnique", "RankwiseSort", "OwnerRank", "CategoryHash",
+            "PackKeyMessages", "UnpackKeyMessages", "HashedUnifiedKeys",
             "RecoveryGather", "RecoveryPool", "RecoveryPoolGrad") + ENGINE_OP_NAMES
 
 _lock = threading.Lock()
