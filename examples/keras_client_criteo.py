@@ -15,13 +15,16 @@ import sys
 
 import numpy as np
 
-import tf_fusedemb  # noqa: F401  (first: Keras 2 for tf.keras)
-import tensorflow as tf
-import tf_keras
-from tf_fusedemb.comm import get_communicator
-from tf_fusedemb.data.criteo import CRITEO_CATEGORICAL, CRITEO_DENSE, read_criteo
-from tf_fusedemb.models import fuse_model
-from tf_fusedemb.specs import OptimizerSpec
+from tf_fusedemb import quiet
+
+quiet.install()  # first: Keras 2 for tf.keras, no CUDA-factory lines (tf_fusedemb/quiet.py)
+
+import tensorflow as tf  # noqa: E402
+import tf_keras  # noqa: E402
+from tf_fusedemb.comm import get_communicator  # noqa: E402
+from tf_fusedemb.data.criteo import CRITEO_CATEGORICAL, CRITEO_DENSE, read_criteo  # noqa: E402
+from tf_fusedemb.models import fuse_model  # noqa: E402
+from tf_fusedemb.specs import OptimizerSpec  # noqa: E402
 
 FEATURES = CRITEO_CATEGORICAL[:6]
 VOCAB, DIM = 10_000, 8

@@ -30,7 +30,10 @@ import argparse
 import json
 import pathlib
 
-import tf_fusedemb  # noqa: F401  (sets quiet TF logging defaults before TensorFlow loads)
+from tf_fusedemb import quiet
+
+quiet.install()  # first: Keras 2 for tf.keras, no CUDA-factory lines (tf_fusedemb/quiet.py)
+
 import tensorflow as tf  # noqa: E402
 import tf_keras  # noqa: E402
 

@@ -9,12 +9,12 @@ checks its recovered rows against the same function computed locally.
     horovodrun -np 2 --gloo -H localhost:2 python examples/smoke_fused_lookup.py
 """
 import argparse
-import os
 import sys
 import time
 
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from tf_fusedemb import quiet
+
+quiet.install()  # before TensorFlow loads: no CUDA-factory lines (tf_fusedemb/quiet.py)
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402

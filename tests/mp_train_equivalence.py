@@ -64,6 +64,8 @@ def main(argv=None):
                              "many micro-batches")
     parser.add_argument("--storage", default=None,
                         help="the dynamic tables' storage backend (TableSpec.storage)")
+    parser.add_argument("--exchange", default=None,
+                        help="FusedEmbedding(exchange=...): flat, hierarchical or auto")
     parser.add_argument("--mismatch", action="store_true",
                         help="rank 1 builds feature 'a' with another dim (must fail clearly)")
     args = parser.parse_args(argv)
@@ -74,7 +76,7 @@ def main(argv=None):
         from tf_fusedemb.specs import FeatureSpec, TableSpec
         t = specs[0].table
         specs[0] = FeatureSpec("a", TableSpec("a", 6, t.optimizer, t.initializer), "sum")
-    layer = FusedEmbedding(specs)
+    layer = FusedEmbedding(specs, exchange=args.exchange)
     head = em.make_head()
     dense_opt = tf_keras.optimizers.SGD(0.05)
 

@@ -39,8 +39,8 @@ from tf_fusedemb.testing.cluster import ClusterTimeout, ClusterUnavailable, Emul
 HOSTS, RANKS_PER_HOST, WORLD = 2, 2, 4
 FLAT_ROUNDS, HIER_ROUNDS = 3, 6  # AlltoAll rounds per step and group: (keys, rows, grads) x stages
 RUN_TIMEOUT_S = 420
-ENV = {"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
-       "TF_FUSEDEMB_EXCHANGE": "hierarchical"}
+ENV = {"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+HIERARCHICAL = ["--exchange", "hierarchical"]  # FusedEmbedding(exchange="hierarchical")
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +54,8 @@ def run_job():
 
     def on_cluster(args):
         try:
-            rc = cluster.run([sys.executable, *args], timeout=RUN_TIMEOUT_S, env=ENV,
-                             cwd=str(REPO_ROOT), echo=False)
+            rc = cluster.run([sys.executable, *args, *HIERARCHICAL], timeout=RUN_TIMEOUT_S,
+                             env=ENV, cwd=str(REPO_ROOT), echo=False)
         except ClusterTimeout as e:
             pytest.fail(str(e))
         result = cluster.last_result
@@ -64,13 +64,15 @@ def run_job():
         return result.text(0)
 
     def on_local_ranks(args):
-        old = {k: os.environ.get(k) for k in ("TF_FUSEDEMB_EXCHANGE", "TF_FUSEDEMB_TOPOLOGY")}
-        os.environ.update(TF_FUSEDEMB_EXCHANGE="hierarchical", TF_FUSEDEMB_TOPOLOGY="2x2")
+        old = os.environ.get("TF_FUSEDEMB_TOPOLOGY")
+        os.environ["TF_FUSEDEMB_TOPOLOGY"] = "2x2"
         try:
-            return horovodrun(args, WORLD, timeout=RUN_TIMEOUT_S)
+            return horovodrun([*args, *HIERARCHICAL], WORLD, timeout=RUN_TIMEOUT_S)
         finally:
-            for k, v in old.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+            if old is None:
+                os.environ.pop("TF_FUSEDEMB_TOPOLOGY")
+            else:
+                os.environ["TF_FUSEDEMB_TOPOLOGY"] = old
     try:
         yield on_cluster if cluster is not None else on_local_ranks
     finally:
@@ -145,10 +147,9 @@ def test_three_hosts_of_two_ranks_hierarchical_equals_reference(monkeypatch):
     per step, half of them between nodes."""
     steps = 3
     monkeypatch.setenv("TF_FUSEDEMB_TOPOLOGY", "3x2")
-    monkeypatch.setenv("TF_FUSEDEMB_EXCHANGE", "hierarchical")
     monkeypatch.setenv("TF_NUM_INTRAOP_THREADS", "1")  # 6 ranks share the cores
-    result = parse_result(horovodrun([SCRIPT, "--steps", str(steps), "--empty-step", "1"], 6,
-                                     timeout=840))
+    result = parse_result(horovodrun([SCRIPT, "--steps", str(steps), "--empty-step", "1",
+                                      *HIERARCHICAL], 6, timeout=840))
     check(result, steps, world=6)
     for group, c in result["counters"].items():
         assert c["rounds"] == HIER_ROUNDS * steps and c["inter_rounds"] == 3 * steps, (group, c)

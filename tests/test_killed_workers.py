@@ -1,7 +1,8 @@
 """Killed workers (issue 9, part 4).
 
-One of 2 (and of 3) workers of the main job is SIGKILLed (TF_FUSEDEMB_FAULT,
-tf_fusedemb/training/faults.py) in the middle of a training step, and on the rerun in the
+One of 2 (and of 3) workers of the main job is SIGKILLed (a fault plan of
+tf_fusedemb/testing/faults.py, installed by its command wrapping the job, at the job's
+declared fault points) in the middle of a training step, and on the rerun in the
 middle of a checkpoint save. The survivors must exit non-zero within 60 s of the kill,
 saying which rank was lost and during what (the peer watchdog, tf_fusedemb/comm/watchdog.py),
 by themselves: those runs start the workers without horovodrun's supervision
@@ -35,6 +36,12 @@ ARGS = ["-m", "tf_fusedemb.train", "--model", "dlrm", "--data", "synthetic",
 KILL_TO_EXIT_S = 60  # survivors must be gone this long after the kill
 # world size -> (victim in step 6, victim in the save of checkpoint 8, launcher of that run)
 VICTIMS = {2: (1, 0, "horovodrun"), 3: (0, 2, "workers")}
+
+
+def with_fault(fault):
+    """The job's python arguments with ``fault`` switched on (tf_fusedemb.testing.faults
+    installs the plan, then runs ``-m tf_fusedemb.train ARGS`` as python would)."""
+    return ["-m", "tf_fusedemb.testing.faults", "--fault", fault] + ARGS
 
 
 def parse(stdout):
@@ -82,8 +89,8 @@ def run_killed_with_workers(num_proc, victim, fault, ckpt, log_dir):
     """Runs the job as plain Gloo workers with ``fault``; returns (seconds from the
     victim's death to the last survivor's exit, {rank: (exit status, output)})."""
     os.makedirs(log_dir, exist_ok=True)
-    with GlooWorkers(ARGS + ["--checkpoint-dir", ckpt], num_proc, log_dir,
-                     env={"TF_FUSEDEMB_FAULT": fault}) as workers:
+    with GlooWorkers(with_fault(fault) + ["--checkpoint-dir", ckpt], num_proc,
+                     log_dir) as workers:
         deadline = time.monotonic() + 420
         while workers.procs[victim].poll() is None:
             assert time.monotonic() < deadline, "the fault never fired:\n" + \
@@ -107,9 +114,8 @@ def run_killed_with_horovodrun(num_proc, fault, ckpt, log):
     """Runs the ordinary command with ``fault``; returns (seconds from the kill to the
     end of horovodrun, its exit status, its output)."""
     cmd = [HOROVODRUN, "-np", str(num_proc), "--gloo", "-H", f"localhost:{num_proc}",
-           sys.executable] + ARGS + ["--checkpoint-dir", ckpt]
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS="1",
-               TF_FUSEDEMB_FAULT=fault)
+           sys.executable] + with_fault(fault) + ["--checkpoint-dir", ckpt]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS="1")
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -197,37 +203,56 @@ def test_killed_worker_is_named_and_the_rerun_resumes_exactly(num_proc, referenc
 
 # ---- the pieces, alone ----------------------------------------------------------------
 def test_fault_spec_parsing():
-    import importlib.util  # faults.py alone: importing tf_fusedemb.training loads TensorFlow
-    spec = importlib.util.spec_from_file_location(
-        "faults", os.path.join(REPO_ROOT, "tf_fusedemb", "training", "faults.py"))
-    faults = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(faults)
+    from tf_fusedemb.testing import faults  # parsing alone loads no TensorFlow
     assert faults.parse(None) is None and faults.parse(" ") is None
     assert faults.parse("rank=1,step=30,phase=step") == faults.Fault(1, 30, "step")
     assert faults.parse(" phase=save , step=8,rank=0") == faults.Fault(0, 8, "save")
     for bad in ("rank=1,step=3", "rank=1,step=3,phase=eval", "rank=x,step=3,phase=step",
                 "rank=1,step=3,phase=step,when=now", "nonsense"):
-        with pytest.raises(ValueError, match="TF_FUSEDEMB_FAULT"):
+        with pytest.raises(ValueError, match="fault: "):
             faults.parse(bad)
+
+
+def test_fault_points_are_no_ops_and_read_no_environment(monkeypatch):
+    """Production code carries the declared hook only: without an installed plan a fault
+    point does nothing, whatever the environment says (the old variable included)."""
+    from tf_fusedemb.training import faults as points
+    monkeypatch.setenv("TF_FUSEDEMB_FAULT", "rank=0,step=1,phase=step")
+    points.inject("step", 1, 0)  # still alive
+    source = open(points.__file__).read()
+    assert "os.environ" not in source and "getenv" not in source and "os.kill" not in source
 
 
 @pytest.mark.timeout(120)
 def test_fault_kills_only_where_it_is_planned(tmp_path):
     shard = tmp_path / "shard.npz"
-    # faults.py loaded alone (no TensorFlow): it needs nothing but the standard library.
-    script = ("import importlib.util as u; "
-              "spec = u.spec_from_file_location('faults', 'tf_fusedemb/training/faults.py'); "
-              "faults = u.module_from_spec(spec); spec.loader.exec_module(faults); "
-              f"open({str(shard)!r}, 'wb').write(bytes(1000)); "
-              "faults.inject('save', 8, 1); faults.inject('step', 8, 0); "
-              "faults.inject('save', 7, 0); print('alive', flush=True); "
-              f"faults.inject('save', 8, 0, partial_file={str(shard)!r}); print('not reached')")
-    out = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True,
-                         text=True, timeout=100,
-                         env=dict(os.environ, TF_FUSEDEMB_FAULT="rank=0,step=8,phase=save"))
+    script = ("import sys\n"
+              "from tf_fusedemb.training import faults\n"
+              f"open({str(shard)!r}, 'wb').write(bytes(1000))\n"
+              "faults.inject('save', 8, 1); faults.inject('step', 8, 0)\n"
+              "faults.inject('save', 7, 0); print('alive', flush=True)\n"
+              f"faults.inject('save', 8, 0, partial_file={str(shard)!r}); print('not reached')\n")
+    (tmp_path / "victim.py").write_text(script)
+    out = subprocess.run([sys.executable, "-m", "tf_fusedemb.testing.faults", "--fault",
+                          "rank=0,step=8,phase=save", str(tmp_path / "victim.py")],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=100)
     assert out.returncode == -signal.SIGKILL, out
     assert out.stdout == "alive\n" and "kills itself (SIGKILL) in save 8" in out.stderr
     assert shard.stat().st_size == 500  # half written
+    # The same script without the wrapper: every fault point is a no-op.
+    shard.unlink()
+    out = subprocess.run([sys.executable, str(tmp_path / "victim.py")], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0 and out.stdout == "alive\nnot reached\n", out
+    assert shard.stat().st_size == 1000
+
+
+def test_fault_command_line_is_checked():
+    out = subprocess.run([sys.executable, "-m", "tf_fusedemb.testing.faults", "--fault",
+                          "rank=0,step=8,phase=eval", "-m", "tf_fusedemb.train"],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=100)
+    assert out.returncode != 0 and "phase must be one of" in out.stderr, out
+    assert "usage: python -m tf_fusedemb.testing.faults" in out.stderr
 
 
 def test_peer_lost_error_message():

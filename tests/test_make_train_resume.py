@@ -13,16 +13,14 @@ TRAIN_ARGS = ("--model dlrm --data synthetic --steps 4 --batch-size 32 --rows 51
               "--eval-rows 128 --dim 4 --checkpoint-every 2")
 
 
-def make_train(run_dir, *extra, env=None, timeout=400):
+def make_train(run_dir, *extra, timeout=400):
     """``make train`` with setup taken as done (``-o setup``: the test must not rebuild the
     op library the suite runs against); returns the CompletedProcess."""
     cmd = ["make", "--no-print-directory", "-o", "setup", "train", f"RUN_DIR={run_dir}",
            "NP=2", f"TRAIN_ARGS={TRAIN_ARGS}", *extra]
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("TF_FUSEDEMB_FAULT")}
-    full_env.update(env or {})
     try:
-        return subprocess.run(cmd, cwd=REPO_ROOT, env=full_env, capture_output=True,
-                              text=True, timeout=timeout)
+        return subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=timeout)
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"make train timed out after {timeout}s (a hang?)") from e
 
@@ -39,7 +37,7 @@ def test_rerunning_make_train_resumes_after_a_lost_worker(tmp_path):
     run_dir = tmp_path / "run"
     ckpt = run_dir / "ckpt"
     # Rank 1 dies right before step 3: checkpoint 2 is the last complete one.
-    first = make_train(run_dir, env={"TF_FUSEDEMB_FAULT": "rank=1,step=3,phase=step"})
+    first = make_train(run_dir, "TRAIN_FAULT=rank=1,step=3,phase=step")  # testing.faults
     assert first.returncode != 0, first.stdout[-2000:]
     assert "rerun the job to resume from its last complete checkpoint" in first.stderr
     assert (ckpt / "latest").read_text().strip() == "ckpt-2"
@@ -62,5 +60,14 @@ def test_fresh_is_the_explicit_way_to_start_afresh(tmp_path):
                              capture_output=True, text=True, timeout=60, check=True)
         return out.stdout
     assert f"rm -rf {tmp_path}" not in recipe()
+    # The fault switch is make's command line only (tf_fusedemb.testing.faults wraps the job).
+    assert "-m tf_fusedemb.train" in recipe() and "testing.faults" not in recipe()
+    env = dict(os.environ, TRAIN_FAULT="rank=0,step=1,phase=step")
+    out = subprocess.run(["make", "--no-print-directory", "-n", "-o", "setup", "train",
+                          f"RUN_DIR={tmp_path}"], cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=60, check=True, env=env)
+    assert "testing.faults" not in out.stdout  # an environment variable does not switch it on
+    assert "-m tf_fusedemb.testing.faults --fault rank=1,step=3,phase=step -m tf_fusedemb.train" \
+        in recipe("TRAIN_FAULT=rank=1,step=3,phase=step")
     assert f"rm -rf {tmp_path}" not in recipe("FRESH=0")
     assert recipe("FRESH=1").splitlines()[0] == f"rm -rf {tmp_path}"

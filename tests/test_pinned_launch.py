@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 from tf_fusedemb.testing.cluster.pinned import pinned_argv
-from tf_fusedemb.testing.cluster.placement import available_cpus
+from tf_fusedemb.testing.cluster.placement import assign_cpus, available_cpus
 
 
 def test_ranks_get_disjoint_cores_and_matching_threads():
@@ -34,3 +34,17 @@ def test_the_pinned_command_runs_on_its_core():
                           "os.environ['TF_NUM_INTRAOP_THREADS'])"],
                          env=env, capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == f"{available_cpus()} {len(available_cpus())}"
+
+
+def test_a_rank_of_mpirun_pins_itself_to_one_core():
+    """pin_this_rank (the inference benchmark's ranks): Open MPI's local rank and size, one
+    core of that rank's share, every thread of the process."""
+    env = dict(os.environ, OMPI_COMM_WORLD_LOCAL_RANK="1", OMPI_COMM_WORLD_LOCAL_SIZE="2")
+    out = subprocess.run([sys.executable, "-c",
+                          "import os, threading; from tf_fusedemb.testing.cluster.pinned import "
+                          "pin_this_rank; e = threading.Event(); t = threading.Thread("
+                          "target=e.wait); t.start(); cpus = pin_this_rank(cores=1); "
+                          "print(list(cpus), sorted(os.sched_getaffinity(t.native_id))); e.set()"],
+                         env=env, capture_output=True, text=True, timeout=60, check=True)
+    core = list(assign_cpus(2)[1][:1])
+    assert out.stdout.strip() == f"{core} {core}"

@@ -158,7 +158,7 @@ def test_traffic_hints_survive_model_from_json():
 
 class _DisagreeingWorld(_FakeWorld):
     """A 2 x 2 world whose rank 2 chose the flat exchange for ``g0_d8_sgd`` (e.g. other
-    hints or another TF_FUSEDEMB_EXCHANGE there)."""
+    hints or another exchange= there)."""
 
     def __init__(self):
         self.gathers = 0

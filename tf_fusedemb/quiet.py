@@ -1,21 +1,37 @@
 """Quiet, conventional output: drops the known noise TensorFlow and TFRA print on a CPU
-machine, and nothing else.
+machine, and nothing else. Opt-in: :func:`install`, called before TensorFlow is imported.
 
-``import tf_fusedemb`` calls :func:`install` before TensorFlow is loaded:
+``import tf_fusedemb`` does none of this (it only sets ``TF_USE_LEGACY_KERAS=1`` unless set:
+tf.keras must be Keras 2, as TFRA and Horovod need) and never touches file descriptor 2.
+The project's commands (``python -m tf_fusedemb.train``, ``serve``, the benchmarks, the
+examples, ``tf_fusedemb.testing``'s rank workers) call :func:`install` first. It sets:
 
-* environment defaults (a user's own setting wins): ``TF_USE_LEGACY_KERAS=1`` (tf.keras is
-  Keras 2, as TFRA and Horovod need) and ``TF_CPP_MIN_LOG_LEVEL=2`` (C++ INFO and WARNING
-  lines such as "Could not find cuda drivers", "oneDNN custom operations are on");
-* the three "Unable to register cuFFT/cuDNN/cuBLAS factory" ERROR lines TensorFlow 2.16's
-  wheel prints at import (its two libraries register the same CUDA plugins; harmless, and
-  an environment variable could only hide them by hiding every C++ error): the first
-  ``import tensorflow`` runs with file descriptor 2 captured and every other line is
-  written back;
+* environment defaults (a user's own setting wins): ``TF_USE_LEGACY_KERAS=1`` and
+  ``TF_CPP_MIN_LOG_LEVEL=2`` (C++ INFO and WARNING lines such as "Could not find cuda
+  drivers", "oneDNN custom operations are on");
+* the three "Unable to register cuFFT/cuDNN/cuBLAS factory" ERROR lines of TensorFlow
+  2.16's wheel. Where they come from: libtensorflow_cc.so.2 and libtensorflow_framework.so.2
+  both carry XLA's CUDA plugin registrations, and the second library's static initialisers
+  log "already registered" with LOG(ERROR) while ``import tensorflow`` loads them (also on a
+  CPU machine; harmless). ``TF_CPP_MIN_LOG_LEVEL=2`` lets ERROR lines through, and 3 would
+  hide every later C++ error too: TensorFlow reads the level once, at the process's first
+  C++ log line (so it cannot be raised for the import alone). Hence the first
+  ``import tensorflow`` after :func:`install` runs with file descriptor 2 captured and
+  every other line written back (:func:`filter_stderr_fd`);
 * TFRA's import-time deprecation notices ("dynamic_embedding.GraphKeys has already been
   deprecated", " _SingleDeviceSaver removed after tf version 2.15", the pkg_resources
   DeprecationWarning): dropped by message, scoped to that import or to the exact text.
 
-Nothing here imports TensorFlow. Importing TensorFlow BEFORE tf_fusedemb bypasses the
+A launcher that imports TensorFlow itself before starting the ranks prints the three lines
+from its own process: horovodrun's Gloo check imports ``horovod.tensorflow`` in a forked
+child that mutes Python's ``sys.stderr`` but not file descriptor 2. Run the launcher with
+C++ logs off and the ranks with the usual level, as ``make train`` and ``make smoke`` do
+(:func:`launcher_command` builds that command line)::
+
+    TF_CPP_MIN_LOG_LEVEL=3 horovodrun -np 2 --gloo -H localhost:2 \\
+        env TF_CPP_MIN_LOG_LEVEL=2 python script.py
+
+Nothing here imports TensorFlow. Importing TensorFlow BEFORE :func:`install` bypasses the
 import filter (the environment defaults then also come too late).
 """
 import contextlib
@@ -28,10 +44,13 @@ import re
 import sys
 import tempfile
 import warnings
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["ENV_DEFAULTS", "install", "filter_stderr_fd"]
+__all__ = ["ENV_DEFAULTS", "KERAS_ENV_DEFAULT", "filter_stderr_fd", "install",
+           "launcher_command", "set_keras_default"]
 
-ENV_DEFAULTS = {"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+KERAS_ENV_DEFAULT = {"TF_USE_LEGACY_KERAS": "1"}  # set by `import tf_fusedemb` too
+ENV_DEFAULTS = dict(KERAS_ENV_DEFAULT, TF_CPP_MIN_LOG_LEVEL="2")
 # C++ lines of `import tensorflow` that say nothing on any machine (see module docstring).
 TF_IMPORT_NOISE = re.compile(rb"Unable to register cu(FFT|DNN|BLAS) factory: Attempting to "
                              rb"register factory for plugin cu(FFT|DNN|BLAS) when one has already")
@@ -39,8 +58,34 @@ TFRA_PRINT_NOISE = " _SingleDeviceSaver removed after tf version 2.15"
 TFRA_LOG_NOISE = "dynamic_embedding.GraphKeys has already been deprecated"
 
 
+def set_keras_default() -> None:
+    """``TF_USE_LEGACY_KERAS=1`` unless set (what ``import tf_fusedemb`` does; no output
+    filter)."""
+    for key, value in KERAS_ENV_DEFAULT.items():
+        os.environ.setdefault(key, value)
+
+
+def launcher_command(command: Sequence[str], env: Optional[Mapping[str, str]] = None
+                     ) -> Tuple[List[str], Dict[str, str]]:
+    """``(argv, environment)`` for a launcher that imports TensorFlow itself (horovodrun):
+    the launcher runs with C++ logs off, the program it starts with the level it would
+    have had (``env``'s, default 2; ``env`` defaults to this process's environment).
+
+    ``command`` holds one ``"--"`` between the launcher's part and the program's:
+    ``[horovodrun, -np, 2, ..., "--", python, script.py]`` becomes
+    ``[horovodrun, -np, 2, ..., env, TF_CPP_MIN_LOG_LEVEL=2, python, script.py]``."""
+    full = dict(os.environ if env is None else env)
+    split = list(command).index("--")
+    level = full.get("TF_CPP_MIN_LOG_LEVEL", "2")
+    full["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    argv = list(command[:split]) + ["env", f"TF_CPP_MIN_LOG_LEVEL={level}"] + \
+        list(command[split + 1:])
+    return argv, full
+
+
 def install() -> None:
-    """Environment defaults, log/warning filters and the one-shot import filters (idempotent)."""
+    """Environment defaults, log/warning filters and the one-shot import filters
+    (idempotent). Call it before TensorFlow is imported (see the module docstring)."""
     for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     logger = logging.getLogger("tensorflow")  # the logger TF's tf_logging writes to

@@ -11,6 +11,7 @@ and exports a SavedModel (merged on one host, checked against the trained model)
 last line printed by rank 0 is ``RESULT {json}``.
 """
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -18,8 +19,9 @@ import sys
 import time
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from tf_fusedemb import quiet
+
+quiet.install()  # a command: quiet TensorFlow before it loads (tf_fusedemb/quiet.py)
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -30,11 +32,11 @@ from tf_fusedemb.comm import Communicator, get_communicator  # noqa: E402
 from tf_fusedemb.inference import export_saved_model  # noqa: E402
 from tf_fusedemb.models import fused_embedding_layers  # noqa: E402
 from tf_fusedemb.pipeline import PipelineOptions, cluster_dataset, make_pipeline  # noqa: E402
-from tf_fusedemb.training import KerasLoss, train_step  # noqa: E402
+from tf_fusedemb.training import KerasLoss  # noqa: E402
 from tf_fusedemb.training import faults  # noqa: E402
 from tf_fusedemb.training.checkpoint import CheckpointManager  # noqa: E402
 from tf_fusedemb.training.progress import progress_bar  # noqa: E402
-from tf_fusedemb.training.replicas import replicas_of  # noqa: E402
+from tf_fusedemb.training.loop import SynchronousStep, TrainLoop  # noqa: E402
 from tf_fusedemb.training.tracing import RankInvariantFunction  # noqa: E402
 
 
@@ -160,32 +162,26 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
     # and prefetch keeps its own buffer tuning.
     options = tf.data.Options()
     options.autotune.enabled = False
-    batches = iter(train_ds.skip(start).with_options(options))
-    # No AutoGraph: the step has no tensor-dependent Python control flow, and converting
-    # all of tf_keras under it makes the first trace ~10x slower.
-    # Traced once with unknown batch dimensions: the same graph on every rank.
-    replicas_of(model)  # the dense-state broadcast's variables, before the step is traced
-    step_fn = RankInvariantFunction(lambda x, y: train_step(model, x, y, loss_fn, optimizer))
-    pipeline = make_pipeline(model, loss_fn, optimizer, args.pipeline) \
-        if args.pipeline else None
+    batches = itertools.islice(iter(train_ds.skip(start).with_options(options)),
+                               max(0, args.steps - start))
+    # The step (traced once with unknown batch dimensions: the same graph on every rank),
+    # or the pipeline, which routes and retrieves the next batch during each step; the
+    # TrainLoop owns the data iterator and looks one batch ahead for it (as fit's does).
+    steps = make_pipeline(model, loss_fn, optimizer, args.pipeline) if args.pipeline \
+        else SynchronousStep(model, loss_fn, optimizer)
+    loop = TrainLoop(steps)
     layers = fused_embedding_layers(model)
     rank0 = comm.rank == 0
     writer = tf.summary.create_file_writer(args.log_dir) if rank0 and args.log_dir else None
     bar = progress_bar(args.steps, stateful_metrics=["auc", "samples/s"]) if rank0 else None
     timed, timed_samples = 0.0, 0
     counters_before = [layer.comm_counters() for layer in layers]
-    upcoming = next(batches) if start < args.steps else None
     loss_sum, loss_steps = 0.0, 0  # the progress bar's running mean, logged alike
     for step in range(start, args.steps):
-        x, y = upcoming
-        upcoming = next(batches) if step + 1 < args.steps else None
         begin = time.perf_counter()
-        faults.inject("step", step + 1, comm.rank)  # tests only: TF_FUSEDEMB_FAULT
+        faults.inject("step", step + 1, comm.rank)  # no-op unless tf_fusedemb.testing.faults
         with comm.watch(f"training step {step + 1}"):  # a lost peer: named, no hang
-            if pipeline is None:
-                loss, _, logits = step_fn(x, y)
-            else:  # routes and retrieves the next batch during this step
-                loss, _, logits = pipeline.step(x, y, None if upcoming is None else upcoming[0])
+            (loss, _, logits), (x, y) = loop.progress(batches)
             loss = float(loss)
         elapsed = time.perf_counter() - begin
         if step >= start + 3:  # after tracing and warm-up
@@ -193,9 +189,9 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
             timed_samples += int(y.shape[0]) * comm.size
         auc.update_state(y, tf.sigmoid(logits))
         sps = timed_samples / timed if timed else 0.0
-        if bar:
-            bar.update(step + 1, [("loss", loss), ("auc", float(auc.result())),
-                                  ("samples/s", sps)])
+        if bar:  # samples/s from the first timed step on (not a 0 before it)
+            bar.update(step + 1, [("loss", loss), ("auc", float(auc.result()))] +
+                       ([("samples/s", sps)] if timed else []))
         loss_sum, loss_steps = loss_sum + loss, loss_steps + 1
         if (step + 1) % args.log_every == 0:
             # The job's statistics (a collective: every rank), the bar's running-mean loss.
@@ -210,11 +206,9 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
                         values.update({f"stats/{g}/{k}": v for k, v in metrics.items()})
                 log_scalars(writer, step + 1, values)
         if manager and (step + 1) % args.checkpoint_every == 0:
-            if pipeline is not None:
-                pipeline.flush()  # delayed rows written before the tables are saved
+            steps.flush()  # a pipeline's delayed rows written before the tables are saved
             manager.save(step + 1, {"data_position": step + 1})
-    if pipeline is not None:
-        pipeline.flush()
+    # The loop flushed the steps after the last batch.
     if manager:
         manager.save(args.steps, {"data_position": args.steps})
     counters = [layer.comm_counters() for layer in layers]

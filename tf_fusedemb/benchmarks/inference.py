@@ -2,7 +2,8 @@
 
     python -m tf_fusedemb.benchmarks.inference --json [--plot inference.png]
 
-Sharded DLRM inference on ``--np`` ranks (default 4), push-based (inference/distributed.py):
+Sharded DLRM inference on ``--np`` ranks (default: as many as this process has cores, 2
+to 4), each pinned to a core of its own, push-based (inference/distributed.py):
 the BLS alltoallv for k in ``--lags`` (default 0,1,2,4,8) in one mpirun job, then the
 synchronous Horovod alltoall baseline (k = 0) in one horovodrun job, each without delays,
 with uniform random per-rank delays (maximum: twice the no-delay iteration time of the
@@ -16,27 +17,49 @@ The last line (``--json``) holds, besides every condition:
                       mean iteration times, T_sync that of k = 0, T_ideal the no-delay
                       time of k = 0 plus the mean delay a rank slept per iteration
                       (measured: time.sleep overshoots its request)
-  oversubscribed      more ranks than cores: a sleeping rank lends its core to the
-                      others, so T_k can beat T_ideal and the share exceed 1
+  oversubscribed      whether ranks shared a core: always false in a printed result.
+                      A sleeping rank would lend its core to the others, so T_k could
+                      beat T_ideal and the share exceed 1 (1.95 was printed for 4 ranks
+                      on 2 cores; 1.135 for 2 unpinned ranks there, each borrowing the
+                      sleeping one's core): more ranks than cores is refused up front,
+                      and a result whose ranks shared a core, or whose cores other
+                      processes used meanwhile, is refused, not printed
   straggler_slowdown  {k: T_k with the straggler / T_k without delays}
+
+Pinning one core per rank (``tf_fusedemb.testing.cluster.pinned.pin_this_rank``, the
+emulated hosts' placement) keeps each rank's threads (TensorFlow's, MPI's, Horovod's) on
+its own core, so a delayed rank frees nothing the others can use and the share means
+what it says: 0 = the delays cost as much as in lock step, 1 = only a rank's own delay
+is left (tests/test_benchmark_inference.py checks it stays within [0, 1] up to noise).
 """
 import argparse
 import json
 import os
+import resource
 import sys
+import time
+from typing import List, Sequence, Tuple
+
+from tf_fusedemb import quiet
+
+quiet.install()  # a command (and its workers): quiet TensorFlow before it loads
 
 from tf_fusedemb.benchmarks import plots
 from tf_fusedemb.benchmarks.launcher import REPO_ROOT, launch_local
 from tf_fusedemb.benchmarks.timing import emit
 from tf_fusedemb.testing import mpirun
+from tf_fusedemb.testing.cluster.pinned import pin_this_rank
+from tf_fusedemb.testing.cluster.placement import assign_cpus, available_cpus
 
 MARKER = "FUSEDEMB_INFERENCE_RESULT "
+OTHERS_MAX = 0.25  # of a core, on average: more CPU used by other processes is refused
 MODULE = "tf_fusedemb.benchmarks.inference"
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--np", type=int, default=4, help="ranks")
+    p.add_argument("--np", type=int, default=None,
+                   help="ranks, one core each (default: this process's cores, 2 to 4)")
     p.add_argument("--lags", default="0,1,2,4,8", help="BLS bounds k, comma-separated")
     p.add_argument("--batch-size", type=int, default=256, help="global batch")
     p.add_argument("--iters", type=int, default=200,
@@ -58,9 +81,73 @@ def parse_args(argv=None):
     args.lags = [int(k) for k in args.lags.split(",")]
     if 0 not in args.lags:
         p.error("--lags must include 0 (the synchronous reference)")
+    cores = len(available_cpus())
+    if args.np is None:
+        args.np = max(2, min(4, cores))
     if args.np < 2:
         p.error("--np must be at least 2")
+    if args.np > cores and not _in_a_rank():
+        p.error(f"--np {args.np} needs {args.np} cores, one per rank, and this process has "
+                f"{cores}: ranks sharing cores lend each other the time a delayed rank "
+                "sleeps, so the masked delay share would not mean what it says (it read "
+                f"1.95 for 4 ranks on 2 cores); use --np {cores} or fewer" if cores >= 2 else
+                f"--np {args.np}: this process has {cores} core; the benchmark needs one "
+                "per rank and at least 2 ranks")
     return args
+
+
+def _in_a_rank() -> bool:
+    """True in a rank that mpirun or horovodrun started (the launcher checked --np)."""
+    return "OMPI_COMM_WORLD_RANK" in os.environ or "HOROVOD_RANK" in os.environ
+
+
+def oversubscribed(job: dict) -> bool:
+    """Whether the ranks of a job's result could run on a common core: from the cores
+    each rank ran on (``rank_cpus``), else more ``ranks`` than this process's cores."""
+    if "rank_cpus" not in job:
+        return job["ranks"] > len(available_cpus())
+    seen: set = set()
+    for cpus in job["rank_cpus"]:
+        if seen & set(cpus):
+            return True
+        seen |= set(cpus)
+    return False
+
+
+def rank_cores(num_ranks: int) -> List[int]:
+    """The core each rank is pinned to (``pin_this_rank(cores=1)`` in a rank)."""
+    return [cpus[0] for cpus in assign_cpus(num_ranks)]
+
+
+def _cpu_seconds(cores: Sequence[int]) -> Tuple[float, float, float]:
+    """(wall clock, CPU-seconds ``cores`` were busy (/proc/stat), CPU-seconds of this
+    process and its finished children: the launched jobs' ranks), in seconds."""
+    busy = 0
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *ticks = line.split()
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
+                user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, ticks[:8])
+                busy += user + nice + system + irq + softirq + steal
+    ours = sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+    return time.time(), busy / os.sysconf("SC_CLK_TCK"), ours
+
+
+def check_cores_were_ours(before: Tuple[float, float, float],
+                          after: Tuple[float, float, float]) -> None:
+    """Raises ValueError when other processes used more than OTHERS_MAX of a core on
+    average between the two :func:`_cpu_seconds` readings of the ranks' cores (what this
+    process and its children used anywhere is counted as theirs): the cores were not
+    theirs, so a sleeping rank could have been replaced on its core by another process
+    (or left it to one) and the share would not mean what it says."""
+    wall, busy, ours = (a - b for a, b in zip(after, before))
+    others = busy - ours
+    if others > OTHERS_MAX * wall:
+        raise ValueError(f"other processes used {others:.0f} CPU-seconds of the {wall:.0f} s "
+                         "the jobs ran: the ranks did not have their cores to themselves, so "
+                         "masked_delay_share would not mean what it says; refused, not "
+                         "printed (rerun on a quiet machine)")
 
 
 def _launch_bls(args, argv):
@@ -86,7 +173,16 @@ def _launch_horovod(args, argv, max_delay_ms):
 
 
 def summarise(bls, hvd, lags):
-    """The headline ratios (see module doc) from both jobs' conditions."""
+    """The headline ratios (see module doc) from both jobs' conditions. Raises
+    ValueError when the ranks of either job shared a core (the masked delay share would
+    have no meaning: see the module doc)."""
+    for job, name in ((bls, "BLS"), (hvd, "Horovod")):
+        if "ranks" in job and oversubscribed(job):
+            raise ValueError(
+                f"the {name} job's {job['ranks']} ranks shared cores "
+                f"({job.get('rank_cpus', 'unpinned')}): a delayed rank lent its core to the "
+                "others, so masked_delay_share would exceed what it measures; refused, not "
+                "printed (run at most one rank per core)")
     c, h = bls["conditions"], hvd["conditions"]
     slept = sum(c[f"k{k}/random"]["slept_ms"] for k in lags) / len(lags)
     t_sync = c["k0/random"]["iter_ms"]
@@ -101,7 +197,7 @@ def summarise(bls, hvd, lags):
             "masked_delay_share": masked, "straggler_slowdown": straggler,
             "mean_injected_delay_ms": round(bls["max_delay_ms"] / 2, 3),
             "mean_slept_delay_ms": round(slept, 3),
-            "oversubscribed": bls["ranks"] > (os.cpu_count() or 1)}
+            "oversubscribed": oversubscribed(bls)}
 
 
 def plot(result, lags, path):
@@ -127,19 +223,27 @@ def plot(result, lags, path):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    if "OMPI_COMM_WORLD_RANK" in os.environ or "HOROVOD_RANK" in os.environ:
+    if _in_a_rank():
+        pin_this_rank(cores=1)  # one core per rank, before TensorFlow and MPI start threads
         # A rank: TensorFlow and Horovod load here, never in the launching process.
         from tf_fusedemb.benchmarks import inference_worker  # pylint: disable=import-outside-toplevel
         result = inference_worker.run(args)
         if result is not None:
             print(MARKER + json.dumps(result, sort_keys=True), flush=True)
         return 0
-    passed = [a for a in argv if a != "--json"]
+    passed = [a for a in argv if a != "--json"] + (["--np", str(args.np)]
+                                                  if "--np" not in argv else [])
+    cores = rank_cores(args.np)
+    before = _cpu_seconds(cores)
     bls = _launch_bls(args, passed)
     hvd = _launch_horovod(args, passed, bls["max_delay_ms"])
+    try:
+        check_cores_were_ours(before, _cpu_seconds(cores))
+        headline = summarise(bls, hvd, args.lags)
+    except ValueError as e:
+        raise SystemExit(f"inference benchmark: {e}") from None
     result = {"ranks": bls["ranks"], "max_delay_ms": bls["max_delay_ms"], "lags": args.lags,
-              "bls": bls["conditions"], "horovod": hvd["conditions"],
-              **summarise(bls, hvd, args.lags),
+              "bls": bls["conditions"], "horovod": hvd["conditions"], **headline,
               "note": "BLS (mpirun) and Horovod (horovodrun) run as two jobs one after "
                       "the other in this run; conditions inside a job are interleaved"}
     if args.plot:

@@ -2,9 +2,11 @@
 (inference/distributed.py) over the BLS alltoallv (under mpirun) or over a synchronous
 Horovod alltoall (under horovodrun), with injected per-rank delays.
 
-Every condition (lag k, delay mode) is a block of ``--iters`` global batches; the blocks
-run interleaved in a shuffled order per round (timing.interleaved_rounds, a barrier
-before each). Delay modes, as in paper 001: "none"; "random": every rank sleeps
+Every condition (lag k, delay mode) is a block of ``--iters`` global batches, one timed
+pass (timing.time_steps); the blocks run interleaved in a shuffled order per round
+(timing.timed_rounds, a barrier before each). Each rank runs on a core of its own
+(pinned by ``benchmarks.inference`` before TensorFlow starts), with one TensorFlow
+thread per pool. Delay modes, as in paper 001: "none"; "random": every rank sleeps
 uniform(0, max_delay) before each of its iterations (independent per rank and
 iteration); "straggler": the last rank sleeps max_delay / 2 (the same mean) every
 iteration, which no bound can mask.
@@ -20,7 +22,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tf_fusedemb import models  # noqa: E402
-from tf_fusedemb.benchmarks.timing import interleaved_rounds  # noqa: E402
+from tf_fusedemb.benchmarks.timing import time_steps, timed_rounds  # noqa: E402
 from tf_fusedemb.comm.bls_alltoallv import BLSAlltoallv  # noqa: E402
 from tf_fusedemb.inference.distributed import (PushExchange, ShardedPredictor,  # noqa: E402
                                                run_bounded_lag)
@@ -74,15 +76,18 @@ class Delay:
 def timed_block(predictor, batches, lag, delay):
     """(wall seconds, per-batch latencies in ms, seconds slept) of one pass over
     ``batches``."""
-    pushed = {}
+    pushed: dict = {}
+    latencies: list = []
 
     def before(j):
         delay(j)
         pushed[j] = time.perf_counter()
-    start = time.perf_counter()
-    latencies = [(time.perf_counter() - pushed[j]) * 1e3
-                 for j, _ in run_bounded_lag(predictor, batches, lag, before)]
-    return time.perf_counter() - start, latencies, delay.slept_s
+
+    def one_pass(_):
+        latencies.extend((time.perf_counter() - pushed[j]) * 1e3
+                         for j, _ in run_bounded_lag(predictor, batches, lag, before))
+    wall_ms, = time_steps(one_pass, 1)
+    return wall_ms / 1e3, latencies, delay.slept_s
 
 
 class HorovodExchange:
@@ -179,20 +184,18 @@ def run(args):
                        else 2 * max(walls) / args.iters)
     max_delay_s = ranks.bcast(max_delay_s)
     lags = [0] if args.exchange == "horovod" else args.lags
-    samples = {}
 
-    def block(k, mode, r):
-        def go():
+    def block(k, mode):
+        def go(r):
             delay = Delay(mode, max_delay_s, ranks.rank, ranks.size, (args.seed, r))
-            samples.setdefault(f"k{k}/{mode}", []).append(
-                run_block(predictor, batches, ranks, k, delay, capacity, args.timeout))
+            return run_block(predictor, batches, ranks, k, delay, capacity, args.timeout)
         return go
-    for r in range(args.rounds):
-        interleaved_rounds({f"k{k}/{mode}": block(k, mode, r) for k in lags for mode in MODES},
-                           1, seed=args.seed + r, barrier=ranks.barrier)
+    samples = timed_rounds({f"k{k}/{mode}": block(k, mode) for k in lags for mode in MODES},
+                           args.rounds, seed=args.seed, barrier=ranks.barrier)
     gathered = ranks.gather(samples)
+    cpus = ranks.gather(sorted(os.sched_getaffinity(0)))
     if ranks.rank != 0:
         return None
-    return {"exchange": args.exchange, "ranks": ranks.size,
+    return {"exchange": args.exchange, "ranks": ranks.size, "rank_cpus": cpus,
             "max_delay_ms": round(max_delay_s * 1e3, 3),
             "conditions": summarise(gathered, args.rounds, args.iters, args.batch_size)}

@@ -16,15 +16,15 @@ re-launches the same module on Horovod workers and prints rank 0's result (the J
   ``sys.executable``): one host, collectives over loopback.
 
 Workers' output goes to stderr prefixed ``[rank]<stdout>:`` / ``[rank]<stderr>:``. With
-``FUSEDEMB_BENCH_NICE=-15`` (root) the workers run at that priority, their sessions'
+``TF_FUSEDEMB_BENCH_NICE=-15`` (root) the workers run at that priority, their sessions'
 autogroups included, so other jobs on a shared machine disturb the timings less; with
-``FUSEDEMB_COMM_THREAD_NICE=-20`` the threads Horovod starts in a worker (its background
+``TF_FUSEDEMB_COMM_THREAD_NICE=-20`` the threads Horovod starts in a worker (its background
 thread, Gloo's) get priority over its compute threads (see :func:`_raise_comm_threads`).
 
 Link rate during a job (cluster only): a worker calls :func:`request_link_rate`; rank 0
 prints ``LINK_RATE_MARKER mbit token``, the launcher (which owns the hosts) sets every
 host's link to ``mbit`` (both qdiscs of the host, as the cluster built them) and creates
-``token`` in the directory named by ``FUSEDEMB_LINK_CONTROL_DIR``; every rank waits for that
+``token`` in the directory named by ``TF_FUSEDEMB_LINK_CONTROL_DIR``; every rank waits for that
 file, then for the others (a barrier). A benchmark sweeps link speeds this way in ONE job,
 with its functions traced once.
 """
@@ -43,12 +43,17 @@ import uuid
 from tf_fusedemb.benchmarks.timing import emit
 from tf_fusedemb.testing.cluster import (ClusterTimeout, ClusterUnavailable, EmulatedCluster,
                                          network)
+from tf_fusedemb import quiet
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 LINK_RATE_MARKER = "FUSEDEMB_LINK_RATE "
-LINK_CONTROL_ENV = "FUSEDEMB_LINK_CONTROL_DIR"
+LINK_CONTROL_ENV = "TF_FUSEDEMB_LINK_CONTROL_DIR"  # set by the launcher for its workers
 EXIT_UNAVAILABLE = 69  # like ``python -m tf_fusedemb.testing.cluster``
-BENCH_NICE_ENV = "FUSEDEMB_BENCH_NICE"  # workers' priority, see _raise_priority
-COMM_NICE_ENV = "FUSEDEMB_COMM_THREAD_NICE"  # their communication threads', ditto
+BENCH_NICE_ENV = "TF_FUSEDEMB_BENCH_NICE"  # workers' priority, see _raise_priority
+COMM_NICE_ENV = "TF_FUSEDEMB_COMM_THREAD_NICE"  # their communication threads', ditto
+# Renamed (one prefix for every variable of the package): set, they stop the benchmark
+# with the new name rather than time it silently at the wrong priority.
+RENAMED_ENV = {"FUSEDEMB_BENCH_NICE": BENCH_NICE_ENV, "FUSEDEMB_COMM_THREAD_NICE": COMM_NICE_ENV}
 
 
 # ---------------------------------------------------------------------------- flags
@@ -131,12 +136,15 @@ def launch_local(module, num_proc, argv, marker, timeout=None):
       (horovodrun exit code, rank 0's result dict or None).
     """
     horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-    cmd = [horovodrun, "-np", str(num_proc), "--gloo", "-H", f"localhost:{num_proc}",
-           sys.executable, "-m", module] + list(argv)
+    # horovodrun's own Gloo check imports TensorFlow: it runs with C++ logs off, the workers
+    # with the usual level (tf_fusedemb.quiet.launcher_command).
+    cmd, env = quiet.launcher_command(
+        [horovodrun, "-np", str(num_proc), "--gloo", "-H", f"localhost:{num_proc}", "--",
+         sys.executable, "-m", module] + list(argv), _worker_env())
     print("launching: " + " ".join(cmd), file=sys.stderr, flush=True)
     result = None
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_worker_env(), start_new_session=True)
+                            env=env, start_new_session=True)
     timer = threading.Timer(timeout, lambda: _kill(proc)) if timeout else None
     try:
         if timer is not None:
@@ -240,6 +248,7 @@ def benchmark_main(module, worker_module, parse_args, marker, argv=None, finish=
     calls ``finish(result, args)`` if given (it may add to the result, e.g. a plot) and
     prints rank 0's result (JSON last with ``--json``). Returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    check_renamed_env()
     args = parse_args(argv)
     if "HOROVOD_RANK" in os.environ:
         _raise_priority()
@@ -261,8 +270,17 @@ def benchmark_main(module, worker_module, parse_args, marker, argv=None, finish=
     return 0
 
 
+def check_renamed_env(environ=os.environ):
+    """Raises SystemExit naming the new variable when an old name of RENAMED_ENV is set."""
+    old = sorted(k for k in RENAMED_ENV if k in environ)
+    if old:
+        raise SystemExit("renamed environment variable(s): " + ", ".join(
+            f"{k} is now {RENAMED_ENV[k]}" for k in old) + " (see the README's table of "
+            "environment variables); unset the old name")
+
+
 def _raise_priority():
-    """With ``FUSEDEMB_BENCH_NICE=N`` (N < 0, root), a worker runs at nice N. On a machine
+    """With ``TF_FUSEDEMB_BENCH_NICE=N`` (N < 0, root), a worker runs at nice N. On a machine
     shared with other jobs this keeps their load out of the timings. Linux's autogroup
     scheduling weighs each session as one unit and every rank starts its own session, so
     the session's autogroup gets N too (a plain nice would change nothing between

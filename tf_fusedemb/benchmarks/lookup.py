@@ -80,6 +80,10 @@ non-empty messages to other ranks (all ranks pooled).
 import argparse
 import sys
 
+from tf_fusedemb import quiet
+
+quiet.install()  # a command (and its workers): quiet TensorFlow before it loads
+
 from tf_fusedemb.benchmarks import plots
 from tf_fusedemb.benchmarks.launcher import (add_launch_args, add_workload_args, benchmark_main,
                                              check_launch_args)

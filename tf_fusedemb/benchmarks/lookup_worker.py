@@ -5,6 +5,7 @@ import functools
 import os
 import statistics
 import time
+from typing import Any, Dict, List
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -15,7 +16,7 @@ import tf_keras  # noqa: E402
 
 from tf_fusedemb.benchmarks import lookup_comm, lookup_data, lookup_models  # noqa: E402
 from tf_fusedemb.benchmarks.launcher import network_description  # noqa: E402
-from tf_fusedemb.benchmarks.timing import interleaved_rounds  # noqa: E402
+from tf_fusedemb.benchmarks.timing import step_stats, time_steps, timed_rounds  # noqa: E402
 from tf_fusedemb.comm import CommCounters, get_communicator  # noqa: E402
 from tf_fusedemb.layers import FusedEmbedding  # noqa: E402
 from tf_fusedemb.training import train_step  # noqa: E402
@@ -35,21 +36,23 @@ class Variant:
         self._counters = counters  # () -> summed snapshot dict
         self._counting = counting  # () -> context manager around every call (TFRA shim)
         self.cursor, self.losses, self.times_ms = 0, [], []
+        self.groups = 0  # embedding groups (lookups) per step, set by the variant's builder
 
-    def run(self, batches, steps, timed):
-        for _ in range(steps):
-            x, y = batches[self.cursor % len(batches)]
-            self.cursor += 1
-            start = time.perf_counter()
-            if self._counting is None:
+    def next_step(self, batches):
+        """One step on the variant's next batch (cycling over ``batches``); returns once
+        its loss is read (the step is done)."""
+        x, y = batches[self.cursor % len(batches)]
+        self.cursor += 1
+        if self._counting is None:
+            loss = self.step(x, y)
+        else:
+            with self._counting():
                 loss = self.step(x, y)
-            else:
-                with self._counting():
-                    loss = self.step(x, y)
-            loss = float(loss.numpy())
-            if timed:
-                self.times_ms.append((time.perf_counter() - start) * 1e3)
-            self.losses.append(loss)
+        self.losses.append(float(loss.numpy()))
+
+    def run(self, batches, steps):
+        """``steps`` timed steps (the timing loop's :func:`time_steps`); returns their ms."""
+        return time_steps(lambda k: self.next_step(batches), steps)
 
     def snapshot(self):
         return self._counters()
@@ -123,13 +126,6 @@ def _to_tensors(batches):
     return [({k: tf.constant(v) for k, v in x.items()}, tf.constant(y)) for x, y in batches]
 
 
-def _stats(times):
-    s = sorted(times)
-    return {"step_ms": round(statistics.median(s), 3), "min_ms": round(s[0], 3),
-            "p10_ms": round(s[int(0.1 * (len(s) - 1))], 3),
-            "p90_ms": round(s[int(0.9 * (len(s) - 1))], 3)}
-
-
 def run(args):
     comm = get_communicator()
     rank, size = comm.rank, comm.size
@@ -158,12 +154,8 @@ def run(args):
     variants = build_variants(args.variants, comm, hvd, args.lr)
     log(f"built {list(variants)}; warming up ({args.warmup} steps each, first traces)")
     for v in variants.values():
-        times = []
-        for _ in range(max(1, args.warmup)):
-            t0 = time.perf_counter()
-            v.run(batches, 1, timed=False)
-            times.append(time.perf_counter() - t0)
-        log(f"  {v.name}: warm-up steps " + ", ".join(f"{t:.2f}s" for t in times)
+        times = v.run(batches, max(1, args.warmup))  # not kept: traces, first allocations
+        log(f"  {v.name}: warm-up steps " + ", ".join(f"{t / 1e3:.2f}s" for t in times)
             + f", loss {v.losses[-1]:.4f}")
 
     graph_ops = {}
@@ -173,19 +165,19 @@ def run(args):
     tracing = {v.name: int(v.step.experimental_get_tracing_count()) for v in variants.values()}
 
     before = {v.name: v.snapshot() for v in variants.values()}
-    round_means = {n: [] for n in variants}
+    round_means: Dict[str, List[float]] = {n: [] for n in variants}
 
     def block(v):
-        def run_block():
-            k = len(v.times_ms)
-            v.run(batches, args.steps, timed=True)
-            round_means[v.name].append(statistics.fmean(v.times_ms[k:]))
+        def run_block(_round):
+            times = v.run(batches, args.steps)
+            v.times_ms.extend(times)
+            round_means[v.name].append(statistics.fmean(times))
         return run_block
     t_start = time.perf_counter()
-    interleaved_rounds({n: block(v) for n, v in variants.items()}, args.rounds, args.seed,
-                       barrier=lambda: comm.allgather_object(None),
-                       after_round=lambda r: log(f"  round {r + 1}/{args.rounds}: " + ", ".join(
-                           f"{n} {round_means[n][-1]:.1f}ms" for n in variants)))
+    timed_rounds({n: block(v) for n, v in variants.items()}, args.rounds, args.seed,
+                 barrier=lambda: comm.allgather_object(None),
+                 after_round=lambda r: log(f"  round {r + 1}/{args.rounds}: " + ", ".join(
+                     f"{n} {round_means[n][-1]:.1f}ms" for n in variants)))
     timed_s = time.perf_counter() - t_start
     timed_steps = args.rounds * args.steps
     after = {v.name: v.snapshot() for v in variants.values()}
@@ -193,7 +185,7 @@ def run(args):
     raw = {n: {f: after[n][f] - before[n][f] for f in ("bytes_sent", "messages")}
            for n in variants}
     everyone = comm.allgather_object({"per_step": mine, "raw": raw,
-                                      "step_ms": {n: _stats(v.times_ms)["step_ms"]
+                                      "step_ms": {n: step_stats(v.times_ms)["step_ms"]
                                                   for n, v in variants.items()}})
     if rank != 0:
         return None
@@ -247,7 +239,7 @@ def run(args):
         per_rank = [e["per_step"][name] for e in everyone]
         bytes_sent = sum(e["raw"][name]["bytes_sent"] for e in everyone)
         messages = sum(e["raw"][name]["messages"] for e in everyone)
-        entry = _stats(v.times_ms)
+        entry: Dict[str, Any] = dict(step_stats(v.times_ms))
         entry.update({
             "round_mean_ms_median": round(statistics.median(round_means[name]), 3),
             "step_ms_by_rank": [e["step_ms"][name] for e in everyone],

@@ -18,8 +18,9 @@ Grappler's loop optimizer is turned off so nothing is hoisted out of the loops.
 import argparse
 import os
 
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from tf_fusedemb import quiet
+
+quiet.install()  # a command: quiet TensorFlow before it loads (tf_fusedemb/quiet.py)
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402

@@ -9,8 +9,8 @@ emulated multi-host network.
     python -m tf_fusedemb.benchmarks.pipeline --json     # loopback, 2 local workers
 
 On a machine shared with other jobs, give the workers their cores' time (root; see
-``tf_fusedemb.benchmarks.launcher``): ``FUSEDEMB_BENCH_NICE=-15
-FUSEDEMB_COMM_THREAD_NICE=-20 python -m tf_fusedemb.benchmarks.pipeline ...``. Where the
+``tf_fusedemb.benchmarks.launcher``): ``TF_FUSEDEMB_BENCH_NICE=-15
+TF_FUSEDEMB_COMM_THREAD_NICE=-20 python -m tf_fusedemb.benchmarks.pipeline ...``. Where the
 step's time goes, collective by collective: ``tf_fusedemb.benchmarks.pipeline_trace``
 (Horovod timeline + TensorFlow profiler; findings in docs/timelines/).
 
@@ -87,6 +87,10 @@ with ``tf_fusedemb.data.criteo.criteo_dataset`` (``clustering_unique_key_reducti
 import argparse
 import os
 import sys
+
+from tf_fusedemb import quiet
+
+quiet.install()  # a command (and its workers): quiet TensorFlow before it loads
 
 from tf_fusedemb.benchmarks import plots
 from tf_fusedemb.benchmarks.launcher import (add_launch_args, add_workload_args, benchmark_main,

@@ -17,6 +17,10 @@ import argparse
 import os
 import sys
 
+from tf_fusedemb import quiet
+
+quiet.install()  # a command (and its workers): quiet TensorFlow before it loads
+
 from tf_fusedemb.benchmarks.launcher import (add_launch_args, add_workload_args, benchmark_main,
                                              check_launch_args)
 from tf_fusedemb.benchmarks import timeline_summary

@@ -12,21 +12,22 @@ from tf_fusedemb.benchmarks.pipeline_worker import (REAL, as_tensors, build_mode
                                                     step_loss, time_run)
 from tf_fusedemb.comm import get_communicator
 from tf_fusedemb.pipeline import NestedPipeline
+from tf_fusedemb.training.loop import TrainLoop
 
 WARMUP_STEPS = 3  # traces the step functions (not recorded in the summary)
 
 
 def _epoch_steps(pipeline, batches, steps):
-    """Runs ``steps`` steps (each prefetching the next, the last none), flushes; returns
-    [(begin, end)] of each in epoch microseconds (the clock of both traces)."""
+    """Runs ``steps`` steps through a ``TrainLoop`` (each prefetching the next, the last
+    none, then flushed); returns [(begin, end)] of each in epoch microseconds (the clock
+    of both traces)."""
+    loop = TrainLoop(pipeline)
+    data = iter([batches[(WARMUP_STEPS + k) % len(batches)] for k in range(steps)])
     spans = []
-    for k in range(steps):
-        x, y = batches[(WARMUP_STEPS + k) % len(batches)]
-        upcoming = batches[(WARMUP_STEPS + k + 1) % len(batches)][0] if k + 1 < steps else None
+    for _ in range(steps):
         begin = time.time_ns() // 1000
-        step_loss(pipeline.step(x, y, upcoming))
+        step_loss(loop.progress(data).result)
         spans.append((begin, time.time_ns() // 1000))
-    pipeline.flush()
     return spans
 
 

@@ -1,5 +1,6 @@
 """Worker of ``tf_fusedemb.benchmarks.pipeline`` (one per Horovod rank); see there for
 what is measured and how."""
+import itertools
 import os
 import time
 from typing import Any, Dict, List, Tuple
@@ -11,13 +12,14 @@ import tf_keras
 from tf_fusedemb.benchmarks import lookup_data
 from tf_fusedemb.benchmarks.launcher import network_description, request_link_rate
 from tf_fusedemb.benchmarks.lookup_models import CriteoNet, DIM, feature_specs
-from tf_fusedemb.benchmarks.timing import interleaved_rounds, median_ms
+from tf_fusedemb.benchmarks.timing import median_ms, time_steps, timed_rounds
 from tf_fusedemb.comm import LocalCommunicator, get_communicator
 from tf_fusedemb.data.criteo import CRITEO_CATEGORICAL, criteo_dataset
 from tf_fusedemb.layers import FusedEmbedding
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.pipeline import (NestedPipeline, PipelineOptions, cluster_permutation,
                                   make_pipeline, unique_keys_per_micro_batch)
+from tf_fusedemb.training.loop import TrainLoop
 
 CAT = lookup_data.CATEGORICAL
 MICRO = (1, 2, 4, 8)
@@ -145,28 +147,24 @@ def step_loss(result):
 
 
 def time_run(pipeline, batches, cursor, steps):
-    """Runs ``steps`` consecutive steps from batch ``cursor`` (each prefetching the next,
-    the last none), flushes, and returns the times of the middle ones in ms: the first
-    includes the prologue prefetch, the last has no next batch to prefetch."""
-    times = []
-    for k in range(steps):
-        x, y = batches[(cursor + k) % len(batches)]
-        upcoming = batches[(cursor + k + 1) % len(batches)][0] if k + 1 < steps else None
-        begin = time.perf_counter()
-        step_loss(pipeline.step(x, y, upcoming))
-        if 0 < k < steps - 1:
-            times.append((time.perf_counter() - begin) * 1e3)
-    pipeline.flush()
-    return times
+    """Runs ``steps`` consecutive steps from batch ``cursor`` through a ``TrainLoop``
+    (each prefetching the next, the last none, then flushed) and returns the times of the
+    middle ones in ms: the first includes the prologue prefetch, the last has no next
+    batch to prefetch."""
+    loop = TrainLoop(pipeline)
+    data = iter([batches[(cursor + k) % len(batches)] for k in range(steps)])
+    return time_steps(lambda k: step_loss(loop.progress(data).result), steps,
+                      keep=slice(1, steps - 1))
 
 
 def _settle_auto(pipeline, batches):
     """Trains an auto pipeline until it has chosen its schedule (its measurement at the
     start of training); returns (the chosen schedule's label or None, steps taken)."""
+    loop = TrainLoop(pipeline)
+    data = (batches[k % len(batches)] for k in itertools.count())
     k = 0
     while getattr(pipeline, "chosen", None) is None and k < AUTO_MAX_STEPS:
-        x, y = batches[k % len(batches)]
-        step_loss(pipeline.step(x, y, batches[(k + 1) % len(batches)][0]))
+        step_loss(loop.progress(data).result)
         k += 1
     pipeline.flush()
     return getattr(pipeline, "chosen", None), k
@@ -309,9 +307,8 @@ def run(args):
     state = {"cursor": 0}  # first batch of the current round
     calls = {f"alone_fwp{n}": _collectives_alone(comm, _send_plan(raw[0][0], n, size),
                                                  model.trainable_variables) for n in ALONE}
-    # routing + retrieval of one batch alone (a private part of NestedPipeline)
-    prefetch = getattr(runs["dbp"][0], "_prefetch_fn", None) if "dbp" in runs else None
-    if prefetch is not None:
+    if "dbp" in runs:  # routing + retrieval of one batch alone (NestedPipeline.prefetch)
+        prefetch = runs["dbp"][0].prefetch
         calls["lookup"] = lambda: tf.nest.map_structure(
             lambda t: t.numpy(), prefetch(batches[state["cursor"] % len(batches)][0]))
 
@@ -329,19 +326,15 @@ def run(args):
 
     def timed_block(name):
         if name in calls:
-            def call_block():
-                for _ in range(args.steps - 2):
-                    t0 = time.perf_counter()
-                    calls[name]()
-                    times[name].append((time.perf_counter() - t0) * 1e3)
-            return call_block
+            return lambda _round: times[name].extend(
+                time_steps(lambda k: calls[name](), args.steps - 2))
         twin = f"local_{name}"
         if twin not in runs:
-            return lambda: times[name].extend(time_run(*runs[name], state["cursor"],
-                                                        args.steps))
+            return lambda _round: times[name].extend(time_run(*runs[name], state["cursor"],
+                                                               args.steps))
         flip = [False]
 
-        def paired_block():
+        def paired_block(_round):
             # The mode and its twin back to back (alternating which goes first), so the
             # load of this shared machine is alike for both: diffs[name] collects the
             # per-block T - P.
@@ -377,9 +370,8 @@ def run(args):
             state["cursor"] += args.steps
             log(f"{label} Mbit/s round {r + 1}/{args.rounds}: " + ", ".join(
                 f"{n} {median_ms(t):.1f}" for n, t in times.items()))
-        interleaved_rounds({n: timed_block(n) for n in blocks}, args.rounds, args.seed,
-                           barrier=lambda: comm.allgather_object(None),
-                           after_round=after_round)
+        timed_rounds({n: timed_block(n) for n in blocks}, args.rounds, args.seed,
+                     barrier=lambda: comm.allgather_object(None), after_round=after_round)
         step = {n: median_ms(t) for n, t in times.items()}
         alone = {n: step.pop(f"alone_fwp{n}") for n in ALONE}
         points[label] = _summarize(step, {n: median_ms(d) for n, d in diffs.items()}, alone)
@@ -411,7 +403,7 @@ def run(args):
         "clustering_unique_key_reduction_by_n": {str(n): _reduction(unique, n) for n in MICRO},
         "cluster_ms_per_batch": median_ms(cluster_ms),
         "tracing_s": round(trace_s, 1), "timed_s": round(timed_s, 1),
-        "cpu_count": os.cpu_count(), "rank_cpus": os.environ.get("FUSEDEMB_CPUS"),
+        "cpu_count": os.cpu_count(), "rank_cpus": os.environ.get("TF_FUSEDEMB_CPUS"),
         "intra_op_threads": (tf.config.threading.get_intra_op_parallelism_threads()
                              or os.environ.get("TF_NUM_INTRAOP_THREADS")),
         "inter_op_threads": (tf.config.threading.get_inter_op_parallelism_threads()

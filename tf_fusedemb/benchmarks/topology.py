@@ -41,6 +41,10 @@ import copy
 import os
 import sys
 
+from tf_fusedemb import quiet
+
+quiet.install()  # a command (and its workers): quiet TensorFlow before it loads
+
 from tf_fusedemb.benchmarks import plots
 from tf_fusedemb.benchmarks.launcher import (EXIT_UNAVAILABLE, add_launch_args,
                                              add_workload_args, benchmark_main,

@@ -1,8 +1,10 @@
 """Worker of ``tf_fusedemb.benchmarks.topology`` (one per Horovod rank); see there for
 what is measured and how."""
+import argparse
 import dataclasses
 import os
 import time
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -11,21 +13,25 @@ import tf_keras
 from tf_fusedemb.benchmarks import lookup_data
 from tf_fusedemb.benchmarks.launcher import network_description, request_link_rate
 from tf_fusedemb.benchmarks.lookup_models import DIM, CriteoNet, feature_specs
-from tf_fusedemb.benchmarks.timing import interleaved_rounds, median_ms
-from tf_fusedemb.comm import LocalCommunicator, get_communicator
+from tf_fusedemb.benchmarks.timing import median_ms, time_steps, timed_rounds
+from tf_fusedemb.comm import Communicator, LocalCommunicator, get_communicator
 from tf_fusedemb.comm import cost_model
 from tf_fusedemb.comm.cost_model import TrafficHints, measure_link_costs, node_dedup_ratio
 from tf_fusedemb.layers import FusedEmbedding
 from tf_fusedemb.layers.exchange import EXCHANGES
 from tf_fusedemb.models import train_step
-from tf_fusedemb.pipeline import PipelineOptions, make_pipeline
+from tf_fusedemb.pipeline import AutoPipeline, PipelineOptions
 from tf_fusedemb.training.tracing import RankInvariantFunction
 
 CAT = lookup_data.CATEGORICAL
 COUNTED_STEPS = 2  # steps whose counters give the bytes per step
 
 
-def _build(comm, args, exchange):
+# (model, loss, optimizer) of one benchmark model
+Pieces = Tuple[CriteoNet, tf_keras.losses.Loss, tf_keras.optimizers.Optimizer]
+
+
+def _build(comm: Communicator, args: argparse.Namespace, exchange: str) -> Pieces:
     """(model, loss, optimizer) of the benchmark's CriteoNet with ``exchange``."""
     layer = FusedEmbedding(feature_specs(args.lr), communicator=comm, exchange=exchange)
     model = CriteoNet(layer, seed=args.seed, hidden=args.hidden)
@@ -34,7 +40,8 @@ def _build(comm, args, exchange):
     return model, tf_keras.losses.BinaryCrossentropy(from_logits=True), optimizer
 
 
-def _model(comm, args, exchange):
+def _model(comm: Communicator, args: argparse.Namespace,
+           exchange: str) -> Tuple[RankInvariantFunction, CriteoNet]:
     """(step function, model) of the benchmark's CriteoNet with ``exchange``."""
     model, loss_fn, optimizer = _build(comm, args, exchange)
     step = RankInvariantFunction(lambda x, y: train_step(model, x, y, loss_fn, optimizer,
@@ -42,11 +49,12 @@ def _model(comm, args, exchange):
     return step, model
 
 
-def _measured_choice(comm, pieces, batches, cursor):
+def _measured_choice(comm: Communicator, pieces: Pieces, batches: List[Any],
+                     cursor: List[int]) -> Tuple[str, Dict[Optional[str], float]]:
     """The exchange ``PipelineOptions(exchange="auto")`` keeps, trained on ``pieces``
     (model, loss, optimizer) from the next batches: (kind, {kind: its probe's ms per step,
     the slowest rank's})."""
-    auto = make_pipeline(*pieces, PipelineOptions(exchange="auto"), comm)
+    auto = AutoPipeline(*pieces, PipelineOptions(exchange="auto"), comm)
     while auto.chosen is None:
         x, y = batches[cursor[0] % len(batches)]
         cursor[0] += 1
@@ -54,11 +62,17 @@ def _measured_choice(comm, pieces, batches, cursor):
     auto.flush()
     timings = {auto_options.exchange: round(auto.timings[label] * 1e3, 3)
                for label, auto_options in auto.schedules.items()}
+    assert auto.chosen_options is not None and auto.chosen_options.exchange is not None  # chosen
     return auto.chosen_options.exchange, timings
 
 
 def _tensors(batches):
     return [({k: tf.constant(v) for k, v in x.items()}, tf.constant(y)) for x, y in batches]
+
+
+def _on_batches(step, batches):
+    """``step(x, y)`` on batch k as a step of ``timing.time_steps``, its loss read."""
+    return lambda k: float(step(*batches[k % len(batches)]))
 
 
 def _counters(model):
@@ -99,7 +113,8 @@ def _dedup_bound(comm, raw):
     return float(np.mean(ratios)), float(np.mean(unique))
 
 
-def _real_ratio(comm, args, steps):
+def _real_ratio(comm: Communicator, args: argparse.Namespace,
+                steps: Dict[str, Tuple[RankInvariantFunction, CriteoNet]]) -> Dict[str, Any]:
     """Inter-node bytes ratio (hierarchical / flat) and dedup bound on the real sample."""
     if not args.real_data or not os.path.exists(args.real_data):
         return {"inter_node_bytes_ratio_real": None,
@@ -117,7 +132,9 @@ def _real_ratio(comm, args, steps):
                           args.real_batch_size, "bytes_per_step": got}}
 
 
-def _byte_figures(comm, args, steps, batches, bound, unique_per_rank):
+def _byte_figures(comm: Communicator, args: argparse.Namespace,
+                  steps: Dict[str, Tuple[RankInvariantFunction, CriteoNet]],
+                  batches: List[Any], bound: float, unique_per_rank: float) -> Dict[str, Any]:
     """The byte figures of the result (synthetic batches, and the real sample)."""
     counted = {k: _bytes_per_step(comm, *steps[k], batches) for k in EXCHANGES}
     flat, hier = (counted[k]["inter_bytes_sent"] for k in EXCHANGES)
@@ -145,17 +162,13 @@ def _point(times, diffs, planner_kind, measured_kind):
 def _time_rounds(comm, fns, batches, args, cursor, label, log):
     """Times ``fns`` ({name: step function}) in interleaved rounds of ``args.steps``
     steps; returns ({name: [ms]}, [per-round flat - twin ms])."""
-    times = {n: [] for n in fns}
-    diffs = []
+    times: Dict[str, List[float]] = {n: [] for n in fns}
+    diffs: List[float] = []
 
     def block(name):
-        def timed():
-            for k in range(args.steps):
-                x, y = batches[(cursor[0] + k) % len(batches)]
-                begin = time.perf_counter()
-                float(fns[name](x, y))
-                times[name].append((time.perf_counter() - begin) * 1e3)
-        return timed
+        def step(k):
+            float(fns[name](*batches[(cursor[0] + k) % len(batches)]))
+        return lambda _round: times[name].extend(time_steps(step, args.steps))
 
     def after_round(r):
         cursor[0] += args.steps
@@ -163,8 +176,8 @@ def _time_rounds(comm, fns, batches, args, cursor, label, log):
                      median_ms(times["twin"][-args.steps:]))
         log(f"{label} round {r + 1}: " + ", ".join(
             f"{n} {median_ms(t):.1f}" for n, t in times.items()))
-    interleaved_rounds({n: block(n) for n in fns}, args.rounds, args.seed,
-                       barrier=lambda: comm.allgather_object(None), after_round=after_round)
+    timed_rounds({n: block(n) for n in fns}, args.rounds, args.seed,
+                 barrier=lambda: comm.allgather_object(None), after_round=after_round)
     return times, diffs
 
 
@@ -186,8 +199,7 @@ def run(args):
     twin = _model(LocalCommunicator(), args, "flat")
     t0 = time.perf_counter()
     for name, (step, _) in list(steps.items()) + [("twin", twin)]:
-        for x, y in batches[:2]:
-            float(step(x, y))
+        time_steps(_on_batches(step, batches), min(2, len(batches)))  # warm-up, not kept
         log(f"{name} traced and warm ({time.perf_counter() - t0:.0f}s)")
     result = _byte_figures(comm, args, steps, batches, bound, unique_per_rank)
     log(f"bytes per step {result['bytes_per_step']}, dedup bound {bound:.4f}")
@@ -217,7 +229,8 @@ def run(args):
         points[f"{mbit:g}"] = dict(_point(times, diffs, estimate.kind, measured_kind),
                                    planner_predicted_ms={
                                        "flat": round(estimate.flat_s * 1e3, 3),
-                                       "hierarchical": round(estimate.hierarchical_s * 1e3, 3)},
+                                       "hierarchical": None if estimate.hierarchical_s is None
+                                       else round(estimate.hierarchical_s * 1e3, 3)},
                                    measured_probe_ms=probe)
     if rank != 0:
         return None

@@ -13,15 +13,17 @@ input structure with unknown batch dimensions: Keras traces its own step functio
 graphs whose collectives never meet.
 """
 import inspect
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Type, TypeVar, Union
 
 import tensorflow as tf
 import tf_keras
 
 from tf_fusedemb.comm import get_communicator
 from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
-from tf_fusedemb.pipeline import PipelineOptions, make_pipeline
+from tf_fusedemb.pipeline import AutoPipeline, NestedPipeline, PipelineOptions, make_pipeline
 from tf_fusedemb.training import step as steps
-from tf_fusedemb.training.loss import KerasLoss
+from tf_fusedemb.training.loop import TrainLoop
+from tf_fusedemb.training.loss import KerasLoss, LossLike
 from tf_fusedemb.training.progress import fit_verbosity
 from tf_fusedemb.training.rank_batches import RankBatches, agree_on_steps
 from tf_fusedemb.training.replicas import replicas_of
@@ -29,14 +31,28 @@ from tf_fusedemb.training.tracing import RankInvariantFunction
 
 METRICS_GATHER = "fusedemb/metrics_inputs"
 
+if TYPE_CHECKING:
+    class _KerasModel(tf_keras.Model):
+        """What SparseTrainingMixin is mixed into, to the type checker: its methods call and
+        override tf_keras.Model's."""
+else:
+    _KerasModel = object
 
-class SparseTrainingMixin:
+
+class SparseTrainingMixin(_KerasModel):
     """``compile``, the steps and ``metrics`` of FusedModel, shared by its subclassed and
     functional forms (a mixin, so the functional form need not inherit from FusedModel;
     see there)."""
 
-    def compile(self, optimizer="rmsprop", loss=None, metrics=None, loss_weights=None,
-                weighted_metrics=None, pipeline=None, replica_check_every=None, **kwargs):
+    # Keras's step functions (None until made), which the make_*_function below build.
+    train_function: Optional[Callable[[Any], Any]]
+    test_function: Optional[Callable[[Any], Any]]
+    predict_function: Optional[Callable[[Any], Any]]
+
+    def compile(self, optimizer: Any = "rmsprop", loss: Optional[LossLike] = None,
+                metrics: Any = None, loss_weights: Any = None, weighted_metrics: Any = None,
+                pipeline: Union[None, str, PipelineOptions] = None,
+                replica_check_every: Optional[int] = None, **kwargs: Any) -> None:
         """Keras ``compile``, plus ``pipeline``: a ``tf_fusedemb.pipeline.PipelineOptions``
         (or its string form, e.g. "dbp,fwp=4") making ``fit`` run NestPipe's dual-buffer
         prefetch and micro-batches with EmbRace's vertical scheduling. Pipelining changes
@@ -58,19 +74,19 @@ class SparseTrainingMixin:
         if self._fused_compile["pipeline"] is not None and kwargs.get("steps_per_execution", 1) != 1:
             raise ValueError("compile(pipeline=...) needs steps_per_execution=1")
         replicas_of(self).check_every = replica_check_every
-        self._fused_loss = None  # built at the first step, when output names are known
+        self._fused_loss: Optional[KerasLoss] = None  # built at the first step (output names)
         self._loss_tracker = tf_keras.metrics.Mean(name="loss")
-        self._fused_steps = {}
-        self._pipeline = None
-        self._lookahead = None
+        self._fused_steps: Dict[str, RankInvariantFunction] = {}
+        self._pipeline: Optional[Union[NestedPipeline, AutoPipeline]] = None
+        self._loop: Optional[TrainLoop] = None  # the pipeline's: one batch ahead
 
     @property
-    def metrics(self):
+    def metrics(self) -> List[tf_keras.metrics.Metric]:
         tracker = getattr(self, "_loss_tracker", None)
         others = [m for m in super().metrics if m is not tracker]
         return ([tracker] if tracker is not None else []) + others
 
-    def fit(self, *args, **kwargs):
+    def fit(self, *args: Any, **kwargs: Any) -> tf_keras.callbacks.History:
         """Keras ``fit``; without ``verbose``: no output off rank 0, the bar on a terminal,
         one line per epoch on a pipe (horovodrun), see ``training.progress``.
 
@@ -92,7 +108,7 @@ class SparseTrainingMixin:
                 call.get("batch_size"))
         return super().fit(**call)
 
-    def evaluate(self, *args, **kwargs):
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         """Keras ``evaluate``; a collective: every rank calls it. Ranks may hold
         different numbers of batches: every sample of every rank is evaluated (ranks
         that are out take part with empty batches), and the results are the global
@@ -100,7 +116,7 @@ class SparseTrainingMixin:
         self.flush_pipeline()
         return super().evaluate(**self._agreed("evaluate", tf_keras.Model.evaluate, args, kwargs))
 
-    def predict(self, *args, **kwargs):
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
         """Keras ``predict`` of this rank's samples; a collective: every rank calls it
         (the lookups are), with data of any length (see ``evaluate``)."""
         self.flush_pipeline()
@@ -116,17 +132,18 @@ class SparseTrainingMixin:
         return call
 
     @property
-    def training_pipeline(self):
+    def training_pipeline(self) -> Optional[Union[NestedPipeline, AutoPipeline]]:
         """The pipeline ``fit`` runs (NestedPipeline or AutoPipeline), None when synchronous
         or before the first pipelined step."""
         return getattr(self, "_pipeline", None)
 
-    def flush_pipeline(self):
+    def flush_pipeline(self) -> None:
         """Applies the pipeline's delayed row updates (before reading or saving tables)."""
-        if getattr(self, "_pipeline", None) is not None:
-            self._pipeline.flush()
+        pipeline = self.training_pipeline
+        if pipeline is not None:
+            pipeline.flush()
 
-    def make_train_function(self, force=False):
+    def make_train_function(self, force: bool = False) -> Callable[[Any], Dict[str, Any]]:
         """One step per call (``steps_per_execution`` steps), each on a batch all ranks
         agreed on (``RankBatches``): the synchronous step, or the pipelined one (looking
         one batch ahead) with ``compile(pipeline=...)``; eviction after every step."""
@@ -159,21 +176,22 @@ class SparseTrainingMixin:
         self.train_function = train_function
         return train_function
 
-    def make_test_function(self, force=False):
+    def make_test_function(self, force: bool = False) -> Callable[[Any], Dict[str, Any]]:
         """One evaluation step per call on the ranks' agreed batches (see ``evaluate``)."""
         if self.test_function is None or force:
             self.test_function = self._agreed_steps("evaluate", self._test_counter,
                                                     self.test_step)
         return self.test_function
 
-    def make_predict_function(self, force=False):
+    def make_predict_function(self, force: bool = False) -> Callable[[Any], Any]:
         """One prediction step per call on the ranks' agreed batches (see ``predict``)."""
         if self.predict_function is None or force:
             self.predict_function = self._agreed_steps("predict", self._predict_counter,
                                                        self.predict_step)
         return self.predict_function
 
-    def _agreed_steps(self, what, counter, step):
+    def _agreed_steps(self, what: str, counter: tf.Variable,
+                      step: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """``f(iterator)``: ``step`` on the next batch all ranks agreed on, counted."""
         batches = RankBatches(get_communicator(), "longest", what)
 
@@ -187,29 +205,16 @@ class SparseTrainingMixin:
         return self.train_step(batches.next(iterator))
 
     def _pipelined_step(self, iterator, batches):
-        """One pipelined step, looking one batch ahead in Keras's iterator (DBP needs the
-        next batch's features); at the end of the data the delayed updates are applied
-        and the next call ends the epoch."""
-        if self._pipeline is None:
+        """One pipelined step through the pipeline's ``TrainLoop``, which looks one batch
+        ahead in Keras's iterator (DBP needs the next batch's features), each batch agreed
+        by the ranks (``batches``); at the end of the data the delayed updates are applied
+        and the next call ends the epoch (StopIteration)."""
+        if self._loop is None:
             self._pipeline = make_pipeline(self, self._keras_loss(), self.optimizer,
                                            self._fused_compile["pipeline"], get_communicator())
-        if self._lookahead is None or self._lookahead[0] is not iterator:
-            current = batches.next(iterator)  # StopIteration ends Keras's epoch
-        else:
-            current = self._lookahead[1]
-        if current is None:
-            self._lookahead = None
-            raise StopIteration
-        try:
-            upcoming = batches.next(iterator)
-        except StopIteration:
-            upcoming = None
-        self._lookahead = (iterator, upcoming)
-        x, y, sample_weight = tf_keras.utils.unpack_x_y_sample_weight(current)
-        next_x = None if upcoming is None else tf_keras.utils.unpack_x_y_sample_weight(upcoming)[0]
-        result = self._pipeline.step(x, y, next_x, sample_weight)
-        if next_x is None:
-            self._pipeline.flush()
+            self._loop = TrainLoop(self._pipeline, draw=batches.next)
+        result, batch = self._loop.progress(iterator)
+        _, y, sample_weight = tf_keras.utils.unpack_x_y_sample_weight(batch)
         gathered = None
         if self._fused_compile["gather"]:
             gathered = self._traced("gather", self._gather)(y, result.predictions, sample_weight)
@@ -217,19 +222,19 @@ class SparseTrainingMixin:
 
     # ---------------------------------------------------------------- Keras steps
     @tf.autograph.experimental.do_not_convert
-    def train_step(self, data):
+    def train_step(self, data: Any) -> Dict[str, Any]:
         x, y, sample_weight = tf_keras.utils.unpack_x_y_sample_weight(data)
         loss, weight, _, gathered = self._traced("train", self._train_core)(x, y, sample_weight)
         return self._report(loss, weight, gathered)
 
     @tf.autograph.experimental.do_not_convert
-    def test_step(self, data):
+    def test_step(self, data: Any) -> Dict[str, Any]:
         x, y, sample_weight = tf_keras.utils.unpack_x_y_sample_weight(data)
         loss, weight, gathered = self._traced("test", self._test_core)(x, y, sample_weight)
         return self._report(loss, weight, gathered)
 
     @tf.autograph.experimental.do_not_convert
-    def predict_step(self, data):
+    def predict_step(self, data: Any) -> Any:
         x, _, _ = tf_keras.utils.unpack_x_y_sample_weight(data)
         return self._traced("predict", self._predict_core)(x)
 
@@ -284,7 +289,10 @@ class SparseTrainingMixin:
         return self.get_metrics_result()
 
 
-def register_model_class(cls):
+_ModelClass = TypeVar("_ModelClass", bound=type)
+
+
+def register_model_class(cls: _ModelClass) -> _ModelClass:
     """Class decorator: registers a model class as "tf_fusedemb>Name" and by its bare name,
     the only name ``Model.to_json`` writes, so ``tf_keras.models.model_from_json`` finds it
     without custom_objects."""
@@ -309,7 +317,7 @@ class FusedModel(SparseTrainingMixin, tf_keras.Model):
     later subclass of FusedModel (DLRM, ...) functional too.
     """
 
-    def __new__(cls, *args, **kwargs):
+    def __new__(cls, *args: Any, **kwargs: Any) -> "FusedModel":
         if cls is FusedModel and _functional_args(args, kwargs):
             return FunctionalFusedModel(*args, **kwargs)
         return super().__new__(cls, *args, **kwargs)

@@ -36,17 +36,21 @@ Table ops on one resource are ordered by ``tf.function``'s automatic control
 dependencies in program order, so the step emits them in the order the schedule needs:
 delayed writes of t-1, retrieval of t+1, updates of t.
 """
-from typing import Iterable, Optional
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Protocol, Tuple
 
 import tensorflow as tf
+import tf_keras
 
-from tf_fusedemb.comm import get_communicator
+from tf_fusedemb.comm import Communicator, get_communicator
 from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
+from tf_fusedemb.layers.group_interface import DistributedGroupLookup
 from tf_fusedemb.pipeline.options import PipelineOptions
 from tf_fusedemb.training import keysets
+from tf_fusedemb.training.loop import TrainLoop
 from tf_fusedemb.training.micro_batches import micro_batch_slices, slice_rows
 from tf_fusedemb.training.replicas import replicas_of
-from tf_fusedemb.training.step import (DENSE_GRADS, Schedule, after, as_keras_loss,
+from tf_fusedemb.training.loss import LossLike
+from tf_fusedemb.training.step import (DENSE_GRADS, Schedule, StepResult, after, as_keras_loss,
                                        top_layers_split, train_step)
 from tf_fusedemb.training.tracing import RankInvariantFunction
 
@@ -64,13 +68,20 @@ class NestedPipeline:
       options: PipelineOptions (default: synchronous).
       communicator: default ``tf_fusedemb.comm.get_communicator()``.
 
-    Use :meth:`run` over an iterable of ``(x, y)`` batches, or :meth:`step` with the next
-    batch's features, then :meth:`flush` before reading tables (checkpoint, eval,
-    export): with vertical scheduling the last step's delayed rows are pending.
+    Use :meth:`run` over an iterable of ``(x, y)`` batches, drive it with a
+    ``tf_fusedemb.training.loop.TrainLoop`` (which owns the data iterator and looks one batch
+    ahead), or call :meth:`step` with the next batch's features, then :meth:`flush` before
+    reading tables (checkpoint, eval, export): with vertical scheduling the last step's
+    delayed rows are pending.
+
+    Its :class:`PrefetchStages` (``route``, ``retrieve``, ``apply_pending``) are what its
+    :class:`PrefetchSchedule` calls inside the traced step.
     """
 
-    def __init__(self, model, loss, optimizer, options: Optional[PipelineOptions] = None,
-                 communicator=None):
+    def __init__(self, model: tf_keras.Model, loss: LossLike,
+                 optimizer: tf_keras.optimizers.Optimizer,
+                 options: Optional[PipelineOptions] = None,
+                 communicator: Optional[Communicator] = None):
         self.model, self.optimizer = model, optimizer
         self.loss = as_keras_loss(loss, model)
         self.options = options or PipelineOptions()
@@ -99,7 +110,8 @@ class NestedPipeline:
         self._flush_fn = RankInvariantFunction(self._flush)
 
     # ------------------------------------------------------------------ public API
-    def step(self, x, y, next_x=None, sample_weight=None):
+    def step(self, x: Mapping[str, tf.Tensor], y: Any, next_x: Optional[Mapping[str, tf.Tensor]] = None,
+             sample_weight: Any = None) -> StepResult:
         """One training step on this rank's batch ``(x, y, sample_weight)``.
 
         Args:
@@ -126,7 +138,7 @@ class NestedPipeline:
             self._optimizer_built = True
         return result
 
-    def flush(self):
+    def flush(self) -> None:
         """Applies pending delayed row updates and the last step's dense update (call
         before reading or saving tables or weights; every rank must call it: the dense
         update's AllReduce is a collective)."""
@@ -134,19 +146,18 @@ class NestedPipeline:
             self._flush_fn(self._pending, self._dense_pending)
             self._pending = self._dense_pending = None
 
-    def run(self, batches: Iterable, steps: Optional[int] = None):
-        """Trains on ``(x, y)`` batches (at most ``steps``), looking one batch ahead for
-        the prefetch; yields ``(loss, predictions)`` per step and flushes at the end."""
-        iterator = iter(batches)
-        current = next(iterator, None)
-        done = 0
-        while current is not None and (steps is None or done < steps):
-            last = steps is not None and done + 1 >= steps
-            upcoming = None if last else next(iterator, None)
-            result = self.step(current[0], current[1], None if upcoming is None else upcoming[0])
-            yield result.loss, result.predictions
-            current, done = upcoming, done + 1
-        self.flush()
+    def run(self, batches: Iterable, steps: Optional[int] = None) -> Iterator[Tuple[Any, Any]]:
+        """Trains on ``(x, y)`` (or ``(x, y, sample_weight)``) batches, at most ``steps``,
+        through a ``TrainLoop`` (one batch ahead for the prefetch); yields ``(loss,
+        predictions)`` per step and flushes after the last."""
+        for done in TrainLoop(self).run(batches, steps):
+            yield done.result.loss, done.result.predictions
+
+    def prefetch(self, x: Mapping[str, tf.Tensor]) -> List[List[Dict[str, Any]]]:
+        """DBP stages 3 and 4 of one batch alone (traced): per micro-batch, per lookup,
+        the routed lookup with its retrieved ``rows``, as a step prefetches them for the
+        next batch (the benchmarks time it)."""
+        return self._prefetch_fn(x)
 
     # ------------------------------------------------------------------ traced parts
     def _empty_pending(self):
@@ -154,13 +165,15 @@ class NestedPipeline:
                  "init_keys": tf.zeros([0], tf.int64), "step": tf.constant(0, tf.int64)}
                 for g in self.lookups]
 
-    def _apply_pending(self, pending):
-        return [g.table.apply_gradients(p["keys"], p["grads"], p["init_keys"], step=p["step"])
+    def apply_pending(self, pending: List[Dict[str, tf.Tensor]]) -> list:
+        """Applies a step's delayed row updates (one dict of ``keys``, ``grads``,
+        ``init_keys`` and the optimizer ``step`` per lookup), in the traced step."""
+        return [g.apply_gradients(p["keys"], p["grads"], p["init_keys"], step=p["step"])
                 for g, p in zip(self.lookups, pending)]
 
     def _flush(self, pending, dense_pending):
         if pending is not None:
-            self._apply_pending(pending)  # ops run as the function's stateful ops
+            self.apply_pending(pending)  # ops run as the function's stateful ops
         if dense_pending is not None:
             self._apply_dense(dense_pending)
 
@@ -171,12 +184,12 @@ class NestedPipeline:
         self.optimizer.apply_gradients(zip(bottom + list(dense_pending["top"]),
                                            self.model.trainable_variables))
 
-    def _route(self, x):
+    def route(self, x: Mapping[str, tf.Tensor]) -> List[List[Dict[str, Any]]]:
         """Per micro-batch, per lookup: the route() dict of ``x``'s slice (DBP stage 3)."""
         routed = []
-        schedule = Schedule(self.options.micro_batches, self.options.exchange)
+        schedule = Schedule(self.options.num_micro_batches, self.options.exchange)
         bounds = micro_batch_slices(_features_batch_size(x, self.layers),
-                                    self.options.micro_batches)
+                                    self.options.num_micro_batches)
         for i, (lo, hi) in enumerate(bounds):
             xi = slice_rows(x, lo, hi)
             context = schedule.context(i)
@@ -185,12 +198,12 @@ class NestedPipeline:
                                                  for f in layer.features}, context)])
         return routed
 
-    def _retrieve(self, routed):
+    def retrieve(self, routed: List[List[Dict[str, Any]]]) -> List[List[Dict[str, Any]]]:
         """Rows of every routed lookup from the tables (DBP stage 4)."""
         return [[dict(r, rows=g.retrieve(r)) for g, r in zip(self.lookups, mb)] for mb in routed]
 
     def _prefetch(self, x):
-        return self._retrieve(self._route(x))
+        return self.retrieve(self.route(x))
 
     def _step(self, x, y, sample_weight, prepared, pending, next_x, dense_pending):
         if dense_pending is not None:  # before this step reads the dense variables
@@ -199,6 +212,25 @@ class NestedPipeline:
         result = train_step(self.model, x, y, self.loss, self.optimizer, sample_weight,
                             self.comm, schedule)
         return result, schedule.synced, (schedule.new_pending or None), schedule.dense_pending
+
+
+class PrefetchStages(Protocol):
+    """What a :class:`PrefetchSchedule` calls on its pipeline (NestedPipeline implements
+    it), inside the traced step: the lookups' order, the options, DBP's stages 3 and 4
+    for the next batch and the delayed updates of the previous one. A routed or prepared
+    batch is a list per micro-batch of one dict per lookup (in ``lookups`` order), as
+    ``FusedEmbedding.route`` returns them (plus ``rows`` once retrieved)."""
+    options: PipelineOptions
+    lookups: list  # the model's GroupLookups, layer by layer
+
+    def route(self, x: Mapping[str, tf.Tensor]) -> List[List[Dict[str, Any]]]:
+        """Key routing of ``x``'s micro-batches (DBP stage 3)."""
+
+    def retrieve(self, routed: List[List[Dict[str, Any]]]) -> List[List[Dict[str, Any]]]:
+        """``routed`` with each lookup's retrieved ``rows`` (DBP stage 4)."""
+
+    def apply_pending(self, pending: List[Dict[str, tf.Tensor]]) -> list:
+        """The delayed row updates of the previous step, one dict per lookup."""
 
 
 class PrefetchSchedule(Schedule):
@@ -212,42 +244,46 @@ class PrefetchSchedule(Schedule):
     t+1. Results after tracing: ``synced`` (t+1's prepared lookups per micro-batch) and
     ``new_pending`` (the delayed updates)."""
 
-    def __init__(self, pipeline: NestedPipeline, prepared, pending, next_x):
-        super().__init__(pipeline.options.micro_batches, pipeline.options.exchange)
+    def __init__(self, pipeline: PrefetchStages, prepared: List[List[Dict[str, Any]]],
+                 pending: List[Dict[str, tf.Tensor]], next_x: Optional[Mapping[str, tf.Tensor]]):
+        super().__init__(pipeline.options.num_micro_batches, pipeline.options.exchange)
         self.pipeline, self.options = pipeline, pipeline.options
         self._prepared, self._pending, self._next_x = prepared, pending, next_x
-        self._routed_next = None
-        self._next = None
-        self.synced = [[] for _ in range(self.micro_batches if next_x is not None else 0)]
-        self.new_pending = []
-        self.dense_pending = None
+        self._routed_next: Optional[List[List[Dict[str, Any]]]] = None  # t+1's routed
+        self._next: Optional[List[List[Dict[str, Any]]]] = None  # ... and retrieved lookups
+        self.synced: List[List[Dict[str, Any]]] = [
+            [] for _ in range(self.micro_batches if next_x is not None else 0)]
+        self.new_pending: List[Dict[str, tf.Tensor]] = []
+        self.dense_pending: Optional[Dict[str, list]] = None
 
-    def after_forward(self, i, outputs):
+    def after_forward(self, i: int, outputs: Any) -> None:
         # DBP stage 3: t+1's key routing once micro-batch 0's forward is done. Horovod runs
         # collectives one at a time in the order all ranks requested them: started at
         # once, t+1's key AlltoAlls would run before t's row AlltoAlls, which the forward
         # waits for (seen in the timeline, docs/timelines/).
         if i == 0 and self._next_x is not None:
             next_x = after(tf.nest.flatten(outputs), self._next_x)
-            self._routed_next = self.pipeline._route(next_x)  # pylint: disable=protected-access
+            self._routed_next = self.pipeline.route(next_x)
 
-    def prepared(self, i):
+    def prepared(self, i: int) -> dict:
         if self._prepared is None:
             return {}
         return {id(g): p for g, p in zip(self.pipeline.lookups, self._prepared[i])}
 
-    def after_backward(self, done):
+    def after_backward(self, done: List[tf.Tensor]) -> None:
         # t-1's delayed rows, then DBP stage 4 (retrieval of t+1's rows, which must see
         # those writes), once t's local backward is computed: on shared cores they then
         # fill the time t's gradient and dense collectives are in flight instead of
         # competing with t's forward.
         with tf.control_dependencies(done):
-            delayed = self.pipeline._apply_pending(self._pending) if self._pending else []  # pylint: disable=protected-access
+            delayed = self.pipeline.apply_pending(self._pending) if self._pending else []
         if self._routed_next is not None:
             with tf.control_dependencies([d for d in delayed if d is not None] + done):
-                self._next = self.pipeline._retrieve(self._routed_next)  # pylint: disable=protected-access
+                self._next = self.pipeline.retrieve(self._routed_next)
 
-    def update_dense(self, comm, optimizer, grads, variables, row_grads, extras):
+    def update_dense(self, comm: Communicator, optimizer: tf_keras.optimizers.Optimizer,
+                     grads: List[tf.Tensor], variables: List[tf.Variable],
+                     row_grads: List[tf.Tensor], extras: List[tf.Tensor]) -> List[tf.Tensor]:
         if self._next_x is None:  # the last step: no next step to apply it in
             return super().update_dense(comm, optimizer, grads, variables, row_grads, extras)
         # The top layers' half (with the extras) now, during the backward; the bottom
@@ -258,9 +294,10 @@ class PrefetchSchedule(Schedule):
         self.dense_pending = {"bottom": grads[:split], "top": reduced[:top]}
         return reduced[top:]
 
-    def apply_rows(self, lookup, keys, grads, init_keys):
+    def apply_rows(self, lookup: DistributedGroupLookup, keys: tf.Tensor, grads: tf.Tensor,
+                   init_keys: tf.Tensor) -> None:
         if self._next is None:
-            lookup.table.apply_gradients(keys, grads, init_keys)
+            lookup.apply_gradients(keys, grads, init_keys)
             return
         j = self.pipeline.lookups.index(lookup)
         nxt_j = [mb[j] for mb in self._next]
@@ -273,7 +310,7 @@ class PrefetchSchedule(Schedule):
         """Updates prior rows of one group now; returns (pending delayed part,
         synchronised prefetch rows per micro-batch of t+1)."""
         next_keys = tf.concat([p["keys"] for p in nxt_j], 0)
-        step = g.table.advance_step()
+        step = g.advance_step()
         if self.options.uses_vertical:
             prior, _ = keysets.find_keys(keys, next_keys)
         else:
@@ -284,9 +321,9 @@ class PrefetchSchedule(Schedule):
         pk, pg, pi = (tf.boolean_mask(t, prior) for t in (keys, grads, init))
         if not self.options.sync_buffers:  # the stale variant: t+1 keeps pre-update rows
             with tf.control_dependencies([p["rows"] for p in nxt_j]):
-                g.table.apply_gradients(pk, pg, pi, step=step)
+                g.apply_gradients(pk, pg, pi, step=step)
             return pending, [p["rows"] for p in nxt_j]
-        _, new_rows = g.table.apply_gradients(pk, pg, pi, step=step, return_rows=True)
+        _, new_rows = g.apply_gradients(pk, pg, pi, step=step, return_rows=True)
         padded = tf.concat([new_rows, tf.zeros([1, g.group.dim])], 0)
         rows = []
         for p in nxt_j:  # dual-buffer synchronisation: fresh values of K(B_t) ∩ K(B_t+1)

@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
+from tf_fusedemb import quiet
 from tf_fusedemb.comm import get_communicator
 
 __all__ = ["BatchLosses", "DistributedTestCase", "fit_on_this_rank", "rank_bounds",
@@ -122,10 +123,12 @@ class DistributedTestCase(tf.test.TestCase):
 
     def _launch(self, job, work, num_ranks, timeout, env) -> str:
         horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-        cmd = [horovodrun, "-np", str(num_ranks), "--gloo", "-H", f"localhost:{num_ranks}",
-               sys.executable, "-m", "tf_fusedemb.testing.rank_worker", job, work]
-        full_env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
-                        TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS="1", **env)
+        # horovodrun's Gloo check imports TensorFlow: C++ logs off there, level 2 in the ranks.
+        cmd, full_env = quiet.launcher_command(
+            [horovodrun, "-np", str(num_ranks), "--gloo", "-H", f"localhost:{num_ranks}", "--",
+             sys.executable, "-m", "tf_fusedemb.testing.rank_worker", job, work],
+            dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+                 TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS="1", **env))
         proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:

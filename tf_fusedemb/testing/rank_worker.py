@@ -6,9 +6,11 @@ writes the result where the test reads it.
 import os
 import sys
 
+from tf_fusedemb import quiet
+
 
 def main(job: str, out_dir: str) -> None:
-    import tf_fusedemb  # noqa: F401  (environment defaults before TensorFlow loads)
+    quiet.install()  # a rank of the project's launcher: quiet TensorFlow before it loads
     import cloudpickle  # optional: comes with Horovod  pylint: disable=import-outside-toplevel
     with open(job, "rb") as f:
         fn, args = cloudpickle.load(f)

@@ -1,64 +1,43 @@
-"""Deterministic fault injection for tests of killed workers.
+"""The training job's declared fault points: no-ops unless a test installs a hook.
 
-``TF_FUSEDEMB_FAULT="rank=1,step=30,phase=step"`` makes rank 1 kill itself with SIGKILL
-(no clean-up, no goodbye: as the OOM killer or a crashed host would) at one point:
-
-* ``phase=step``: right before it runs training step 30 (1-based: 29 steps are done),
-  so the other ranks are inside that step's collectives, waiting for it;
-* ``phase=save``: inside ``CheckpointManager.save`` of checkpoint 30, after the first
-  half of its shard file is written (the rest is never written), while the others write
-  their shards or wait at the save's barrier.
-
-Unset (the default), nothing happens. A rerun meant to resume must not carry the
-variable, or the same rank dies at the same point again.
+The main job (``tf_fusedemb.train``) calls :func:`inject` right before each training step
+(``phase="step"``) and ``CheckpointManager.save`` calls it after writing this rank's shard
+(``phase="save"``, with the shard's path). By default nothing happens and nothing is read
+from the environment. Tests of killed workers install a hook through
+``tf_fusedemb.testing.faults`` (a fault plan, and a wrapper command that installs it
+before running the job); the plan's parsing and the kill live there, not here.
 """
-import os
-import signal
-import sys
-from dataclasses import dataclass
+from typing import Optional, Protocol
 
-ENV = "TF_FUSEDEMB_FAULT"
+__all__ = ["FaultHook", "PHASES", "inject", "set_hook"]
+
 PHASES = ("step", "save")
 
 
-@dataclass(frozen=True)
-class Fault:
-    """Rank ``rank`` dies in ``phase`` of step ``step``."""
-    rank: int
-    step: int
-    phase: str
+class FaultHook(Protocol):
+    """What :func:`set_hook` installs: called at every fault point."""
+
+    def __call__(self, phase: str, step: int, rank: int,
+                 partial_file: Optional[str] = None) -> None:
+        """``phase``: one of PHASES; ``step``: the 1-based training step (or checkpoint
+        step); ``rank``: this process's rank; ``partial_file``: a file being written at
+        this point (the checkpoint shard), or None."""
 
 
-def parse(spec):
-    """``"rank=1,step=30,phase=step"`` -> Fault; None for an empty spec."""
-    if not spec or not spec.strip():
-        return None
-    fields = {}
-    for part in spec.split(","):
-        key, sep, value = part.partition("=")
-        if not sep or key.strip() not in ("rank", "step", "phase"):
-            raise ValueError(f"{ENV}: expected 'rank=R,step=S,phase=step|save', got {spec!r}")
-        fields[key.strip()] = value.strip()
-    if set(fields) != {"rank", "step", "phase"}:
-        raise ValueError(f"{ENV}: needs rank, step and phase, got {spec!r}")
-    if fields["phase"] not in PHASES:
-        raise ValueError(f"{ENV}: phase must be one of {PHASES}, got {fields['phase']!r}")
-    try:
-        return Fault(int(fields["rank"]), int(fields["step"]), fields["phase"])
-    except ValueError:
-        raise ValueError(f"{ENV}: rank and step must be integers, got {spec!r}") from None
+def _no_fault(phase: str, step: int, rank: int, partial_file: Optional[str] = None) -> None:
+    del phase, step, rank, partial_file
 
 
-def inject(phase, step, rank, partial_file=None):
-    """SIGKILLs this process when TF_FUSEDEMB_FAULT names ``phase``, ``step`` and
-    ``rank``; first cuts ``partial_file`` (if given) to half its size, as if the kill had
-    come in the middle of writing it."""
-    fault = parse(os.environ.get(ENV))
-    if fault is None or (fault.phase, fault.step, fault.rank) != (phase, int(step), int(rank)):
-        return
-    if partial_file is not None:
-        os.truncate(partial_file, os.path.getsize(partial_file) // 2)
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os.write(2, f"{ENV}: rank {rank} kills itself (SIGKILL) in {phase} {step}\n".encode())
-    os.kill(os.getpid(), signal.SIGKILL)
+_hook: FaultHook = _no_fault
+
+
+def inject(phase: str, step: int, rank: int, partial_file: Optional[str] = None) -> None:
+    """A fault point: calls the installed hook (by default, nothing)."""
+    _hook(phase, int(step), int(rank), partial_file)
+
+
+def set_hook(hook: Optional[FaultHook]) -> FaultHook:
+    """Installs ``hook`` for this process (None: no faults); returns the previous one."""
+    global _hook
+    previous, _hook = _hook, (hook or _no_fault)
+    return previous

@@ -159,8 +159,7 @@ class EmulatedCluster:
         if not self._started:
             raise RuntimeError("start the cluster first (with EmulatedCluster(...) as c:)")
         cpus = assign_cpus(self.size, self._cpus) if self.pin else None
-        extra = {"FUSEDEMB_CLUSTER": self.name}
-        extra.update(env or {})
+        extra = dict(env or {})
         self.last_result = None
         assert self.network.bridge_address is not None  # set when the cluster started
         try:

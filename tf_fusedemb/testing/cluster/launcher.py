@@ -175,7 +175,6 @@ def run_job(command: Sequence[str], plan: Sequence, rendezvous_address: str,
             rank_env.update(env or {})  # the caller's settings win over the defaults above
             rank_env.update({k: str(v) for k, v in run_env.items()})
             rank_env.update(create_slot_env_vars(slot))
-            rank_env["FUSEDEMB_CLUSTER_HOST"] = slot.hostname
             rank_env["PYTHONUNBUFFERED"] = "1"  # lines reach the prefixer as they are printed
             p = subprocess.Popen(argv + list(command), env=rank_env, cwd=cwd,
                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,

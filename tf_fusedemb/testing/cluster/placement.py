@@ -5,14 +5,14 @@ cores; with fewer cores, ranks go round-robin over them (rank r on core r mod co
 ranks of one host land on different cores. Without pinning, the ranks of every host
 would contend for all cores and compute contention would hide what the network does.
 
-Environment each rank gets (benchmarks report ``FUSEDEMB_CPUS``):
+Environment each rank gets (benchmarks report ``TF_FUSEDEMB_CPUS``):
 
     TF_NUM_INTRAOP_THREADS  k, the number of cores of the rank (TensorFlow reads it when
                             the program sets no thread count itself)
     TF_NUM_INTEROP_THREADS  max(2, k) by default: one blocking kernel (a py_function, a
                             queue) must not stall every other op of the step
     OMP_NUM_THREADS         k (oneDNN / OpenMP kernels)
-    FUSEDEMB_CPUS           the rank's cores, e.g. "0" or "2,3"
+    TF_FUSEDEMB_CPUS        the rank's cores, e.g. "0" or "2,3"
 """
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -45,4 +45,4 @@ def thread_env(cpus: Sequence[int], inter_op_threads: Optional[int] = None) -> D
     return {"TF_NUM_INTRAOP_THREADS": str(k),
             "TF_NUM_INTEROP_THREADS": str(inter_op_threads or max(2, k)),
             "OMP_NUM_THREADS": str(k),
-            "FUSEDEMB_CPUS": ",".join(str(c) for c in cpus)}
+            "TF_FUSEDEMB_CPUS": ",".join(str(c) for c in cpus)}
