@@ -90,7 +90,7 @@ ifeq ($(HOSTS),1)
 # horovodrun as for `make smoke` (below: the launcher with C++ logs off, the workers at 2).
 # Each rank is pinned to its share of the cores, with thread counts to match (as on emulated
 # hosts; tf_fusedemb/testing/cluster/pinned.py): on a quiet 2-core machine the main job ran at
-# 65-72k samples/s pinned against 50-53k unpinned. PIN=0 turns it off for a machine shared
+# 84k samples/s pinned against 71k unpinned. PIN=0 turns it off for a machine shared
 # with other work, where a pinned rank waits for its core (17-19k against 30k at load 4-8).
 PIN ?= 1
 TRAIN_LAUNCH = $(HOROVODRUN) $(if $(filter 1 yes true,$(PIN)),$(PY) -m tf_fusedemb.testing.cluster.pinned)
