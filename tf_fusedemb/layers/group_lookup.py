@@ -67,7 +67,9 @@ class GroupLookup(tf.Module):
             if self.key_mode == "packed" and not group.is_static else None
         self._ranges = [" and ".join(words for _, _, words in id_ranges(f, id_bits))
                         for f in group.features]
-        self._tags = tf.constant(hashing.category_tags(self.table_names))
+        # The tables' tags: uint64 bits for host-side keys (storage_keys), int64 in graphs.
+        self._tag_bits = hashing.category_tags(self.table_names).view(np.uint64)
+        self._tags = tf.constant(self._tag_bits.view(np.int64))
         self.counters = CommCounters(group.name,
                                      link_classes=communicator.topology.cross_size > 1)
         # Both exchanges where the topology allows (same tables and owners: a step may
@@ -189,8 +191,7 @@ class GroupLookup(tf.Module):
         tables, ``(table << id_bits) | ID`` packed (IDs must fit), else the hashed key
         ``mix64(ID ^ tag(table))``, which is also every key's init key."""
         ids, tables = np.asarray(ids, np.int64), np.asarray(tables, np.int64)
-        tags = hashing.category_tags(self.table_names).view(np.uint64)
-        hashed = hashing.mix64(ids.view(np.uint64) ^ tags[tables]).view(np.int64)
+        hashed = hashing.mix64(ids.view(np.uint64) ^ self._tag_bits[tables]).view(np.int64)
         if self.group.is_static:
             return self._offsets.numpy()[tables] + ids, hashed
         if self.key_mode == "packed":
@@ -254,11 +255,6 @@ class GroupLookup(tf.Module):
     def advance_step(self) -> tf.Tensor:
         """Adds 1 to the group's optimizer step (int64); returns the new value."""
         return self.table.advance_step()
-
-    @property
-    def step(self) -> tf.Variable:
-        """The group's optimizer step counter (int64 scalar variable, read-only use)."""
-        return self.table.step
 
     def num_stored_rows(self) -> int:
         """Rows this rank stores for the group: written (trained or restored) rows (eager)."""
