@@ -12,6 +12,7 @@ from tf_fusedemb.comm.cost_model import TrafficHints, estimate
 from tf_fusedemb.layers.group_lookup import GroupLookup
 from tf_fusedemb.layers.lookup_context import NO_CONTEXT, LookupContext
 from tf_fusedemb.layers.inputs import flatten_feature, to_tensor
+from tf_fusedemb.layers.row_update import MARKER_NAME, check_marker
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FeatureSpec, FusionPlan, describe_plan_difference, plan_fusion
 from tf_fusedemb.storage.backend import StatisticsStorage
@@ -53,8 +54,12 @@ class FusedEmbedding(tf_keras.layers.Layer):
       the sample's IDs; an empty sample gives zeros) and float32[B, L, dim] for sequence
       features (L = max_len for ragged/sparse input, zero-padded; L of a dense input).
 
-    Training needs the sparse update of the owner rows: use ``tf_fusedemb.models.FusedModel``
-    (``model.fit``) or ``tf_fusedemb.models.train_step``.
+    Training: the rows train wherever the layer's trainable variables are differentiated
+    (plain ``Model.fit``, a ``tf.GradientTape`` loop, ``FusedModel``): the layer's one
+    trainable scalar, its row-update marker, makes the tape differentiate through the
+    lookup, and the gradient updates the owner rows with the group's row optimizer
+    (``tf_fusedemb.layers.row_update``). On several ranks outside ``FusedModel``, wrap the
+    dense optimizer in ``tf_fusedemb.training.DistributedOptimizer`` (checked).
     """
 
     def __init__(self, features: Sequence[FeatureSpec], plan: Optional[FusionPlan] = None,
@@ -168,21 +173,46 @@ class FusedEmbedding(tf_keras.layers.Layer):
         return [lookup.route(self._flat_features(lookup, inputs), context)
                 for lookup in self.groups]
 
+    def build(self, input_shape: Any = None) -> None:
+        # The row-update marker (see tf_fusedemb.layers.row_update): always 0, trainable,
+        # so differentiating the layer's variables differentiates its lookups.
+        self.row_update_marker = self.add_weight(name=MARKER_NAME, shape=(), dtype=tf.float32,
+                                                 initializer="zeros", trainable=True)
+        super().build(input_shape)
+
     def call(self, inputs: Mapping[str, tf.Tensor],
              training: Optional[bool] = None) -> Dict[str, tf.Tensor]:
         # Access statistics count training lookups (and direct calls), never those of
         # evaluate/predict (training=False): eviction and reports must not see eval data.
         record = training is not False
         self._check_inputs(inputs)
+        marker = self._marker(record)
         outputs = {}
         for group in self.groups:
             lookup = self.lookup_context.lookup_for(group)
             feats = lookup.group.features
             flats = self._flat_features(lookup, inputs)
-            embs = lookup(flats, [f.combiner for f in feats], self.lookup_context, record)
+            combiners = [f.combiner for f in feats]
+            if lookup is group:
+                embs = group(flats, combiners, self.lookup_context, record, marker)
+            else:  # a substitute (serving, sharded inference): nothing trains
+                embs = lookup(flats, combiners, self.lookup_context, record)
             for spec, flat, emb in zip(feats, flats, embs):
                 outputs[spec.name] = _shape_output(spec, flat, emb)
         return outputs
+
+    def _marker(self, training: bool) -> Optional[tf.Tensor]:
+        """The marker's value for a training pass (None otherwise). Outside a step of
+        ours on several ranks, checked to be 0: an optimizer that applied its gradient
+        did not average the dense gradients (``row_update.check_marker``)."""
+        if not training or not self.trainable:
+            return None
+        marker = tf.convert_to_tensor(self.row_update_marker)
+        context = self.lookup_context
+        if self._comm.size > 1 and context.tape is None and context.row_update is None:
+            with tf.control_dependencies([check_marker(marker, self._comm.size)]):
+                marker = tf.identity(marker)
+        return marker
 
     def set_embedding_weights(self, weights: Mapping[str, npt.ArrayLike]) -> None:
         """Loads whole tables, e.g. the weights of the Keras Embeddings this layer replaces

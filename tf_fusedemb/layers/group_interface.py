@@ -66,8 +66,11 @@ class DistributedGroupLookup(GroupEmbeddings, Protocol):
         """The owner's rows of ``routed["keys"]``: float32[u_l, dim]."""
 
     def serve(self, routed: Mapping[str, tf.Tensor], rows: tf.Tensor, flats: Sequence[Any],
-              combiners: Combiners, context: LookupContext) -> List[tf.Tensor]:
-        """The owner's ``rows`` back to the requesters, recovered per feature."""
+              combiners: Combiners, context: LookupContext,
+              marker: Optional[tf.Tensor] = None) -> List[tf.Tensor]:
+        """The owner's ``rows`` back to the requesters, recovered per feature; with the
+        layer's row-update ``marker``, differentiating it updates the rows
+        (``tf_fusedemb.layers.row_update``)."""
 
     def apply_gradients(self, keys: tf.Tensor, grads: tf.Tensor,
                         init_keys: Optional[tf.Tensor] = None, step: Optional[tf.Tensor] = None,

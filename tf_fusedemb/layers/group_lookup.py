@@ -20,6 +20,7 @@ from tf_fusedemb.layers.group_interface import Combiners, GroupState, KeyExchang
 from tf_fusedemb.layers.hierarchical_exchange import HierarchicalExchange
 from tf_fusedemb.layers.inputs import FlatFeature, id_ranges, out_of_range_message
 from tf_fusedemb.layers.lookup_context import NO_CONTEXT, LookupContext
+from tf_fusedemb.layers.row_update import RowUpdate, through_row_update
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FusedGroup
 from tf_fusedemb.storage.backend import GroupStorage, StaticLayout, backend_for
@@ -394,10 +395,17 @@ class GroupLookup(tf.Module):
         return rows
 
     def serve(self, routed: Mapping[str, tf.Tensor], rows: tf.Tensor, flats: Sequence[FlatFeature],
-              combiners: Combiners, context: LookupContext = NO_CONTEXT) -> List[tf.Tensor]:
+              combiners: Combiners, context: LookupContext = NO_CONTEXT,
+              marker: Optional[tf.Tensor] = None) -> List[tf.Tensor]:
         """Steps 7-8: rows back to the requesters (AlltoAll) and recovery per feature.
-        With a tape in ``context`` the owner's ``rows`` are watched and recorded."""
-        context.record(rows, routed["keys"], routed["init_keys"], self, self.group.name)
+        With a tape in ``context`` the owner's ``rows`` are watched and recorded; else,
+        given the layer's row-update ``marker`` (float32 scalar), they pass through it
+        (``row_update.through_row_update``): differentiating the marker updates them."""
+        if context.tape is not None:
+            context.record(rows, routed["keys"], routed["init_keys"], self, self.group.name)
+        elif marker is not None:
+            rows = through_row_update(marker, rows, self, routed["keys"], routed["init_keys"],
+                                      context.row_update or RowUpdate.for_ranks(self.comm.size))
         served = tf.gather(rows, routed["inverse"])
         back = self.exchange_for(context).send_rows(served, routed, context.suffix)
         back.set_shape([None, self.group.dim])
@@ -406,7 +414,8 @@ class GroupLookup(tf.Module):
 
     def __call__(self, flats: Sequence[FlatFeature], combiners: Combiners,
                  context: LookupContext = NO_CONTEXT,
-                 record_statistics: bool = True) -> List[tf.Tensor]:
+                 record_statistics: bool = True,
+                 marker: Optional[tf.Tensor] = None) -> List[tf.Tensor]:
         """Embeddings of the group's features.
 
         Args:
@@ -414,16 +423,18 @@ class GroupLookup(tf.Module):
           combiners: per feature 'sum' | 'mean' | 'sqrtn', or None for one row per ID.
           context: the step's LookupContext (prepared lookups, names, recording).
           record_statistics: count these accesses (False for evaluation/prediction).
+          marker: the layer's row-update marker (training), see ``serve``.
         Returns:
           per feature float32[B_f, dim] (pooled) or float32[n_f, dim] (one row per ID).
         """
         prepared = context.prepared_for(self)
         if prepared is None:
             routed = self.route(flats, context, record_statistics)
-            return self.serve(routed, self.retrieve(routed), flats, combiners, context)
+            return self.serve(routed, self.retrieve(routed), flats, combiners, context,
+                              marker)
         ids = tf.concat([f.ids for f in flats], 0)
         return self.serve(prepared, self._check_prepared(prepared, ids)["rows"], flats,
-                          combiners, context)
+                          combiners, context, marker)
 
     def _check_prepared(self, prepared, ids):
         """Fails clearly when the layer is called with other IDs than were prefetched."""

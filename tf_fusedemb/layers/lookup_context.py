@@ -11,14 +11,21 @@ installs it on the model's FusedEmbedding layers for the duration of one forward
 * uses the ``exchange`` the step asks for ("flat" | "hierarchical"), else its own, so one
   model can be trained with either (a measured choice, ``PipelineOptions(exchange="auto")``);
 * with a ``tape``, watches the owner-side rows it looked up and appends a
-  :class:`LookupRecord`, so the step can differentiate them and apply the row update.
+  :class:`LookupRecord`, so the step can differentiate them and apply the row update
+  (pipelines and micro-batches, whose row updates are deferred or coalesced);
+* without one, passes the owner-side rows through the layer's row-update marker
+  (:mod:`tf_fusedemb.layers.row_update`) with ``row_update``, so whoever differentiates
+  the layer's variables also updates the rows.
 
-Outside any context a lookup routes, retrieves and records nothing (inference).
+Outside any context (``NO_CONTEXT``: a plain Keras model, a custom loop) a lookup routes
+and retrieves, and its rows take the plain-Keras update of the layer's ranks.
 """
 import dataclasses
 from typing import Any, Dict, List, Optional
 
 import tensorflow as tf
+
+from tf_fusedemb.layers.row_update import RowUpdate
 
 
 @dataclasses.dataclass
@@ -52,6 +59,8 @@ class LookupContext:
         group's embeddings instead of its distributed lookup, for this forward pass
         (the one-host serving copy of an export, the pushed rows of sharded inference):
         the layer keeps its lookups.
+      row_update: how rows are updated from their gradient when no ``tape`` records them;
+        None: the plain-Keras update of the layer's ranks (``RowUpdate.for_ranks``).
     """
     tape: Optional[tf.GradientTape] = None
     prepared: Dict[int, dict] = dataclasses.field(default_factory=dict)
@@ -59,6 +68,7 @@ class LookupContext:
     records: List[LookupRecord] = dataclasses.field(default_factory=list)
     exchange: Optional[str] = None
     substitutes: Dict[int, Any] = dataclasses.field(default_factory=dict)
+    row_update: Optional[RowUpdate] = None
 
     def lookup_for(self, lookup: Any) -> Any:
         """What gives ``lookup``'s embeddings in this pass: its substitute, or itself."""

@@ -256,6 +256,10 @@ class PrefetchSchedule(Schedule):
         self.new_pending: List[Dict[str, tf.Tensor]] = []
         self.dense_pending: Optional[Dict[str, list]] = None
 
+    @property
+    def records_rows(self) -> bool:
+        return True  # the prior rows now, the rest delayed (apply_rows)
+
     def after_forward(self, i: int, outputs: Any) -> None:
         # DBP stage 3: t+1's key routing once micro-batch 0's forward is done. Horovod runs
         # collectives one at a time in the order all ranks requested them: started at

@@ -40,6 +40,7 @@ from tf_fusedemb.comm import Communicator, get_communicator
 from tf_fusedemb.layers.fused_embedding import fused_embedding_layers, use_context
 from tf_fusedemb.layers.group_interface import DistributedGroupLookup
 from tf_fusedemb.layers.lookup_context import LookupContext, LookupRecord
+from tf_fusedemb.layers.row_update import RowUpdate, row_gradient
 from tf_fusedemb.training import keysets
 from tf_fusedemb.training.loss import KerasLoss, LossLike, LossPartial, LossTotals
 from tf_fusedemb.training.micro_batches import batch_size_of, micro_batch_slices, slice_rows
@@ -74,9 +75,21 @@ class Schedule:
         self.micro_batches = micro_batches
         self.exchange = exchange
 
+    @property
+    def records_rows(self) -> bool:
+        """Whether the step records the owner rows and applies their update itself
+        (``apply_rows``: micro-batches coalesce their gradients first, pipelines defer
+        parts); else the rows update as their gradient is computed, through the layers'
+        row-update markers (``tf_fusedemb.layers.row_update``), which also works when
+        the model's ``call`` is a ``tf.function``."""
+        return self.micro_batches > 1
+
     def context(self, i: int) -> LookupContext:
-        """The LookupContext of micro-batch ``i``'s lookups (no tape yet)."""
-        return LookupContext(None, self.prepared(i), self.suffix(i), exchange=self.exchange)
+        """The LookupContext of micro-batch ``i``'s lookups (no tape yet). The step's
+        loss is the global batch's (scaled by global coefficients): row gradients summed
+        over ranks are applied as they are."""
+        return LookupContext(None, self.prepared(i), self.suffix(i), exchange=self.exchange,
+                             row_update=RowUpdate(scale=1.0, marker_gradient=0.0))
 
     def suffix(self, i: int) -> str:
         """Collective-name suffix of micro-batch ``i`` (names must differ per micro-batch)."""
@@ -189,12 +202,14 @@ def train_step(model: tf_keras.Model, x: Any, y: Any, loss: LossLike,
             x_i = after([r.rows for r in records[-1]], x_i,
                         skip=[k for k in x_i if k not in lookup_inputs])
         with tf.GradientTape() as tape, use_context(model, context):
-            context.tape = tape
+            if schedule.records_rows:
+                context.tape = tape
             pred = model(x_i, training=True)
             partials.append(loss.partial(slice_rows(y, lo, hi), pred,
                                          slice_rows(sample_weight, lo, hi)))
             if i == 0:  # weight regularisers: once per batch, as in Keras
                 reg = regularization(model)
+        _check_recorded_here(context.records)
         schedule.after_forward(i, pred)
         tapes.append(tape)
         preds.append(pred)
@@ -237,10 +252,11 @@ def train_step(model: tf_keras.Model, x: Any, y: Any, loss: LossLike,
         sums = comm.allreduce_sum(local_sums, LOSS_STATS + "/sums")
     totals = loss.totals(partials[0], sizes, sums, reg)
     replicas.average_forward_state(comm)  # e.g. BatchNormalization's statistics
-    for layer in fused_embedding_layers(model):
-        for lookup in layer.groups:
-            keys, grads, init = _coalesce(parts.get(id(lookup), []), lookup.group.dim)
-            schedule.apply_rows(lookup, keys, grads, init)
+    if schedule.records_rows:
+        for layer in fused_embedding_layers(model):
+            for lookup in layer.groups:
+                keys, grads, init = _coalesce(parts.get(id(lookup), []), lookup.group.dim)
+                schedule.apply_rows(lookup, keys, grads, init)
     pred = preds[0] if len(preds) == 1 else tf.nest.map_structure(
         lambda *p: tf.concat(p, 0), *preds)
     return StepResult(totals.value, totals.weight, pred)
@@ -277,16 +293,6 @@ def dense_gradient(grad: Optional[tf.Tensor], var: tf.Variable) -> tf.Tensor:
     return tf.zeros_like(var) if grad is None else tf.convert_to_tensor(grad)
 
 
-def row_gradient(grad: Union[None, tf.Tensor, tf.IndexedSlices], rows: tf.Tensor) -> tf.Tensor:
-    """The gradient of recorded owner rows as float32[u_l, dim]: IndexedSlices (from the
-    gather by I_l) are accumulated per row; None gives zeros."""
-    if grad is None:
-        return tf.zeros_like(rows)
-    if isinstance(grad, tf.IndexedSlices):  # accumulation by I_l on the owner
-        return tf.math.unsorted_segment_sum(grad.values, grad.indices, tf.shape(rows)[0])
-    return grad
-
-
 def after(deps: List[tf.Tensor], x: Any, skip: Collection[str] = ()) -> Any:
     """``x`` (a tensor, or a dict / list / tuple of them) whose plain tensors, except the
     dict entries named in ``skip``, are only available once ``deps`` are computed
@@ -300,6 +306,19 @@ def after(deps: List[tf.Tensor], x: Any, skip: Collection[str] = ()) -> Any:
     if isinstance(x, dict):
         return {k: v if k in skip else tf.nest.map_structure(gate, v) for k, v in x.items()}
     return tf.nest.map_structure(gate, x)
+
+
+def _check_recorded_here(records: List[LookupRecord]) -> None:
+    """Fails clearly when lookups recorded their rows inside another graph: a model
+    whose ``call`` is a ``tf.function`` hides its rows from this step's tape, which
+    pipelines and micro-batches need (the synchronous step does not)."""
+    if tf.executing_eagerly():
+        return
+    here = tf.compat.v1.get_default_graph()
+    if any(r.rows.graph is not here for r in records):
+        raise ValueError("tf_fusedemb: pipelining and micro-batches need the model's call "
+                         "traced inside the training step: remove @tf.function from call(), "
+                         "or compile without pipeline=")
 
 
 def _coalesce(parts, dim):
