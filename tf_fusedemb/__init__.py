@@ -1,8 +1,9 @@
 """tf_fusedemb: fused, Horovod-sharded embedding tables for TensorFlow recommenders.
 
 Importing the package is cheap: it loads neither the custom-op library nor Horovod (nor
-TensorFlow), and it leaves stdout, stderr and file descriptor 2 alone; it only sets
-``TF_USE_LEGACY_KERAS=1`` unless set (tf.keras must be Keras 2, as TFRA and Horovod need).
+TensorFlow), it leaves stdout, stderr and file descriptor 2 alone, and it sets no
+environment variable: which Keras a model uses is the user's choice, by what they import
+(``tf_keras`` with ``tf_fusedemb.layers``, ``keras`` 3 with ``tf_fusedemb.keras3``).
 Quieting TensorFlow's known CPU-machine noise is an explicit call,
 ``tf_fusedemb.quiet.install()`` before TensorFlow is imported (the project's commands make
 it). The library is loaded on the first use of an op; call :func:`register_ops` before
@@ -10,14 +11,9 @@ it). The library is loaded on the first use of an op; call :func:`register_ops` 
 """
 import importlib
 
-from tf_fusedemb import quiet
-
-# Before TensorFlow loads: Keras 2 for tf.keras. No output filter (see quiet.py).
-quiet.set_keras_default()
-
 __version__ = "0.1.0"
 
-_LAZY_SUBMODULES = ("ops", "specs", "data", "benchmarks")
+_LAZY_SUBMODULES = ("ops", "specs", "data", "benchmarks", "keras3")
 
 
 def register_ops():

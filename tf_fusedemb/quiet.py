@@ -49,7 +49,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 __all__ = ["ENV_DEFAULTS", "KERAS_ENV_DEFAULT", "filter_stderr_fd", "install",
            "launcher_command", "set_keras_default"]
 
-KERAS_ENV_DEFAULT = {"TF_USE_LEGACY_KERAS": "1"}  # set by `import tf_fusedemb` too
+KERAS_ENV_DEFAULT = {"TF_USE_LEGACY_KERAS": "1"}  # the project's commands (TFRA needs it)
 ENV_DEFAULTS = dict(KERAS_ENV_DEFAULT, TF_CPP_MIN_LOG_LEVEL="2")
 # C++ lines of `import tensorflow` that say nothing on any machine (see module docstring).
 TF_IMPORT_NOISE = re.compile(rb"Unable to register cu(FFT|DNN|BLAS) factory: Attempting to "
@@ -59,8 +59,8 @@ TFRA_LOG_NOISE = "dynamic_embedding.GraphKeys has already been deprecated"
 
 
 def set_keras_default() -> None:
-    """``TF_USE_LEGACY_KERAS=1`` unless set (what ``import tf_fusedemb`` does; no output
-    filter)."""
+    """``TF_USE_LEGACY_KERAS=1`` unless set (the project's own commands, whose TFRA
+    baselines need tf.keras to be Keras 2; a library import never sets it)."""
     for key, value in KERAS_ENV_DEFAULT.items():
         os.environ.setdefault(key, value)
 

@@ -12,61 +12,29 @@ from tf_fusedemb.comm.cost_model import TrafficHints, estimate
 from tf_fusedemb.layers.group_lookup import GroupLookup
 from tf_fusedemb.layers.lookup_context import NO_CONTEXT, LookupContext
 from tf_fusedemb.layers.inputs import flatten_feature, to_tensor
-from tf_fusedemb.layers.row_update import MARKER_NAME, check_marker
+from tf_fusedemb.layers.row_update import MARKER_NAME, Marker, check_marker
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FeatureSpec, FusionPlan, describe_plan_difference, plan_fusion
 from tf_fusedemb.storage.backend import StatisticsStorage
 
 
-# Registered as "tf_fusedemb>FusedEmbedding": a model config holding it survives
-# tf_keras.models.model_from_json / load_model without custom_objects.
-@tf_keras.saving.register_keras_serializable(package="tf_fusedemb")
-class FusedEmbedding(tf_keras.layers.Layer):
-    """Embeddings of many features, fused into groups and sharded over Horovod ranks.
-
-    Features whose tables share (dim, optimizer, initializer, key dtype, storage: static
-    or a dynamic backend, ``TableSpec.storage``) are fused into one group
-    (``tf_fusedemb.specs.plan_fusion``); each group makes one AlltoAll for keys, one for
-    rows and, in training, one for gradients. Single-process (no Horovod) and
-    ``horovodrun -np N`` run the same code. Constructing the layer (or
-    ``from_config``, ``clone_model``) runs no collective, so one rank may build models
-    alone; the ranks compare their features and exchange choices at the layer's first
-    call with real tensors (``agree_across_ranks``).
-
-    Args:
-      features: the FeatureSpecs, in a fixed order (identical on every rank).
-      plan: a FusionPlan over exactly these features; default ``plan_fusion(features)``.
-      key_mode: "hashed" (default, any int64 ID) or "packed" (exact keys, IDs must fit in
-        ``63 - ceil(log2(tables in group))`` bits) for dynamic tables.
-      communicator: default ``tf_fusedemb.comm.get_communicator()``.
-      exchange: per group (a dict by group name) or for all: "flat", "hierarchical"
-        (TawPipe: node, then rail; several nodes of several ranks) or "auto" (the cheaper
-        by ``tf_fusedemb.comm.cost_model`` under ``traffic``). Default "auto" (no
-        environment variable changes it). ``describe()`` shows the choices and predicted
-        costs.
-      traffic: the cost model's TrafficHints (keys per rank, node dedup ratio, links);
-        the default (no node dedup) keeps the flat exchange.
-
-    Call:
-      inputs: {feature name: int32/int64 [B] | [B, L] | RaggedTensor [B, None] |
-        SparseTensor [B, L]}, exactly the layer's features.
-      Returns {feature name: float32[B, dim]} for pooled features (sum/mean/sqrtn over
-      the sample's IDs; an empty sample gives zeros) and float32[B, L, dim] for sequence
-      features (L = max_len for ragged/sparse input, zero-padded; L of a dense input).
-
-    Training: the rows train wherever the layer's trainable variables are differentiated
-    (plain ``Model.fit``, a ``tf.GradientTape`` loop, ``FusedModel``): the layer's one
-    trainable scalar, its row-update marker, makes the tape differentiate through the
-    lookup, and the gradient updates the owner rows with the group's row optimizer
-    (``tf_fusedemb.layers.row_update``). On several ranks outside ``FusedModel``, wrap the
-    dense optimizer in ``tf_fusedemb.training.DistributedOptimizer`` (checked).
-    """
+class FusedEmbeddingMixin:
+    """What FusedEmbedding is, whichever Keras it is a layer of: ``FusedEmbedding`` here
+    (tf_keras) and ``tf_fusedemb.keras3.FusedEmbedding`` (Keras 3) mix it into their
+    Keras's ``Layer`` (the documentation is FusedEmbedding's)."""
 
     def __init__(self, features: Sequence[FeatureSpec], plan: Optional[FusionPlan] = None,
                  key_mode: str = "hashed", communicator: Optional[Communicator] = None,
                  exchange: Union[None, str, Mapping[str, str]] = None,
                  traffic: Optional[TrafficHints] = None, **kwargs: Any):
-        super().__init__(**kwargs)
+        super().__init__(**kwargs)  # type: ignore[call-arg]  # the Keras Layer's
+        self._setup(features, plan, key_mode, communicator, exchange, traffic)
+
+    def _is_symbolic_tensor(self, value: Any) -> bool:
+        """Whether ``value`` is a symbolic tensor of this layer's Keras."""
+        raise NotImplementedError
+
+    def _setup(self, features, plan, key_mode, communicator, exchange, traffic) -> None:
         self.features = tuple(features)
         self.plan = plan if plan is not None else plan_fusion(self.features)
         if set(self.plan.feature_names) != {f.name for f in self.features}:
@@ -133,7 +101,7 @@ class FusedEmbedding(tf_keras.layers.Layer):
         if isinstance(inputs, Mapping):
             inputs = {k: to_tensor(k, v) if isinstance(v, (list, tuple, np.ndarray, int))
                       else v for k, v in inputs.items()}
-        if not _symbolic(inputs):  # building a functional model (or cloning it) is local
+        if not self._symbolic(inputs):  # building a functional model (or cloning it) is local
             self.agree_across_ranks()
         return super().__call__(inputs, *args, **kwargs)
 
@@ -173,12 +141,11 @@ class FusedEmbedding(tf_keras.layers.Layer):
         return [lookup.route(self._flat_features(lookup, inputs), context)
                 for lookup in self.groups]
 
-    def build(self, input_shape: Any = None) -> None:
+    def _add_marker(self) -> None:
         # The row-update marker (see tf_fusedemb.layers.row_update): always 0, trainable,
         # so differentiating the layer's variables differentiates its lookups.
-        self.row_update_marker = self.add_weight(name=MARKER_NAME, shape=(), dtype=tf.float32,
+        self.row_update_marker = self.add_weight(name=MARKER_NAME, shape=(), dtype="float32",
                                                  initializer="zeros", trainable=True)
-        super().build(input_shape)
 
     def call(self, inputs: Mapping[str, tf.Tensor],
              training: Optional[bool] = None) -> Dict[str, tf.Tensor]:
@@ -201,18 +168,18 @@ class FusedEmbedding(tf_keras.layers.Layer):
                 outputs[spec.name] = _shape_output(spec, flat, emb)
         return outputs
 
-    def _marker(self, training: bool) -> Optional[tf.Tensor]:
-        """The marker's value for a training pass (None otherwise). Outside a step of
-        ours on several ranks, checked to be 0: an optimizer that applied its gradient
-        did not average the dense gradients (``row_update.check_marker``)."""
+    def _marker(self, training: bool) -> Optional[Marker]:
+        """The marker for a training pass (None otherwise). Outside a step of ours on
+        several ranks, its value is checked to be 0: an optimizer that applied its
+        gradient did not average the dense gradients (``row_update.check_marker``)."""
         if not training or not self.trainable:
             return None
-        marker = tf.convert_to_tensor(self.row_update_marker)
+        value = tf.convert_to_tensor(self.row_update_marker)
         context = self.lookup_context
         if self._comm.size > 1 and context.tape is None and context.row_update is None:
-            with tf.control_dependencies([check_marker(marker, self._comm.size)]):
-                marker = tf.identity(marker)
-        return marker
+            with tf.control_dependencies([check_marker(value, self._comm.size)]):
+                value = tf.identity(value)
+        return Marker(self.row_update_marker, value)
 
     def set_embedding_weights(self, weights: Mapping[str, npt.ArrayLike]) -> None:
         """Loads whole tables, e.g. the weights of the Keras Embeddings this layer replaces
@@ -294,7 +261,7 @@ class FusedEmbedding(tf_keras.layers.Layer):
         return config
 
     @classmethod
-    def from_config(cls, config: Dict[str, Any]) -> "FusedEmbedding":
+    def from_config(cls, config: Dict[str, Any]) -> Any:
         config = dict(config)
         config["features"] = [FeatureSpec.from_dict(f) for f in config["features"]]
         config["plan"] = FusionPlan.from_dict(config["plan"])
@@ -303,10 +270,96 @@ class FusedEmbedding(tf_keras.layers.Layer):
         return cls(**config)
 
 
-def fused_embedding_layers(model: Any) -> List["FusedEmbedding"]:
+    def _symbolic(self, inputs: Any) -> bool:
+        """Whether ``inputs`` hold Keras symbolic tensors (a functional model being built,
+        cloned or rebuilt from its config): no lookup runs, nothing to agree on yet."""
+        for leaf in tf.nest.flatten(inputs):
+            try:
+                if self._is_symbolic_tensor(leaf):
+                    return True
+            except ValueError:  # not a tensor at all: the layer's input checks name it
+                pass
+        return False
+
+    def output_shapes(self, input_shapes: Mapping[str, Any]) -> Dict[str, tuple]:
+        """{feature name: output shape} for {feature name: input shape}: (B, dim) pooled,
+        (B, L, dim) sequence (L = max_len for ragged/sparse, else the input's)."""
+        out = {}
+        for f in self.features:
+            shape = tuple(input_shapes[f.name])
+            if not f.is_sequence:
+                out[f.name] = (shape[0], f.dim)
+            else:
+                length = shape[1] if len(shape) > 1 and shape[1] is not None else f.max_len
+                out[f.name] = (shape[0], length, f.dim)
+        return out
+
+
+# Registered as "tf_fusedemb>FusedEmbedding": a model config holding it survives
+# tf_keras.models.model_from_json / load_model without custom_objects.
+@tf_keras.saving.register_keras_serializable(package="tf_fusedemb")
+class FusedEmbedding(FusedEmbeddingMixin, tf_keras.layers.Layer):
+    """Embeddings of many features, fused into groups and sharded over Horovod ranks.
+
+    Features whose tables share (dim, optimizer, initializer, key dtype, storage: static
+    or a dynamic backend, ``TableSpec.storage``) are fused into one group
+    (``tf_fusedemb.specs.plan_fusion``); each group makes one AlltoAll for keys, one for
+    rows and, in training, one for gradients. Single-process (no Horovod) and
+    ``horovodrun -np N`` run the same code. Constructing the layer (or
+    ``from_config``, ``clone_model``) runs no collective, so one rank may build models
+    alone; the ranks compare their features and exchange choices at the layer's first
+    call with real tensors (``agree_across_ranks``).
+
+    Args:
+      features: the FeatureSpecs, in a fixed order (identical on every rank).
+      plan: a FusionPlan over exactly these features; default ``plan_fusion(features)``.
+      key_mode: "hashed" (default, any int64 ID) or "packed" (exact keys, IDs must fit in
+        ``63 - ceil(log2(tables in group))`` bits) for dynamic tables.
+      communicator: default ``tf_fusedemb.comm.get_communicator()``.
+      exchange: per group (a dict by group name) or for all: "flat", "hierarchical"
+        (TawPipe: node, then rail; several nodes of several ranks) or "auto" (the cheaper
+        by ``tf_fusedemb.comm.cost_model`` under ``traffic``). Default "auto" (no
+        environment variable changes it). ``describe()`` shows the choices and predicted
+        costs.
+      traffic: the cost model's TrafficHints (keys per rank, node dedup ratio, links);
+        the default (no node dedup) keeps the flat exchange.
+
+    Call:
+      inputs: {feature name: int32/int64 [B] | [B, L] | RaggedTensor [B, None] |
+        SparseTensor [B, L]}, exactly the layer's features.
+      Returns {feature name: float32[B, dim]} for pooled features (sum/mean/sqrtn over
+      the sample's IDs; an empty sample gives zeros) and float32[B, L, dim] for sequence
+      features (L = max_len for ragged/sparse input, zero-padded; L of a dense input).
+
+    Training: the rows train wherever the layer's trainable variables are differentiated
+    (plain ``Model.fit``, a ``tf.GradientTape`` loop, ``FusedModel``): the layer's one
+    trainable scalar, its row-update marker, makes the tape differentiate through the
+    lookup, and the gradient updates the owner rows with the group's row optimizer
+    (``tf_fusedemb.layers.row_update``). On several ranks outside ``FusedModel``, wrap the
+    dense optimizer in ``tf_fusedemb.training.DistributedOptimizer`` (checked).
+    """
+
+    def _is_symbolic_tensor(self, value: Any) -> bool:
+        return tf_keras.backend.is_keras_tensor(value)
+
+    def build(self, input_shape: Any = None) -> None:
+        self._add_marker()
+        super().build(input_shape)
+
+
+def _sublayers(model: Any) -> List[Any]:
+    """Every module below ``model``: tf.Module's ``submodules`` (tf_keras), else Keras 3's
+    layer walk."""
+    if hasattr(model, "submodules"):
+        return list(model.submodules)
+    if hasattr(model, "_flatten_layers"):
+        return list(model._flatten_layers(include_self=False, recursive=True))
+    return []
+
+
+def fused_embedding_layers(model: Any) -> List["FusedEmbeddingMixin"]:
     """The FusedEmbedding layers of ``model`` (itself included), in tracking order."""
-    found = [m for m in [model, *getattr(model, "submodules", ())]
-             if isinstance(m, FusedEmbedding)]
+    found = [m for m in [model, *_sublayers(model)] if isinstance(m, FusedEmbeddingMixin)]
     return list({id(m): m for m in found}.values())
 
 
@@ -338,18 +391,6 @@ def _choose_exchanges(plan, topology, exchange, traffic):
         choices[g.name] = estimate(g.name, g.dim, topology, traffic,
                                    None if kind == "auto" else kind)
     return choices
-
-
-def _symbolic(inputs) -> bool:
-    """Whether ``inputs`` hold Keras symbolic tensors (a functional model being built,
-    cloned or rebuilt from its config): no lookup runs, nothing to agree on yet."""
-    for leaf in tf.nest.flatten(inputs):
-        try:
-            if tf_keras.backend.is_keras_tensor(leaf):
-                return True
-        except ValueError:  # not a tensor at all: the layer's input checks name it
-            pass
-    return False
 
 
 def _shape_output(spec, flat, emb):

@@ -67,7 +67,7 @@ class DistributedGroupLookup(GroupEmbeddings, Protocol):
 
     def serve(self, routed: Mapping[str, tf.Tensor], rows: tf.Tensor, flats: Sequence[Any],
               combiners: Combiners, context: LookupContext,
-              marker: Optional[tf.Tensor] = None) -> List[tf.Tensor]:
+              marker: Optional[Any] = None) -> List[tf.Tensor]:
         """The owner's ``rows`` back to the requesters, recovered per feature; with the
         layer's row-update ``marker``, differentiating it updates the rows
         (``tf_fusedemb.layers.row_update``)."""

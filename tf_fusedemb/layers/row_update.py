@@ -27,7 +27,7 @@ Consequences a user sees (the guides say them too):
   moves the marker off 0, which the next forward pass refuses on every rank.
 """
 import dataclasses
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import tensorflow as tf
 
@@ -60,6 +60,13 @@ class RowUpdate:
         return RowUpdate(scale=1.0 / ranks, marker_gradient=0.0 if ranks == 1 else 1.0)
 
 
+class Marker(NamedTuple):
+    """A layer's row-update marker in one forward pass: its ``variable`` (float32 scalar,
+    trainable, 0) and the ``value`` read from it (float32 scalar tensor)."""
+    variable: Any
+    value: tf.Tensor
+
+
 def row_gradient(grad: Union[None, tf.Tensor, tf.IndexedSlices], rows: tf.Tensor) -> tf.Tensor:
     """The gradient of owner rows float32[u_l, dim] as a dense float32[u_l, dim]:
     IndexedSlices (from the gather by I_l) are accumulated per row; None gives zeros."""
@@ -70,13 +77,17 @@ def row_gradient(grad: Union[None, tf.Tensor, tf.IndexedSlices], rows: tf.Tensor
     return tf.convert_to_tensor(grad)
 
 
-def through_row_update(marker: tf.Tensor, rows: tf.Tensor, lookup: Any, keys: tf.Tensor,
+def through_row_update(marker: Marker, rows: tf.Tensor, lookup: Any, keys: tf.Tensor,
                        init_keys: tf.Tensor, update: RowUpdate) -> tf.Tensor:
-    """``rows`` float32[u_l, dim] unchanged, differentiable through ``marker`` (the
-    layer's marker value, float32 scalar): the gradient of the result is applied to the
-    owner rows of ``keys`` int64[u_l] (new rows from ``init_keys`` int64[u_l]) by
-    ``lookup.apply_gradients``, scaled by ``update.scale``; the marker's gradient is
-    ``update.marker_gradient``, available once the rows are written."""
+    """``rows`` float32[u_l, dim] unchanged, differentiable through ``marker.value``: the
+    gradient of the result is applied to the owner rows of ``keys`` int64[u_l] (new rows
+    from ``init_keys`` int64[u_l]) by ``lookup.apply_gradients``, scaled by
+    ``update.scale``; the marker's gradient is ``update.marker_gradient``, available once
+    the rows are written.
+
+    The write is followed by an assignment of 0 to the marker variable, which the
+    gradient waits for: Keras 3's ``fit`` keeps a layer's own variable writes but was seen
+    to drop a write to another resource that only a control dependency reaches."""
 
     @tf.custom_gradient
     def identity(marker_value, owner_rows):
@@ -86,12 +97,14 @@ def through_row_update(marker: tf.Tensor, rows: tf.Tensor, lookup: Any, keys: tf
                 summed = summed * tf.constant(update.scale, summed.dtype)
             applied = lookup.apply_gradients(keys, summed, init_keys)
             with tf.control_dependencies([applied]):
+                written = marker.variable.assign(tf.zeros_like(marker_value))
+            with tf.control_dependencies([written]):
                 d_marker = tf.fill(tf.shape(marker_value),
                                    tf.constant(update.marker_gradient, marker_value.dtype))
             return d_marker, None  # the table's read is not differentiated further
         return tf.identity(owner_rows), grad
 
-    return identity(marker, rows)
+    return identity(marker.value, rows)
 
 
 def check_marker(marker: tf.Tensor, ranks: int) -> tf.Operation:

@@ -50,7 +50,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Bottom to top. Names in one tuple form one layer (they may import each other).
 LAYERS = (("quiet",), ("specs",), ("ops",), ("data",), ("comm",), ("storage",), ("layers",),
-          ("training",), ("pipeline",), ("inference",), ("models",), ("testing",), ("benchmarks",),
+          ("training",), ("pipeline",), ("inference",), ("models",), ("keras3",), ("testing",),
+          ("benchmarks",),
           ("job",), ("train", "serve"), (PACKAGE,))
 
 

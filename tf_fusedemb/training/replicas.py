@@ -31,13 +31,15 @@ Usage: nothing; ``train_step``, ``test_step`` and ``FusedModel`` call
 import weakref
 from typing import Any, List, Optional
 
+import numpy as np
 import tensorflow as tf
 import tf_keras
 
 from tf_fusedemb.comm import Communicator
 from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
 
-__all__ = ["DenseReplicas", "ReplicaMismatchError", "dense_variables", "replicas_of"]
+__all__ = ["DenseReplicas", "ReplicaMismatchError", "broadcast_from_root", "dense_variables",
+           "replicas_of"]
 
 BROADCAST_NAME = "fusedemb/dense_state"
 FINGERPRINT_NAME = "fusedemb/dense_fingerprints"
@@ -67,6 +69,20 @@ def _optimizer_variables(optimizer) -> List[tf.Variable]:
         return []
     variables = optimizer.variables
     return list(variables() if callable(variables) else variables)
+
+
+def broadcast_from_root(comm: Communicator, variables: List[Any],
+                        name: str = BROADCAST_NAME) -> List[Any]:
+    """Writes rank 0's values into ``variables`` on every rank: one broadcast per dtype of
+    all of them packed together. Returns the writes (eager: done)."""
+    writes = []
+    for dtype in sorted({tf.as_dtype(v.dtype) for v in variables}, key=lambda d: d.name):
+        same = [v for v in variables if tf.as_dtype(v.dtype) == dtype]
+        packed = tf.concat([tf.reshape(tf.convert_to_tensor(v), [-1]) for v in same], 0)
+        received = comm.broadcast(packed, ROOT_RANK, f"{name}/{dtype.name}")
+        parts = tf.split(received, [int(np.prod(v.shape)) for v in same])
+        writes += [v.assign(tf.reshape(p, v.shape)) for v, p in zip(same, parts)]
+    return writes
 
 
 def fingerprints(variables: List[tf.Variable]) -> tf.Tensor:
@@ -172,14 +188,7 @@ class DenseReplicas:
 
     # ---------------------------------------------------------------- traced parts
     def _broadcast(self, comm, variables) -> tf.Tensor:
-        writes = []
-        for dtype in sorted({v.dtype for v in variables}, key=lambda d: d.name):
-            same = [v for v in variables if v.dtype == dtype]
-            packed = tf.concat([tf.reshape(v, [-1]) for v in same], 0)
-            received = comm.broadcast(packed, ROOT_RANK, f"{BROADCAST_NAME}/{dtype.name}")
-            parts = tf.split(received, [v.shape.num_elements() for v in same])
-            writes += [v.assign(tf.reshape(p, v.shape)) for v, p in zip(same, parts)]
-        with tf.control_dependencies(writes):
+        with tf.control_dependencies(broadcast_from_root(comm, variables)):
             return tf.identity(self._synced.assign(True))
 
     def _check(self, comm, variables) -> tf.Tensor:

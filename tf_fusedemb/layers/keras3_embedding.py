@@ -1,0 +1,40 @@
+"""``FusedEmbedding`` as a Keras 3 layer (``import keras``, TensorFlow backend).
+
+The same layer as :class:`tf_fusedemb.layers.FusedEmbedding` (one ``FusedEmbeddingMixin``:
+fusion, sharding, the lookup and the row updates through its row-update marker), built on
+``keras.layers.Layer``: usable in functional and subclassed ``keras.Model``s with Keras 3's
+own ``compile``/``fit``/``evaluate``/``predict`` and ``tf.GradientTape`` loops. Which Keras
+a model uses is the user's choice, by the module they import: ``tf_fusedemb.keras3`` for
+Keras 3, ``tf_fusedemb.layers`` for tf_keras; nothing in the library sets
+``TF_USE_LEGACY_KERAS``.
+"""
+from typing import Any, Dict, Mapping
+
+import keras
+
+from tf_fusedemb.layers.fused_embedding import FusedEmbeddingMixin
+
+
+@keras.saving.register_keras_serializable(package="tf_fusedemb")
+class FusedEmbedding(FusedEmbeddingMixin, keras.layers.Layer):
+    """Embeddings of many features, fused and sharded: the Keras 3 layer. Arguments,
+    inputs, outputs and training as :class:`tf_fusedemb.layers.FusedEmbedding`.
+
+    Keras 3 compiles ``fit``'s step with XLA where every layer allows it; this layer's
+    ops are TensorFlow custom ops and collectives, so it does not (``supports_jit``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.supports_jit = False
+
+    def _is_symbolic_tensor(self, value: Any) -> bool:
+        return isinstance(value, keras.KerasTensor)
+
+    def build(self, input_shape: Any = None) -> None:
+        self._add_marker()
+        self.built = True
+
+    def compute_output_spec(self, inputs: Mapping[str, Any],
+                            training: Any = None) -> Dict[str, keras.KerasTensor]:
+        shapes = self.output_shapes({k: v.shape for k, v in inputs.items()})
+        return {name: keras.KerasTensor(shape, dtype="float32") for name, shape in shapes.items()}
