@@ -22,9 +22,8 @@ Consequences a user sees (the guides say them too):
 * on several ranks each rank differentiates its own batch's loss, the gradient AlltoAll
   sums the requesters' row gradients on the owner, and ``scale`` makes it the mean that
   Horovod-style dense averaging gives (``1 / ranks``); the dense gradients must be
-  averaged by ``tf_fusedemb.training.DistributedOptimizer``, which is checked: there the
-  marker's gradient is 1, the wrapper applies 0 instead, and an unwrapped optimizer
-  moves the marker off 0, which the next forward pass refuses on every rank.
+  averaged by ``tf_fusedemb.training.DistributedOptimizer`` (not yet checked: a bare
+  optimizer there trains each rank's dense copy on its own gradients).
 """
 import dataclasses
 from typing import Any, NamedTuple, Union
@@ -32,12 +31,6 @@ from typing import Any, NamedTuple, Union
 import tensorflow as tf
 
 MARKER_NAME = "row_update_marker"
-# The forward pass's refusal when the marker moved (an optimizer applied its gradient).
-UNWRAPPED_OPTIMIZER = (
-    "tf_fusedemb: FusedEmbedding on {ranks} ranks in a plain Keras model or custom loop needs "
-    "its dense gradients averaged over the ranks: wrap the optimizer, "
-    "optimizer = tf_fusedemb.training.DistributedOptimizer(optimizer), or use "
-    "tf_fusedemb.models.FusedModel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +41,7 @@ class RowUpdate:
       row optimizer applies it: 1 where the loss is already the global batch's
       (``FusedModel``'s step), ``1 / ranks`` where every rank differentiates its own
       batch's mean loss and dense gradients are averaged (plain Keras, custom loops).
-    marker_gradient: the gradient returned for the layer's marker: 0 in one process and
-      under FusedModel, 1 where a wrapped optimizer must intercept it (see module doc).
+    marker_gradient: the gradient returned for the layer's marker (0: it stays 0).
     """
     scale: float = 1.0
     marker_gradient: float = 0.0
@@ -57,7 +49,7 @@ class RowUpdate:
     @staticmethod
     def for_ranks(ranks: int) -> "RowUpdate":
         """The plain-Keras update on ``ranks`` ranks (each rank's own mean loss)."""
-        return RowUpdate(scale=1.0 / ranks, marker_gradient=0.0 if ranks == 1 else 1.0)
+        return RowUpdate(scale=1.0 / ranks)
 
 
 class Marker(NamedTuple):
@@ -105,11 +97,3 @@ def through_row_update(marker: Marker, rows: tf.Tensor, lookup: Any, keys: tf.Te
         return tf.identity(owner_rows), grad
 
     return identity(marker.value, rows)
-
-
-def check_marker(marker: tf.Tensor, ranks: int) -> tf.Operation:
-    """Fails (every rank alike: the marker moves the same way everywhere) when an
-    optimizer applied the marker's gradient, i.e. the dense gradients were not averaged
-    by the wrapped optimizer (see module doc)."""
-    return tf.debugging.assert_equal(marker, tf.zeros_like(marker),
-                                     message=UNWRAPPED_OPTIMIZER.format(ranks=ranks))

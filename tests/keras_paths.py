@@ -1,0 +1,205 @@
+"""Every Keras path a user takes with FusedEmbedding, each next to its reference: the same
+model written with ordinary ``Embedding`` layers (tf_keras or Keras 3) and trained the
+ordinary way. References are built unseeded, as users build them; the fused model starts
+from the reference's initial weights. Module-level functions travel to the ranks of
+``DistributedTestCase.run_ranks``."""
+import numpy as np
+import tensorflow as tf
+import tf_keras
+
+from tf_fusedemb.specs import FeatureSpec, OptimizerSpec, TableSpec
+
+FEATURES = ("a", "b", "c")
+VOCAB, DIM, BATCH, STEPS = 40, 4, 16, 4
+LR = {"sgd": 0.5, "adagrad": 0.3, "ftrl": 0.3}
+
+
+def data(n=BATCH * STEPS, seed=0):
+    """(x {feature: int64[n]}, y float32[n]): skewed IDs, labels from two features."""
+    rng = np.random.default_rng(seed)
+    x = {f: (rng.zipf(1.3, n).clip(1, VOCAB) - 1).astype(np.int64) for f in FEATURES}
+    y = ((x["a"] % 3 == 0) ^ (x["b"] % 4 == 1)).astype(np.float32)
+    return x, y
+
+
+def keras_optimizer(k, name):
+    """The reference's Keras optimizer for rows and dense alike (tf_keras: the legacy Ftrl,
+    whose sparse update touches only the rows in the gradient, like ours)."""
+    lr = LR[name]
+    if name == "ftrl":
+        return (k.optimizers.legacy.Ftrl if k is tf_keras else k.optimizers.Ftrl)(lr)
+    return {"sgd": k.optimizers.SGD, "adagrad": k.optimizers.Adagrad}[name](lr)
+
+
+def specs(name):
+    optimizer = {"sgd": OptimizerSpec.sgd, "adagrad": OptimizerSpec.adagrad,
+                 "ftrl": OptimizerSpec.ftrl}[name](LR[name])
+    return [FeatureSpec(f, TableSpec(f"t_{f}", DIM, optimizer, vocabulary_size=VOCAB))
+            for f in FEATURES]
+
+
+def fused_layer_class(k):
+    if k is tf_keras:
+        from tf_fusedemb.layers import FusedEmbedding  # pylint: disable=import-outside-toplevel
+    else:
+        from tf_fusedemb.keras3 import FusedEmbedding  # pylint: disable=import-outside-toplevel
+    return FusedEmbedding
+
+
+def functional(k, fused, optimizer="sgd"):
+    """(model, {feature: Embedding} or the FusedEmbedding layer): inputs -> embeddings ->
+    Dense(8, relu) -> Dense(1) logit, a functional ``k.Model``."""
+    inputs = {f: k.Input((), dtype="int64", name=f) for f in FEATURES}
+    if fused:
+        embed = fused_layer_class(k)(specs(optimizer))
+        outs = embed(inputs)
+        vectors = [outs[f] for f in FEATURES]
+    else:
+        embed = {f: k.layers.Embedding(VOCAB, DIM, name=f"emb_{f}") for f in FEATURES}
+        vectors = [embed[f](inputs[f]) for f in FEATURES]
+    h = k.layers.Dense(8, activation="relu", name="hidden")(k.layers.Concatenate()(vectors))
+    return k.Model(inputs, k.layers.Dense(1, name="logit")(h)), embed
+
+
+def subclassed_class(k, base=None, compiled_call=False):
+    """A subclassed ranking model (TensorFlow Recommenders style) on ``base`` (default
+    ``k.Model``); ``compiled_call``: its ``call`` decorated with ``tf.function``, as the
+    TFRA MovieLens demo writes it."""
+    class Ranker(base or k.Model):
+        def __init__(self, fused, optimizer="sgd"):
+            super().__init__()
+            self.fused = fused
+            if fused:
+                self.embed = fused_layer_class(k)(specs(optimizer))
+            else:
+                self.embeds = {f: k.layers.Embedding(VOCAB, DIM, name=f"emb_{f}")
+                               for f in FEATURES}
+            self.hidden = k.layers.Dense(8, activation="relu", name="hidden")
+            self.logit = k.layers.Dense(1, name="logit")
+
+        def call(self, x, training=None):
+            if self.fused:
+                outs = self.embed(x, training=training)
+                vectors = [outs[f] for f in FEATURES]
+            else:
+                vectors = [self.embeds[f](x[f]) for f in FEATURES]
+            return self.logit(self.hidden(tf.concat(vectors, 1)))
+
+        def embedding(self):
+            return self.embed if self.fused else self.embeds
+    if compiled_call:
+        Ranker.call = tf.function(Ranker.call)
+    return Ranker
+
+
+def initial_weights(model, embed):
+    """{"hidden": [...], "logit": [...], "tables": {feature: float32[V, dim]}} of a built
+    reference model."""
+    layers = {l.name: l for l in model.layers}
+    return {"hidden": layers["hidden"].get_weights(), "logit": layers["logit"].get_weights(),
+            "tables": {f: e.get_weights()[0] for f, e in embed.items()}}
+
+
+def load_weights(model, layer, weights):
+    """Puts a reference's initial weights into a fused model (a collective on ranks)."""
+    layers = {l.name: l for l in model.layers}
+    for name in ("hidden", "logit"):
+        layers[name].set_weights(weights[name])
+    layer.set_embedding_weights(weights["tables"])
+
+
+def build(model, x):
+    """Creates a subclassed model's variables with one inference call."""
+    model({f: v[:2] for f, v in x.items()}, training=False)
+    return model
+
+
+def fused_tables(layer):
+    """{feature: float32[V, dim]} of this rank's stored rows (zeros where another rank
+    owns the row) and {feature: bool[V]} which rows are this rank's."""
+    tables, owned = {}, {}
+    for group in layer.groups:
+        rows = group.stored_rows()
+        for t, spec in enumerate(group.group.tables):
+            mine = rows["tables"] == t
+            feature = spec.name[len("t_"):]
+            tables[feature] = np.zeros((VOCAB, DIM), np.float32)
+            tables[feature][rows["ids"][mine]] = rows["values"][mine]
+            owned[feature] = np.zeros(VOCAB, bool)
+            owned[feature][rows["ids"][mine]] = True
+    return tables, owned
+
+
+class BatchLosses:
+    """A Keras callback (either Keras) recording every training batch's ``loss`` log."""
+
+    def __new__(cls, k):
+        class Recorder(k.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self.losses = []
+
+            def on_train_batch_end(self, batch, logs=None):
+                self.losses.append(float(logs["loss"]))
+        return Recorder()
+
+
+def fit(k, model, optimizer, x, y, batch_size, epochs=2):
+    """compile + fit (per-batch losses) + predict, the ordinary way."""
+    model.compile(optimizer=optimizer, loss=k.losses.BinaryCrossentropy(from_logits=True))
+    losses = BatchLosses(k)
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0,
+              callbacks=[losses])
+    return {"losses": losses.losses,
+            "predictions": model.predict(x, batch_size=batch_size, verbose=0).reshape(-1)}
+
+
+def custom_loop(k, model, optimizer, x, y, batch_size, epochs=2):
+    """A user's own loop: tf.GradientTape in a tf.function, the Keras optimizer applied to
+    ``model.trainable_variables``; per-step losses and predictions."""
+    loss_fn = k.losses.BinaryCrossentropy(from_logits=True)
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb[:, None], model(xb, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    losses = []
+    n = len(y)
+    for _ in range(epochs):
+        for lo in range(0, n, batch_size):
+            losses.append(float(step({f: v[lo:lo + batch_size] for f, v in x.items()},
+                                     y[lo:lo + batch_size])))
+    return {"losses": losses,
+            "predictions": model.predict(x, batch_size=batch_size, verbose=0).reshape(-1)}
+
+
+# ---- the ranks' side of the 2-rank tests (run_ranks)
+def rank_slices(x, y, rank, size, local):
+    """This rank's share of every global batch of ``size * local`` rows."""
+    idx = np.concatenate([np.arange(lo + rank * local, lo + (rank + 1) * local)
+                          for lo in range(0, len(y), size * local)])
+    return {f: v[idx] for f, v in x.items()}, y[idx]
+
+
+def plain_on_ranks(weights, path, optimizer="sgd"):
+    """One rank: the fused functional tf_keras model from ``weights``, trained on this
+    rank's shares by ``path`` ("fit" or "loop") with the wrapped optimizer. Returns
+    tables, dense weights and global predictions."""
+    from tf_fusedemb.comm import get_communicator  # pylint: disable=import-outside-toplevel
+    from tf_fusedemb.training import DistributedOptimizer  # pylint: disable=import-outside-toplevel
+    comm = get_communicator()
+    x, y = data()
+    xr, yr = rank_slices(x, y, comm.rank, comm.size, BATCH)
+    model, layer = functional(tf_keras, True, optimizer)
+    load_weights(model, layer, weights)
+    run = fit if path == "fit" else custom_loop
+    out = run(tf_keras, model, DistributedOptimizer(keras_optimizer(tf_keras, optimizer)),
+              xr, yr, BATCH)
+    tables, owned = fused_tables(layer)
+    return {"tables": tables, "owned": owned, "losses": out["losses"],
+            "dense": [v.numpy() for v in model.trainable_variables],
+            "predictions": model.predict(x, batch_size=BATCH, verbose=0).reshape(-1)}

@@ -1,0 +1,151 @@
+"""FusedEmbedding trains exactly like ordinary Embedding layers on every Keras path: plain
+tf_keras and Keras 3 models (functional and subclassed, no library base class) with
+``fit``, a user's ``tf.GradientTape`` loop, a ``call`` decorated with ``tf.function``,
+on one rank and on two. Each path is compared with the same model built from ordinary
+``Embedding`` layers and trained the ordinary way (the reference), from the same initial
+weights: per-batch losses, predictions and every table row to 1e-5. The rows must move
+(a path that leaves them unchanged fails here: the negative control of the silent case)."""
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+import keras_paths as kpth
+from tf_fusedemb.models import FusedModel
+from tf_fusedemb.testing import DistributedTestCase
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def assert_same_training(got, want, fused_layer, ref_embeds, initial):
+    np.testing.assert_allclose(got["losses"], want["losses"], **TOL, err_msg="batch losses")
+    np.testing.assert_allclose(got["predictions"], want["predictions"], **TOL,
+                               err_msg="predictions")
+    tables, _ = kpth.fused_tables(fused_layer)
+    for f, emb in ref_embeds.items():
+        want_rows = emb.get_weights()[0]
+        assert np.abs(want_rows - initial["tables"][f]).max() > 1e-4, "reference rows moved"
+        np.testing.assert_allclose(tables[f], want_rows, **TOL, err_msg=f"table {f}")
+
+
+def pair_functional(k, optimizer):
+    ref, embeds = kpth.functional(k, False)
+    fused, layer = kpth.functional(k, True, optimizer)
+    initial = kpth.initial_weights(ref, embeds)
+    kpth.load_weights(fused, layer, initial)
+    return ref, embeds, fused, layer, initial
+
+
+def pair_subclassed(k, optimizer, base_fused=None, compiled_call=False):
+    x, _ = kpth.data()
+    ref = kpth.build(kpth.subclassed_class(k, compiled_call=compiled_call)(False), x)
+    fused_cls = kpth.subclassed_class(k, base_fused, compiled_call)
+    fused = kpth.build(fused_cls(True, optimizer), x)
+    initial = kpth.initial_weights(ref, ref.embedding())
+    kpth.load_weights(fused, fused.embedding(), initial)
+    return ref, ref.embedding(), fused, fused.embedding(), initial
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "ftrl"])
+def test_plain_tf_keras_functional_fit(optimizer):
+    x, y = kpth.data()
+    ref, embeds, fused, layer, initial = pair_functional(tf_keras, optimizer)
+    want = kpth.fit(tf_keras, ref, kpth.keras_optimizer(tf_keras, optimizer), x, y, kpth.BATCH)
+    got = kpth.fit(tf_keras, fused, kpth.keras_optimizer(tf_keras, optimizer), x, y, kpth.BATCH)
+    assert_same_training(got, want, layer, embeds, initial)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_plain_tf_keras_subclassed_fit(optimizer):
+    x, y = kpth.data()
+    ref, embeds, fused, layer, initial = pair_subclassed(tf_keras, optimizer)
+    want = kpth.fit(tf_keras, ref, kpth.keras_optimizer(tf_keras, optimizer), x, y, kpth.BATCH)
+    got = kpth.fit(tf_keras, fused, kpth.keras_optimizer(tf_keras, optimizer), x, y, kpth.BATCH)
+    assert_same_training(got, want, layer, embeds, initial)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_custom_gradient_tape_loop(optimizer):
+    x, y = kpth.data()
+    ref, embeds, fused, layer, initial = pair_functional(tf_keras, optimizer)
+    want = kpth.custom_loop(tf_keras, ref, kpth.keras_optimizer(tf_keras, optimizer), x, y,
+                            kpth.BATCH)
+    got = kpth.custom_loop(tf_keras, fused, kpth.keras_optimizer(tf_keras, optimizer), x, y,
+                           kpth.BATCH)
+    assert_same_training(got, want, layer, embeds, initial)
+
+
+@pytest.mark.parametrize("base", [None, FusedModel], ids=["tf_keras.Model", "FusedModel"])
+def test_call_decorated_with_tf_function(base):
+    x, y = kpth.data()
+    ref, embeds, fused, layer, initial = pair_subclassed(tf_keras, "adagrad", base, True)
+    want = kpth.fit(tf_keras, ref, kpth.keras_optimizer(tf_keras, "adagrad"), x, y, kpth.BATCH)
+    got = kpth.fit(tf_keras, fused, kpth.keras_optimizer(tf_keras, "adagrad"), x, y, kpth.BATCH)
+    assert_same_training(got, want, layer, embeds, initial)
+
+
+def test_frozen_layer_leaves_rows_unchanged():
+    """trainable=False freezes the rows, as it freezes an ordinary Embedding."""
+    x, y = kpth.data()
+    _, _, fused, layer, initial = pair_functional(tf_keras, "sgd")
+    layer.trainable = False
+    kpth.fit(tf_keras, fused, kpth.keras_optimizer(tf_keras, "sgd"), x, y, kpth.BATCH)
+    tables, _ = kpth.fused_tables(layer)
+    for f, rows in initial["tables"].items():
+        np.testing.assert_array_equal(tables[f], rows)
+
+
+@pytest.mark.parametrize("shape", ["functional", "subclassed"])
+def test_keras3_fit(shape):
+    keras = pytest.importorskip("keras", minversion="3")
+    x, y = kpth.data()
+    pair = pair_functional if shape == "functional" else pair_subclassed
+    ref, embeds, fused, layer, initial = pair(keras, "sgd")
+    want = kpth.fit(keras, ref, kpth.keras_optimizer(keras, "sgd"), x, y, kpth.BATCH)
+    got = kpth.fit(keras, fused, kpth.keras_optimizer(keras, "sgd"), x, y, kpth.BATCH)
+    assert_same_training(got, want, layer, embeds, initial)
+
+
+def test_keras3_custom_loop():
+    keras = pytest.importorskip("keras", minversion="3")
+    x, y = kpth.data()
+    ref, embeds, fused, layer, initial = pair_functional(keras, "sgd")
+    want = kpth.custom_loop(keras, ref, kpth.keras_optimizer(keras, "sgd"), x, y, kpth.BATCH)
+    got = kpth.custom_loop(keras, fused, kpth.keras_optimizer(keras, "sgd"), x, y, kpth.BATCH)
+    assert_same_training(got, want, layer, embeds, initial)
+
+
+class TwoRankKerasPathsTest(DistributedTestCase):
+    """Plain tf_keras fit and a custom loop on 2 ranks (each rank half of every global
+    batch, DistributedOptimizer) equal plain Keras on the global batch in one process."""
+    timeout = 600
+
+    def _reference(self, path, optimizer):
+        x, y = kpth.data()
+        ref, embeds = kpth.functional(tf_keras, False)
+        initial = kpth.initial_weights(ref, embeds)
+        run = kpth.fit if path == "fit" else kpth.custom_loop
+        want = run(tf_keras, ref, kpth.keras_optimizer(tf_keras, optimizer), x, y,
+                   2 * kpth.BATCH)
+        return initial, want, ref, embeds, x
+
+    def _check(self, path, optimizer):
+        initial, want, ref, embeds, _ = self._reference(path, optimizer)
+        ranks = self.run_ranks(kpth.plain_on_ranks, 2, (initial, path, optimizer))
+        for r in ranks:
+            self.assertNotIn("error", r)
+            np.testing.assert_allclose(r["predictions"], want["predictions"], **TOL)
+            for got, ref_var in zip(r["dense"][1:], ref.trainable_variables[3:]):
+                np.testing.assert_allclose(got, ref_var.numpy(), **TOL, err_msg="dense")
+        if path == "loop":  # each rank's mean loss: their mean is the global batch's
+            np.testing.assert_allclose(np.mean([r["losses"] for r in ranks], 0),
+                                       want["losses"], **TOL)
+        for f, emb in embeds.items():
+            rows = sum(r["tables"][f] for r in ranks)
+            self.assertTrue(all(sum(r["owned"][f] for r in ranks) == 1))
+            np.testing.assert_allclose(rows, emb.get_weights()[0], **TOL, err_msg=f)
+
+    @pytest.mark.timeout(700)
+    def test_fit_and_custom_loop(self):
+        self._check("fit", "adagrad")
+        self._check("loop", "sgd")
