@@ -1,6 +1,6 @@
 """``FusedEmbedding``: a dict of features in, a dict of embeddings out, fused and sharded."""
 import contextlib
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -18,7 +18,15 @@ from tf_fusedemb.specs import FeatureSpec, FusionPlan, describe_plan_difference,
 from tf_fusedemb.storage.backend import StatisticsStorage
 
 
-class FusedEmbeddingMixin:
+if TYPE_CHECKING:
+    class _KerasLayer(tf_keras.layers.Layer):
+        """What FusedEmbeddingMixin is mixed into, to the type checker: a Keras Layer (of
+        tf_keras or Keras 3; their methods it calls and overrides have one shape)."""
+else:
+    _KerasLayer = object
+
+
+class FusedEmbeddingMixin(_KerasLayer):
     """What FusedEmbedding is, whichever Keras it is a layer of: ``FusedEmbedding`` here
     (tf_keras) and ``tf_fusedemb.keras3.FusedEmbedding`` (Keras 3) mix it into their
     Keras's ``Layer`` (the documentation is FusedEmbedding's)."""
@@ -27,7 +35,7 @@ class FusedEmbeddingMixin:
                  key_mode: str = "hashed", communicator: Optional[Communicator] = None,
                  exchange: Union[None, str, Mapping[str, str]] = None,
                  traffic: Optional[TrafficHints] = None, **kwargs: Any):
-        super().__init__(**kwargs)  # type: ignore[call-arg]  # the Keras Layer's
+        super().__init__(**kwargs)  # the Keras Layer's
         self._setup(features, plan, key_mode, communicator, exchange, traffic)
 
     def _is_symbolic_tensor(self, value: Any) -> bool:
@@ -277,7 +285,7 @@ class FusedEmbeddingMixin:
     def output_shapes(self, input_shapes: Mapping[str, Any]) -> Dict[str, tuple]:
         """{feature name: output shape} for {feature name: input shape}: (B, dim) pooled,
         (B, L, dim) sequence (L = max_len for ragged/sparse, else the input's)."""
-        out = {}
+        out: Dict[str, tuple] = {}
         for f in self.features:
             shape = tuple(input_shapes[f.name])
             if not f.is_sequence:

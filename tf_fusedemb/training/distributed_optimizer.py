@@ -66,7 +66,7 @@ def DistributedOptimizer(optimizer: Any,  # noqa: N802  (a class-like factory, a
     loop; ``FusedModel`` needs no wrapper."""
     if isinstance(optimizer, _Distributed):
         return optimizer
-    cls = type(optimizer.__class__.__name__, (_Distributed, optimizer.__class__), {})
+    cls: Any = type(optimizer.__class__.__name__, (_Distributed, optimizer.__class__), {})
     wrapped = cls.from_config(optimizer.get_config())
     wrapped._fusedemb_comm = communicator or get_communicator()
     wrapped._fusedemb_synced = False
