@@ -185,10 +185,11 @@ def rank_slices(x, y, rank, size, local):
     return {f: v[idx] for f, v in x.items()}, y[idx]
 
 
-def plain_on_ranks(weights, path, optimizer="sgd"):
+def plain_on_ranks(weights, path, optimizer="sgd", wrap=True):
     """One rank: the fused functional tf_keras model from ``weights``, trained on this
-    rank's shares by ``path`` ("fit" or "loop") with the wrapped optimizer. Returns
-    tables, dense weights and global predictions."""
+    rank's shares by ``path`` ("fit" or "loop") with the wrapped (or, ``wrap=False``,
+    the bare) optimizer. Returns tables, dense weights and global predictions, or the
+    error's message."""
     from tf_fusedemb.comm import get_communicator  # pylint: disable=import-outside-toplevel
     from tf_fusedemb.training import DistributedOptimizer  # pylint: disable=import-outside-toplevel
     comm = get_communicator()
@@ -196,9 +197,12 @@ def plain_on_ranks(weights, path, optimizer="sgd"):
     xr, yr = rank_slices(x, y, comm.rank, comm.size, BATCH)
     model, layer = functional(tf_keras, True, optimizer)
     load_weights(model, layer, weights)
+    opt = keras_optimizer(tf_keras, optimizer)
     run = fit if path == "fit" else custom_loop
-    out = run(tf_keras, model, DistributedOptimizer(keras_optimizer(tf_keras, optimizer)),
-              xr, yr, BATCH)
+    try:
+        out = run(tf_keras, model, DistributedOptimizer(opt) if wrap else opt, xr, yr, BATCH)
+    except tf.errors.InvalidArgumentError as e:
+        return {"error": e.message}
     tables, owned = fused_tables(layer)
     return {"tables": tables, "owned": owned, "losses": out["losses"],
             "dense": [v.numpy() for v in model.trainable_variables],

@@ -117,7 +117,8 @@ def test_keras3_custom_loop():
 
 class TwoRankKerasPathsTest(DistributedTestCase):
     """Plain tf_keras fit and a custom loop on 2 ranks (each rank half of every global
-    batch, DistributedOptimizer) equal plain Keras on the global batch in one process."""
+    batch, DistributedOptimizer) equal plain Keras on the global batch in one process; a
+    bare optimizer fails on every rank with the fix named."""
     timeout = 600
 
     def _reference(self, path, optimizer):
@@ -149,3 +150,12 @@ class TwoRankKerasPathsTest(DistributedTestCase):
     def test_fit_and_custom_loop(self):
         self._check("fit", "adagrad")
         self._check("loop", "sgd")
+
+    @pytest.mark.timeout(700)
+    def test_bare_optimizer_fails_on_every_rank(self):
+        initial, _, _, _, _ = self._reference("fit", "sgd")
+        for path in ("fit", "loop"):
+            ranks = self.run_ranks(kpth.plain_on_ranks, 2, (initial, path, "sgd", False))
+            for r in ranks:
+                self.assertIn("error", r, path)
+                self.assertIn("DistributedOptimizer", r["error"], path)

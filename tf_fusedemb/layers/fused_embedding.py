@@ -12,7 +12,7 @@ from tf_fusedemb.comm.cost_model import TrafficHints, estimate
 from tf_fusedemb.layers.group_lookup import GroupLookup
 from tf_fusedemb.layers.lookup_context import NO_CONTEXT, LookupContext
 from tf_fusedemb.layers.inputs import flatten_feature, to_tensor
-from tf_fusedemb.layers.row_update import MARKER_NAME, Marker
+from tf_fusedemb.layers.row_update import MARKER_NAME, check_marker
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FeatureSpec, FusionPlan, describe_plan_difference, plan_fusion
 from tf_fusedemb.storage.backend import StatisticsStorage
@@ -176,11 +176,19 @@ class FusedEmbeddingMixin(_KerasLayer):
                 outputs[spec.name] = _shape_output(spec, flat, emb)
         return outputs
 
-    def _marker(self, training: bool) -> Optional[Marker]:
-        """The row-update marker for a training pass of a trainable layer, else None."""
+    def _marker(self, training: bool) -> Optional[tf.Tensor]:
+        """The row-update marker's value for a training pass of a trainable layer, else
+        None. Outside a step of ours on several ranks it is checked to be 0: an optimizer
+        that applied its gradient did not average the dense gradients
+        (``row_update.check_marker``)."""
         if not training or not self.trainable:
             return None
-        return Marker(self.row_update_marker, tf.convert_to_tensor(self.row_update_marker))
+        value = tf.convert_to_tensor(self.row_update_marker)
+        context = self.lookup_context
+        if self._comm.size > 1 and context.tape is None and context.row_update is None:
+            with tf.control_dependencies([check_marker(value, self._comm.size)]):
+                value = tf.identity(value)
+        return value
 
     def set_embedding_weights(self, weights: Mapping[str, npt.ArrayLike]) -> None:
         """Loads whole tables, e.g. the weights of the Keras Embeddings this layer replaces
@@ -337,7 +345,7 @@ class FusedEmbedding(FusedEmbeddingMixin, tf_keras.layers.Layer):
     trainable scalar, its row-update marker, makes the tape differentiate through the
     lookup, and the gradient updates the owner rows with the group's row optimizer
     (``tf_fusedemb.layers.row_update``). On several ranks outside ``FusedModel``, wrap the
-    dense optimizer in ``tf_fusedemb.training.DistributedOptimizer``.
+    dense optimizer in ``tf_fusedemb.training.DistributedOptimizer`` (checked).
     """
 
     def _is_symbolic_tensor(self, value: Any) -> bool:

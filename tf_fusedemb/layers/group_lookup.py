@@ -20,7 +20,7 @@ from tf_fusedemb.layers.group_interface import Combiners, GroupState, KeyExchang
 from tf_fusedemb.layers.hierarchical_exchange import HierarchicalExchange
 from tf_fusedemb.layers.inputs import FlatFeature, id_ranges, out_of_range_message
 from tf_fusedemb.layers.lookup_context import NO_CONTEXT, LookupContext
-from tf_fusedemb.layers.row_update import Marker, RowUpdate, through_row_update
+from tf_fusedemb.layers.row_update import RowUpdate, through_row_update
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FusedGroup
 from tf_fusedemb.storage.backend import GroupStorage, StaticLayout, backend_for
@@ -396,7 +396,7 @@ class GroupLookup(tf.Module):
 
     def serve(self, routed: Mapping[str, tf.Tensor], rows: tf.Tensor, flats: Sequence[FlatFeature],
               combiners: Combiners, context: LookupContext = NO_CONTEXT,
-              marker: Optional[Marker] = None) -> List[tf.Tensor]:
+              marker: Optional[tf.Tensor] = None) -> List[tf.Tensor]:
         """Steps 7-8: rows back to the requesters (AlltoAll) and recovery per feature.
         With a tape in ``context`` the owner's ``rows`` are watched and recorded; else,
         given the layer's row-update ``marker``, they pass through it
@@ -415,7 +415,7 @@ class GroupLookup(tf.Module):
     def __call__(self, flats: Sequence[FlatFeature], combiners: Combiners,
                  context: LookupContext = NO_CONTEXT,
                  record_statistics: bool = True,
-                 marker: Optional[Marker] = None) -> List[tf.Tensor]:
+                 marker: Optional[tf.Tensor] = None) -> List[tf.Tensor]:
         """Embeddings of the group's features.
 
         Args:

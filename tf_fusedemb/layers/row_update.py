@@ -22,15 +22,23 @@ Consequences a user sees (the guides say them too):
 * on several ranks each rank differentiates its own batch's loss, the gradient AlltoAll
   sums the requesters' row gradients on the owner, and ``scale`` makes it the mean that
   Horovod-style dense averaging gives (``1 / ranks``); the dense gradients must be
-  averaged by ``tf_fusedemb.training.DistributedOptimizer`` (not yet checked: a bare
-  optimizer there trains each rank's dense copy on its own gradients).
+  averaged by ``tf_fusedemb.training.DistributedOptimizer``, which is checked: there the
+  marker's gradient is 1, the wrapper applies 0 instead, and a bare optimizer moves the
+  marker off 0, which the next forward pass refuses on every rank (the marker moves
+  alike everywhere) with the fix named.
 """
 import dataclasses
-from typing import Any, NamedTuple, Union
+from typing import Any, Union
 
 import tensorflow as tf
 
 MARKER_NAME = "row_update_marker"
+# The forward pass's refusal when the marker moved (an optimizer applied its gradient).
+UNWRAPPED_OPTIMIZER = (
+    "tf_fusedemb: FusedEmbedding on {ranks} ranks in a plain Keras model or custom loop needs "
+    "the dense gradients averaged over the ranks: wrap the optimizer, "
+    "optimizer = tf_fusedemb.training.DistributedOptimizer(optimizer), or use "
+    "tf_fusedemb.models.FusedModel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +49,8 @@ class RowUpdate:
       row optimizer applies it: 1 where the loss is already the global batch's
       (``FusedModel``'s step), ``1 / ranks`` where every rank differentiates its own
       batch's mean loss and dense gradients are averaged (plain Keras, custom loops).
-    marker_gradient: the gradient returned for the layer's marker (0: it stays 0).
+    marker_gradient: the gradient returned for the layer's marker: 0 in one process and
+      under FusedModel, 1 where the wrapped optimizer must intercept it (see module doc).
     """
     scale: float = 1.0
     marker_gradient: float = 0.0
@@ -49,14 +58,7 @@ class RowUpdate:
     @staticmethod
     def for_ranks(ranks: int) -> "RowUpdate":
         """The plain-Keras update on ``ranks`` ranks (each rank's own mean loss)."""
-        return RowUpdate(scale=1.0 / ranks)
-
-
-class Marker(NamedTuple):
-    """A layer's row-update marker in one forward pass: its ``variable`` (float32 scalar,
-    trainable, 0) and the ``value`` read from it (float32 scalar tensor)."""
-    variable: Any
-    value: tf.Tensor
+        return RowUpdate(scale=1.0 / ranks, marker_gradient=0.0 if ranks == 1 else 1.0)
 
 
 def row_gradient(grad: Union[None, tf.Tensor, tf.IndexedSlices], rows: tf.Tensor) -> tf.Tensor:
@@ -69,17 +71,17 @@ def row_gradient(grad: Union[None, tf.Tensor, tf.IndexedSlices], rows: tf.Tensor
     return tf.convert_to_tensor(grad)
 
 
-def through_row_update(marker: Marker, rows: tf.Tensor, lookup: Any, keys: tf.Tensor,
+def through_row_update(marker: tf.Tensor, rows: tf.Tensor, lookup: Any, keys: tf.Tensor,
                        init_keys: tf.Tensor, update: RowUpdate) -> tf.Tensor:
-    """``rows`` float32[u_l, dim] unchanged, differentiable through ``marker.value``: the
-    gradient of the result is applied to the owner rows of ``keys`` int64[u_l] (new rows
-    from ``init_keys`` int64[u_l]) by ``lookup.apply_gradients``, scaled by
-    ``update.scale``; the marker's gradient is ``update.marker_gradient``, available once
-    the rows are written.
+    """``rows`` float32[u_l, dim] unchanged, differentiable through ``marker`` (the layer's
+    marker value, float32 scalar): the gradient of the result is applied to the owner
+    rows of ``keys`` int64[u_l] (new rows from ``init_keys`` int64[u_l]) by
+    ``lookup.apply_gradients``, scaled by ``update.scale``; the marker's gradient is
+    ``update.marker_gradient``.
 
-    The write is followed by an assignment of 0 to the marker variable, which the
-    gradient waits for: Keras 3's ``fit`` keeps a layer's own variable writes but was seen
-    to drop a write to another resource that only a control dependency reaches."""
+    The marker's gradient is computed from the written rows (a term that is always 0), not
+    only ordered after the write: Keras 3's ``fit`` was seen to drop a write that only a
+    control dependency reached."""
 
     @tf.custom_gradient
     def identity(marker_value, owner_rows):
@@ -87,13 +89,21 @@ def through_row_update(marker: Marker, rows: tf.Tensor, lookup: Any, keys: tf.Te
             summed = row_gradient(d_rows, owner_rows)
             if update.scale != 1.0:
                 summed = summed * tf.constant(update.scale, summed.dtype)
-            applied = lookup.apply_gradients(keys, summed, init_keys)
-            with tf.control_dependencies([applied]):
-                written = marker.variable.assign(tf.zeros_like(marker_value))
-            with tf.control_dependencies([written]):
-                d_marker = tf.fill(tf.shape(marker_value),
-                                   tf.constant(update.marker_gradient, marker_value.dtype))
+            applied, written = lookup.apply_gradients(keys, summed, init_keys,
+                                                      return_rows=True)
+            with tf.control_dependencies([applied] if applied is not None else []):
+                zero = tf.cast(tf.size(written) < 0, marker_value.dtype)  # never negative
+            d_marker = tf.fill(tf.shape(marker_value),
+                               tf.constant(update.marker_gradient, marker_value.dtype)) + zero
             return d_marker, None  # the table's read is not differentiated further
         return tf.identity(owner_rows), grad
 
-    return identity(marker.value, rows)
+    return identity(marker, rows)
+
+
+def check_marker(marker: tf.Tensor, ranks: int) -> tf.Operation:
+    """Fails (on every rank alike: the marker moves the same way everywhere) when an
+    optimizer applied the marker's gradient, i.e. the dense gradients were not averaged
+    by the wrapped optimizer (see module doc)."""
+    return tf.debugging.assert_equal(marker, tf.zeros_like(marker),
+                                     message=UNWRAPPED_OPTIMIZER.format(ranks=ranks))

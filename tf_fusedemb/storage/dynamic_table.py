@@ -13,13 +13,13 @@ __all__ = ["DynamicGroupTable"]
 
 
 def _tfra():
-    # Imported on first table creation: TFRA (optional) loads its kernels at import and
-    # is only needed by this storage backend.
     if os.environ.get("TF_USE_LEGACY_KERAS", "").lower() not in ("1", "true", "yes"):
         # TFRA 0.8.1 is built on tf.keras = Keras 2; the library never sets this for the user.
         raise RuntimeError("TableSpec(storage='tfra') needs TFRA, which needs tf.keras to be "
                            "Keras 2: set TF_USE_LEGACY_KERAS=1 in the environment before "
                            "TensorFlow is imported, or use the default storage (the engine)")
+    # Imported on first table creation: TFRA (optional) loads its kernels at import and
+    # is only needed by this storage backend.
     import tensorflow_recommenders_addons as tfra  # pylint: disable=import-outside-toplevel
     return tfra.dynamic_embedding
 

@@ -19,11 +19,12 @@ one; ``tests/test_layering.py`` enforces it)::
     pipeline    tf.data builders, sample clustering, dual-buffer / micro-batch schedules
     inference   SavedModel export, bounded-lag distributed inference
     models      FusedModel (fit through the step core), fuse_model, DLRM, DCN-v2, sequence
+    keras3      the Keras 3 facade: the Keras 3 FusedEmbedding and the optimizer wrapper
     testing     emulated multi-host cluster, mpirun launcher, DistributedTestCase, this graph
     benchmarks  ``python -m tf_fusedemb.benchmarks.<name>``
     job         the main job's factory of data and models by name (for train.py, serve.py)
     train, serve  the commands
-    tf_fusedemb (the package ``__init__``): the facade; it imports only ``quiet`` at import time
+    tf_fusedemb (the package ``__init__``): the facade; it imports nothing of the package at import time
 
 Where this differs from DESIGN.md's list, the code decides: ``data`` needs only ``ops``
 (hashing) and ``models`` use its Criteo column names, so it sits low; ``training`` sits

@@ -15,8 +15,8 @@ checkpoints see the optimizer they know):
   the variables it is given, so unseeded models start as one model. A loop that runs
   eagerly must start every rank from the same weights itself (it is checked: a
   difference fails there);
-* the FusedEmbedding layers' row-update markers get a zero gradient (they stay 0, see
-  ``tf_fusedemb.layers.row_update``).
+* the FusedEmbedding layers' row-update markers get a zero gradient (their gradient is a
+  check that the dense gradients were averaged, see ``tf_fusedemb.layers.row_update``).
 
 Works with tf_keras optimizers (new and legacy) and Keras 3 optimizers. In one process it
 changes nothing. Exactness: with equal batches on every rank, N ranks train what one
