@@ -140,3 +140,50 @@ def test_export_leaves_the_model_unchanged(tmp_path):
     model.fit(data, labels, batch_size=64, epochs=1, shuffle=False, verbose=0)
     np.testing.assert_allclose(model(model_inputs(raw), training=False).numpy(),
                                exported_then_trained, rtol=1e-6, atol=1e-6)
+
+
+def _head_model(head):
+    """A plain tf_keras model (no library base class) with a given head, trained a little."""
+    opt = OptimizerSpec.sgd(0.1)
+    layer = FusedEmbedding([FeatureSpec("u", TableSpec("u", 4, opt)),
+                            FeatureSpec("i", TableSpec("i", 4, opt))])
+    inputs = {n: tf_keras.Input([], dtype=tf.int64, name=n) for n in ("u", "i")}
+    h = tf_keras.layers.Concatenate()(list(layer(inputs).values()))
+    if head == "softmax5":
+        outputs = tf_keras.layers.Dense(5, activation="softmax", name="rating")(h)
+        loss = "sparse_categorical_crossentropy"
+    elif head == "two":
+        outputs = {"click": tf_keras.layers.Dense(1, name="click")(h),
+                   "rating": tf_keras.layers.Dense(1, name="rating")(h)}
+        loss = {"click": tf_keras.losses.BinaryCrossentropy(from_logits=True), "rating": "mse"}
+    else:
+        outputs = tf_keras.layers.Dense(1, name="logit")(h)
+        loss = tf_keras.losses.BinaryCrossentropy(from_logits=True)
+    model = tf_keras.Model(inputs, outputs)
+    model.compile(optimizer="sgd", loss=loss)
+    rng = np.random.default_rng(0)
+    x = {n: rng.integers(0, 20, 64) for n in ("u", "i")}
+    y = x["u"] % 5
+    labels = {"click": (y > 2).astype(np.float32), "rating": y.astype(np.float32)} \
+        if head == "two" else y if head == "softmax5" else (y > 2).astype(np.float32)
+    model.fit(x, labels, batch_size=16, verbose=0)
+    return model, x
+
+
+@pytest.mark.parametrize("head,names", [("softmax5", {"rating"}), ("two", {"click", "rating"}),
+                                        ("logit", {"logit", "logits", "probability"})])
+def test_export_serves_the_models_own_head(tmp_path, head, names):
+    """The signature returns the model's outputs as they are; logits/probability only for
+    a single-logit head (a softmax's probabilities are not put through a sigmoid)."""
+    model, x = _head_model(head)
+    want = model.predict(x, verbose=0)
+    served = tf.saved_model.load(export_saved_model(
+        model, str(tmp_path / "m"), {"u": "scalar", "i": "scalar"})).signatures[
+            "serving_default"](**{n: tf.constant(v) for n, v in x.items()})
+    assert set(served) == names
+    want = want if isinstance(want, dict) else {sorted(names - {"logits", "probability"})[0]: want}
+    for name, values in want.items():
+        np.testing.assert_allclose(served[name].numpy(), values, rtol=1e-5, atol=1e-6)
+    if "probability" in names:
+        np.testing.assert_allclose(served["probability"].numpy(),
+                                   tf.sigmoid(want["logit"]).numpy(), rtol=1e-5, atol=1e-6)

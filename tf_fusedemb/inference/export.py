@@ -6,10 +6,13 @@
 
 The serving signature ``serving_default`` takes raw features: a "scalar" feature as
 int64[B]; a "list" feature (multi-hot or sequence) as int64[B, L] zero-padded plus
-``<name>_length`` int64[B]; dense features as float32[B]. It returns ``logits`` and
-``probability`` [B, 1]. The SavedModel contains core TF ops only.
+``<name>_length`` int64[B]; dense features as float32[B]. It returns the model's outputs
+as they are, by name (a dict output keeps its keys; a list its ``output_names``; a single
+tensor its output name): any number, any activation. Where the head is a single logit
+(one output of width 1 whose last layer has no activation), it also returns ``logits``
+and ``probability`` = sigmoid(logits), [B, 1]. The SavedModel contains core TF ops only.
 """
-from typing import Any, Dict, Mapping, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 import tensorflow as tf
 import tf_keras
@@ -34,8 +37,37 @@ def serving_context(model: tf_keras.Model) -> LookupContext:
     return LookupContext(substitutes=substitutes)
 
 
+def named_outputs(model: Any, outputs: Any) -> Dict[str, tf.Tensor]:
+    """The model's ``outputs`` by name: a dict as it is, a list or tuple by the model's
+    ``output_names`` (else ``output_<i>``), one tensor by its output name."""
+    if isinstance(outputs, Mapping):
+        return dict(outputs)
+    flat = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+    names = list(getattr(model, "output_names", None) or [])
+    if len(names) != len(flat):
+        names = [f"output_{i}" for i in range(len(flat))]
+    return dict(zip(names, flat))
+
+
+def _single_logit(model: Any, outputs: Mapping[str, tf.Tensor]) -> bool:
+    """One output of width 1 (float[B] or float[B, 1]) whose producing layer, where the
+    model says which it is, has a linear activation (or none)."""
+    if len(outputs) != 1:
+        return False
+    out, = outputs.values()
+    if out.shape.rank not in (1, 2) or (out.shape.rank == 2 and out.shape[-1] != 1):
+        return False
+    try:
+        layer = model.outputs[0]._keras_history.layer  # functional models
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return True  # subclassed: width 1 is taken as a logit (binary_logit= overrides)
+    activation = getattr(layer, "activation", None)
+    return activation is None or getattr(activation, "__name__", "") == "linear"
+
+
 def export_saved_model(model: tf_keras.Model, export_dir: str, feature_kinds: Mapping[str, str],
-                       dense_features: Sequence[str] = ()) -> str:
+                       dense_features: Sequence[str] = (),
+                       binary_logit: Optional[bool] = None) -> str:
     """Writes a SavedModel with a raw-feature serving signature; returns ``export_dir``.
 
     Args:
@@ -44,6 +76,8 @@ def export_saved_model(model: tf_keras.Model, export_dir: str, feature_kinds: Ma
       export_dir: output directory (written atomically: to a temporary name, then renamed).
       feature_kinds: {feature: "scalar" | "list"} for every FusedEmbedding feature.
       dense_features: names of float32[B] inputs passed through unchanged.
+      binary_logit: add ``logits``/``probability`` outputs (a single logit head); default
+        None: where the model's head is one output of width 1 with a linear last layer.
     """
     for name, kind in feature_kinds.items():
         if kind not in KINDS:
@@ -68,8 +102,11 @@ def export_saved_model(model: tf_keras.Model, export_dir: str, feature_kinds: Ma
         for name in dense_features:
             features[name] = inputs[name]
         with use_context(model, context):
-            logits = model(features, training=False)
-        return {"logits": logits, "probability": tf.sigmoid(logits)}
+            outputs = named_outputs(model, model(features, training=False))
+        if binary_logit if binary_logit is not None else _single_logit(model, outputs):
+            logits, = outputs.values()
+            outputs.update(logits=logits, probability=tf.sigmoid(logits))
+        return outputs
 
     module = tf.Module()
     # The dense weights and the serving groups (their rows and key indexes); not the
