@@ -207,3 +207,31 @@ def plain_on_ranks(weights, path, optimizer="sgd", wrap=True):
     return {"tables": tables, "owned": owned, "losses": out["losses"],
             "dense": [v.numpy() for v in model.trainable_variables],
             "predictions": model.predict(x, batch_size=BATCH, verbose=0).reshape(-1)}
+
+
+def multi_output(fused, optimizer="sgd", model_class=None):
+    """A two-headed tf_keras model (click logit, rating regression) with dict outputs."""
+    inputs = {f: tf_keras.Input((), dtype="int64", name=f) for f in FEATURES}
+    if fused:
+        embed = fused_layer_class(tf_keras)(specs(optimizer))
+        outs = embed(inputs)
+        vectors = [outs[f] for f in FEATURES]
+    else:
+        embed = {f: tf_keras.layers.Embedding(VOCAB, DIM, name=f"emb_{f}") for f in FEATURES}
+        vectors = [embed[f](inputs[f]) for f in FEATURES]
+    h = tf_keras.layers.Dense(8, activation="relu", name="hidden")(
+        tf_keras.layers.Concatenate()(vectors))
+    outputs = {"click": tf_keras.layers.Dense(1, name="click")(h),
+               "rating": tf_keras.layers.Dense(1, name="rating")(h)}
+    return (model_class or tf_keras.Model)(inputs, outputs), embed
+
+
+def fit_multi_output(model, optimizer, x, y):
+    """compile with per-output losses and loss weights, fit on a dict of labels."""
+    model.compile(optimizer=optimizer,
+                  loss={"click": tf_keras.losses.BinaryCrossentropy(from_logits=True),
+                        "rating": "mse"}, loss_weights={"click": 1.0, "rating": 0.5})
+    labels = {"click": y, "rating": (y * 3 + 1).astype(np.float32)}
+    history = model.fit(x, labels, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    predictions = model.predict(x, batch_size=BATCH, verbose=0)
+    return history.history, predictions

@@ -159,3 +159,26 @@ class TwoRankKerasPathsTest(DistributedTestCase):
             for r in ranks:
                 self.assertIn("error", r, path)
                 self.assertIn("DistributedOptimizer", r["error"], path)
+
+
+@pytest.mark.parametrize("model_class", [None, FusedModel], ids=["tf_keras.Model", "FusedModel"])
+def test_multi_output_dict_labels(model_class):
+    """Two outputs, a dict of labels, per-output losses and loss weights: the history
+    (total and per-output losses), predictions and rows equal Keras's."""
+    x, y = kpth.data()
+    ref, embeds = kpth.multi_output(False)
+    fused, layer = kpth.multi_output(True, "sgd", model_class)
+    initial = {"tables": {f: e.get_weights()[0] for f, e in embeds.items()}}
+    for name in ("hidden", "click", "rating"):
+        fused.get_layer(name).set_weights(ref.get_layer(name).get_weights())
+    layer.set_embedding_weights(initial["tables"])
+    want_h, want_p = kpth.fit_multi_output(ref, kpth.keras_optimizer(tf_keras, "sgd"), x, y)
+    got_h, got_p = kpth.fit_multi_output(fused, kpth.keras_optimizer(tf_keras, "sgd"), x, y)
+    assert set(got_h) == set(want_h) == {"loss", "click_loss", "rating_loss"}
+    for key in want_h:
+        np.testing.assert_allclose(got_h[key], want_h[key], **TOL, err_msg=key)
+    for key in want_p:
+        np.testing.assert_allclose(got_p[key], want_p[key], **TOL, err_msg=key)
+    tables, _ = kpth.fused_tables(layer)
+    for f, emb in embeds.items():
+        np.testing.assert_allclose(tables[f], emb.get_weights()[0], **TOL, err_msg=f)

@@ -76,6 +76,7 @@ class SparseTrainingMixin(_KerasModel):
         replicas_of(self).check_every = replica_check_every
         self._fused_loss: Optional[KerasLoss] = None  # built at the first step (output names)
         self._loss_tracker = tf_keras.metrics.Mean(name="loss")
+        self._output_loss_trackers: Dict[str, tf_keras.metrics.Mean] = {}
         self._fused_steps: Dict[str, RankInvariantFunction] = {}
         self._pipeline: Optional[Union[NestedPipeline, AutoPipeline]] = None
         self._loop: Optional[TrainLoop] = None  # the pipeline's: one batch ahead
@@ -83,8 +84,10 @@ class SparseTrainingMixin(_KerasModel):
     @property
     def metrics(self) -> List[tf_keras.metrics.Metric]:
         tracker = getattr(self, "_loss_tracker", None)
-        others = [m for m in super().metrics if m is not tracker]
-        return ([tracker] if tracker is not None else []) + others
+        outputs = list(getattr(self, "_output_loss_trackers", {}).values())
+        others = [m for m in super().metrics if m is not tracker and
+                  all(m is not o for o in outputs)]
+        return ([tracker] if tracker is not None else []) + outputs + others
 
     def fit(self, *args: Any, **kwargs: Any) -> tf_keras.callbacks.History:
         """Keras ``fit``; without ``verbose``: no output off rank 0, the bar on a terminal,
@@ -218,20 +221,22 @@ class SparseTrainingMixin(_KerasModel):
         gathered = None
         if self._fused_compile["gather"]:
             gathered = self._traced("gather", self._gather)(y, result.predictions, sample_weight)
-        return self._report(result.loss, result.weight, gathered)
+        return self._report(result.loss, result.weight, gathered, result.per_output)
 
     # ---------------------------------------------------------------- Keras steps
     @tf.autograph.experimental.do_not_convert
     def train_step(self, data: Any) -> Dict[str, Any]:
         x, y, sample_weight = tf_keras.utils.unpack_x_y_sample_weight(data)
-        loss, weight, _, gathered = self._traced("train", self._train_core)(x, y, sample_weight)
-        return self._report(loss, weight, gathered)
+        loss, weight, per_output, gathered = self._traced("train", self._train_core)(
+            x, y, sample_weight)
+        return self._report(loss, weight, gathered, per_output)
 
     @tf.autograph.experimental.do_not_convert
     def test_step(self, data: Any) -> Dict[str, Any]:
         x, y, sample_weight = tf_keras.utils.unpack_x_y_sample_weight(data)
-        loss, weight, gathered = self._traced("test", self._test_core)(x, y, sample_weight)
-        return self._report(loss, weight, gathered)
+        loss, weight, per_output, gathered = self._traced("test", self._test_core)(
+            x, y, sample_weight)
+        return self._report(loss, weight, gathered, per_output)
 
     @tf.autograph.experimental.do_not_convert
     def predict_step(self, data: Any) -> Any:
@@ -242,13 +247,14 @@ class SparseTrainingMixin(_KerasModel):
     def _train_core(self, x, y, sample_weight):
         result = steps.train_step(self, x, y, self._keras_loss(), self.optimizer,
                                   sample_weight, get_communicator())
-        return result.loss, result.weight, result.predictions, \
+        return result.loss, result.weight, result.per_output, \
             self._gather(y, result.predictions, sample_weight)
 
     def _test_core(self, x, y, sample_weight):
         result = steps.test_step(self, x, y, self._keras_loss(), sample_weight,
                                  get_communicator())
-        return result.loss, result.weight, self._gather(y, result.predictions, sample_weight)
+        return result.loss, result.weight, result.per_output, \
+            self._gather(y, result.predictions, sample_weight)
 
     def _predict_core(self, x):
         replicas_of(self).synchronize(get_communicator(), x=x)  # before any training step
@@ -282,8 +288,14 @@ class SparseTrainingMixin(_KerasModel):
                     for i, v in enumerate(values)]
         return tf.nest.pack_sequence_as((y, y_pred, sample_weight), gathered)
 
-    def _report(self, loss, weight, gathered):
+    def _report(self, loss, weight, gathered, per_output=()):
         self._loss_tracker.update_state(loss, sample_weight=weight)
+        # Keras's "<output>_loss" of a model with several outputs (eager: made on first use)
+        names = self._keras_loss().output_names_with_loss() if len(self.output_names) > 1 else []
+        for name, value in zip(names, per_output):
+            if name not in self._output_loss_trackers:
+                self._output_loss_trackers[name] = tf_keras.metrics.Mean(name=f"{name}_loss")
+            self._output_loss_trackers[name].update_state(value, sample_weight=weight)
         if gathered is not None:
             self.compiled_metrics.update_state(*gathered)
         return self.get_metrics_result()

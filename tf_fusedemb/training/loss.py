@@ -66,11 +66,14 @@ class LossTotals:
     coefficients: per output, d total / d sums_o (each slice's share of the gradient is
       ``sum_o coefficients[o] * its sums_o``); regularization: d total / d sum(model.losses);
     value, weight: what Keras's ``loss`` metric is updated with (value the step's loss).
+    per_output: per output with a loss (``LossPartial.outputs``), its own loss on the
+      global batch, not multiplied by its loss weight: Keras's ``<output>_loss`` metric.
     """
     coefficients: List[tf.Tensor]
     regularization: tf.Tensor
     value: tf.Tensor
     weight: tf.Tensor
+    per_output: List[tf.Tensor] = dataclasses.field(default_factory=list)
 
 
 def _loss_object(loss):
@@ -136,6 +139,10 @@ class KerasLoss:
         if isinstance(value, (list, tuple)):
             return list(value)
         return [value] * max(1, len(self.output_names))
+
+    def output_names_with_loss(self) -> List[str]:
+        """The output names that have a loss, in output order."""
+        return [n for i, n in enumerate(self.output_names) if self._output(i)[0] is not None]
 
     def _output(self, i):
         """(elementwise Loss or None, reduction, loss weight) of output ``i``."""
@@ -216,6 +223,10 @@ class KerasLoss:
         n = len(partial.outputs)
         coefficients = self.coefficients(partial, sizes)
         value = tf.add_n([c * s for c, s in zip(coefficients, tf.unstack(sums[:n]))])
+        per_output = [s if reduction not in _MEAN_LIKE else tf.math.divide_no_nan(s, count)
+                      for (_, reduction, _), s, count in zip(self._active(partial),
+                                                             tf.unstack(sums[:n]),
+                                                             tf.unstack(sizes[:n]))]
         reg = tf.constant(0.0) if regularization is None else tf.cast(regularization, tf.float32)
         rows = sizes[-1]
         if self._active(partial)[0][1] == _NONE:
@@ -223,9 +234,9 @@ class KerasLoss:
             # its Mean metric adds sum(vector) * rows over count * rows per batch.
             count = sizes[0]
             return LossTotals(coefficients, count, tf.math.divide_no_nan(value + count * reg, count),
-                              rows * count)
+                              rows * count, per_output)
         return LossTotals(coefficients, self.regularization_coefficient(partial, sizes),
-                          value + reg, rows)
+                          value + reg, rows, per_output)
 
     def _active(self, partial: LossPartial):
         return [self._output(i) for i in partial.outputs]

@@ -53,11 +53,13 @@ DENSE_GRADS = "fusedemb/dense_grads"
 class StepResult(NamedTuple):
     """What a step returns (a tuple, so traced functions can return it): ``loss`` float32
     scalar (the global batch's loss, as Keras reports it per batch), ``weight`` (its
-    weight in Keras's running ``loss`` Mean: the global batch's rows) and this rank's
-    ``predictions``."""
+    weight in Keras's running ``loss`` Mean: the global batch's rows), this rank's
+    ``predictions`` and ``per_output``: per output with a loss, its own loss on the global
+    batch (``LossTotals.per_output``)."""
     loss: tf.Tensor
     weight: tf.Tensor
     predictions: object
+    per_output: Tuple[tf.Tensor, ...] = ()
 
 
 class Schedule:
@@ -259,7 +261,7 @@ def train_step(model: tf_keras.Model, x: Any, y: Any, loss: LossLike,
                 schedule.apply_rows(lookup, keys, grads, init)
     pred = preds[0] if len(preds) == 1 else tf.nest.map_structure(
         lambda *p: tf.concat(p, 0), *preds)
-    return StepResult(totals.value, totals.weight, pred)
+    return StepResult(totals.value, totals.weight, pred, tuple(totals.per_output))
 
 
 def test_step(model: tf_keras.Model, x: Any, y: Any, loss: LossLike, sample_weight: Any = None,
@@ -272,7 +274,7 @@ def test_step(model: tf_keras.Model, x: Any, y: Any, loss: LossLike, sample_weig
     y_pred = model(x, training=False)
     totals = loss_totals(loss, [loss.partial(y, y_pred, sample_weight)], regularization(model),
                          comm)
-    return StepResult(totals.value, totals.weight, y_pred)
+    return StepResult(totals.value, totals.weight, y_pred, tuple(totals.per_output))
 
 
 def top_layers_split(variables: Sequence[tf.Variable]) -> int:
