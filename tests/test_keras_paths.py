@@ -182,3 +182,41 @@ def test_multi_output_dict_labels(model_class):
     tables, _ = kpth.fused_tables(layer)
     for f, emb in embeds.items():
         np.testing.assert_allclose(tables[f], emb.get_weights()[0], **TOL, err_msg=f)
+
+
+@pytest.mark.parametrize("model_class", [None, FusedModel], ids=["tf_keras.Model", "FusedModel"])
+def test_sharded_checkpoint_callback_resumes_fit(tmp_path, model_class):
+    """fit(epochs=3) with ShardedCheckpoint, stopped after epoch 1 and started again on a
+    freshly built model, ends where an uninterrupted fit ends (rows, dense weights,
+    optimizer state through the predictions, and the resumed epochs' losses)."""
+    from tf_fusedemb.models import ShardedCheckpoint
+    x, y = kpth.data()
+
+    def model_from(initial):
+        model, layer = kpth.functional(tf_keras, True, "adagrad")
+        if model_class is not None:
+            model = FusedModel(model.inputs, model.outputs)
+        kpth.load_weights(model, layer, initial)
+        model.compile(optimizer=kpth.keras_optimizer(tf_keras, "adagrad"),
+                      loss=tf_keras.losses.BinaryCrossentropy(from_logits=True))
+        return model, layer
+
+    ref, embeds = kpth.functional(tf_keras, False)
+    initial = kpth.initial_weights(ref, embeds)
+    whole, whole_layer = model_from(initial)
+    want = whole.fit(x, y, batch_size=kpth.BATCH, epochs=3, shuffle=False, verbose=0,
+                     callbacks=[ShardedCheckpoint(str(tmp_path / "a"))]).history["loss"]
+    first, _ = model_from(initial)
+    first.fit(x, y, batch_size=kpth.BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=[ShardedCheckpoint(str(tmp_path / "b"))])
+    other, _ = kpth.functional(tf_keras, False)  # other initial weights: the restore decides
+    resumed, layer = model_from(kpth.initial_weights(other, _))
+    history = resumed.fit(x, y, batch_size=kpth.BATCH, epochs=3, shuffle=False, verbose=0,
+                          callbacks=[ShardedCheckpoint(str(tmp_path / "b"))])
+    assert history.epoch == [1, 2]
+    np.testing.assert_allclose(history.history["loss"], want[1:], **TOL)
+    np.testing.assert_allclose(resumed.predict(x, verbose=0), whole.predict(x, verbose=0), **TOL)
+    got_tables, _ = kpth.fused_tables(layer)
+    want_tables, _ = kpth.fused_tables(whole_layer)
+    for f in kpth.FEATURES:
+        np.testing.assert_allclose(got_tables[f], want_tables[f], **TOL, err_msg=f)

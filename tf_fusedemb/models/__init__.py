@@ -1,5 +1,6 @@
 """Models and the sparse-aware training step of tf_fusedemb."""
 from tf_fusedemb.models.callbacks import CommCountersLogger, fused_embedding_layers
+from tf_fusedemb.models.checkpoint_callback import ShardedCheckpoint
 from tf_fusedemb.models.fuse_model import fuse_model
 from tf_fusedemb.models.fused_model import FusedModel
 from tf_fusedemb.training.step import train_step
@@ -11,6 +12,6 @@ from tf_fusedemb.models.sequence import (LocalActivationUnit, SequenceModel,
                                          movielens_feature_specs)
 
 __all__ = ["CRITEO_CATEGORICAL", "CRITEO_DENSE", "CrossLayer", "DCNv2", "DLRM", "DotInteraction",
-           "LocalActivationUnit", "MLP", "SequenceModel", "criteo_feature_specs",
+           "LocalActivationUnit", "MLP", "SequenceModel", "ShardedCheckpoint", "criteo_feature_specs",
            "movielens_feature_specs",
            "CommCountersLogger", "FusedModel", "fuse_model", "fused_embedding_layers", "train_step"]
