@@ -73,10 +73,27 @@ def test_sequence_and_shared_embeddings_convert():
     (lambda: _one_embedding(tf.int64, mask_zero=True), "mask_zero"),
     (lambda: _one_embedding(tf.int64, embeddings_regularizer="l2"), "embeddings_regularizer"),
     (lambda: tf_keras.Model(*_io(tf_keras.layers.Reshape([1]))), "no top-level Embedding"),
+    (lambda: _Subclassed(), "FusedEmbedding in the model"),
+    (lambda: _keras3_functional(), "Keras 3 model.*tf_fusedemb.keras3.FusedEmbedding"),
 ])
 def test_unsupported_models_fail_clearly(build, match):
     with pytest.raises(ValueError, match=match):
         fuse_model(build(), OPT)
+
+
+class _Subclassed(tf_keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.emb = tf_keras.layers.Embedding(5, 2)
+
+    def call(self, x):
+        return self.emb(x)
+
+
+def _keras3_functional():
+    keras = pytest.importorskip("keras", minversion="3")
+    x = keras.Input((), dtype="int64")
+    return keras.Model(x, keras.layers.Embedding(5, 2)(x))
 
 
 def _io(layer, dtype=tf.float32):

@@ -60,16 +60,27 @@ def fuse_model(model: tf_keras.Model, optimizer: OptimizerSpec, dynamic: bool = 
 
 
 def _functional_config(model) -> Dict:
+    if not isinstance(model, tf_keras.Model):
+        keras3 = type(model).__module__.startswith("keras")
+        raise ValueError(
+            f"fuse_model needs a functional tf_keras.Model; got {type(model).__name__} "
+            f"({'a Keras 3 model' if keras3 else type(model).__module__}). "
+            + ("For Keras 3, use tf_fusedemb.keras3.FusedEmbedding in the model in place of "
+               "its Embedding layers (it trains in Keras 3's fit and loops)" if keras3 else
+               "Use tf_fusedemb.layers.FusedEmbedding in the model directly"))
     config = None
-    if isinstance(model, tf_keras.Model) and not isinstance(model, tf_keras.Sequential):
+    if not isinstance(model, tf_keras.Sequential):
         try:
             config = model.get_config()
         except NotImplementedError:
             config = None
     if not isinstance(config, dict) or "layers" not in config or "input_layers" not in config:
-        raise ValueError(f"fuse_model needs a functional tf_keras.Model (Model(inputs, outputs)); "
-                         f"got {type(model).__name__}. Wrap a Sequential model as "
-                         "tf_keras.Model(inputs, sequential(inputs)) first")
+        raise ValueError(
+            f"fuse_model needs a functional tf_keras.Model (Model(inputs, outputs)); got "
+            f"{type(model).__name__}, whose layers it cannot rewire. Either put "
+            "tf_fusedemb.layers.FusedEmbedding in the model in place of its Embedding layers "
+            "(it trains in a plain tf_keras.Model, subclassed or not, with fit or your own "
+            "loop), or wrap a Sequential model as tf_keras.Model(inputs, sequential(inputs))")
     return config
 
 
