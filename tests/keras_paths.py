@@ -235,3 +235,21 @@ def fit_multi_output(model, optimizer, x, y):
     history = model.fit(x, labels, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     predictions = model.predict(x, batch_size=BATCH, verbose=0)
     return history.history, predictions
+
+
+def keras3_on_ranks(weights):
+    """One rank: the fused functional Keras 3 model from ``weights`` (SGD), fit on this
+    rank's shares with DistributedOptimizer; tables, dense weights, global predictions."""
+    import keras  # pylint: disable=import-outside-toplevel  # Keras 3: this rank's choice
+    from tf_fusedemb.comm import get_communicator  # pylint: disable=import-outside-toplevel
+    from tf_fusedemb.keras3 import DistributedOptimizer  # pylint: disable=import-outside-toplevel
+    comm = get_communicator()
+    x, y = data()
+    xr, yr = rank_slices(x, y, comm.rank, comm.size, BATCH)
+    model, layer = functional(keras, True, "sgd")
+    load_weights(model, layer, weights)
+    out = fit(keras, model, DistributedOptimizer(keras_optimizer(keras, "sgd")), xr, yr, BATCH)
+    tables, owned = fused_tables(layer)
+    return {"tables": tables, "owned": owned, "losses": out["losses"],
+            "dense": [v.numpy() for v in model.trainable_variables],
+            "predictions": model.predict(x, batch_size=BATCH, verbose=0).reshape(-1)}

@@ -152,6 +152,21 @@ class TwoRankKerasPathsTest(DistributedTestCase):
         self._check("loop", "sgd")
 
     @pytest.mark.timeout(700)
+    def test_keras3_fit(self):
+        keras = pytest.importorskip("keras", minversion="3")
+        x, y = kpth.data()
+        ref, embeds = kpth.functional(keras, False)
+        initial = kpth.initial_weights(ref, embeds)
+        want = kpth.fit(keras, ref, kpth.keras_optimizer(keras, "sgd"), x, y, 2 * kpth.BATCH)
+        ranks = self.run_ranks(kpth.keras3_on_ranks, 2, (initial,))
+        for r in ranks:
+            np.testing.assert_allclose(r["predictions"], want["predictions"], **TOL)
+        for f, emb in embeds.items():
+            rows = sum(r["tables"][f] for r in ranks)
+            assert np.abs(emb.get_weights()[0] - initial["tables"][f]).max() > 1e-4
+            np.testing.assert_allclose(rows, emb.get_weights()[0], **TOL, err_msg=f)
+
+    @pytest.mark.timeout(700)
     def test_bare_optimizer_fails_on_every_rank(self):
         initial, _, _, _, _ = self._reference("fit", "sgd")
         for path in ("fit", "loop"):
@@ -220,3 +235,17 @@ def test_sharded_checkpoint_callback_resumes_fit(tmp_path, model_class):
     want_tables, _ = kpth.fused_tables(whole_layer)
     for f in kpth.FEATURES:
         np.testing.assert_allclose(got_tables[f], want_tables[f], **TOL, err_msg=f)
+
+
+def test_keras3_export_serves_the_same_predictions(tmp_path):
+    keras = pytest.importorskip("keras", minversion="3")
+    from tf_fusedemb.inference import export_saved_model
+    x, y = kpth.data()
+    model, _ = kpth.functional(keras, True, "sgd")
+    kpth.fit(keras, model, kpth.keras_optimizer(keras, "sgd"), x, y, kpth.BATCH, epochs=1)
+    want = model.predict(x, verbose=0)
+    served = tf.saved_model.load(export_saved_model(
+        model, str(tmp_path / "k3"), {f: "scalar" for f in kpth.FEATURES})).signatures[
+            "serving_default"](**{f: tf.constant(v) for f, v in x.items()})
+    np.testing.assert_allclose(served["logits"].numpy(), want, **TOL)
+    np.testing.assert_allclose(served["probability"].numpy(), tf.sigmoid(want).numpy(), **TOL)
