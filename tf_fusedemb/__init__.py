@@ -13,7 +13,7 @@ import importlib
 
 __version__ = "0.1.0"
 
-_LAZY_SUBMODULES = ("ops", "specs", "data", "benchmarks", "keras3")
+_LAZY_SUBMODULES = ("quiet", "ops", "specs", "data", "benchmarks", "keras3")
 
 
 def register_ops():

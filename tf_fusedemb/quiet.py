@@ -1,13 +1,14 @@
 """Quiet, conventional output: drops the known noise TensorFlow and TFRA print on a CPU
 machine, and nothing else. Opt-in: :func:`install`, called before TensorFlow is imported.
 
-``import tf_fusedemb`` does none of this (it only sets ``TF_USE_LEGACY_KERAS=1`` unless set:
-tf.keras must be Keras 2, as TFRA and Horovod need) and never touches file descriptor 2.
+``import tf_fusedemb`` does none of this (it sets no environment variable) and never touches
+file descriptor 2.
 The project's commands (``python -m tf_fusedemb.train``, ``serve``, the benchmarks, the
 examples, ``tf_fusedemb.testing``'s rank workers) call :func:`install` first. It sets:
 
-* environment defaults (a user's own setting wins): ``TF_USE_LEGACY_KERAS=1`` and
-  ``TF_CPP_MIN_LOG_LEVEL=2`` (C++ INFO and WARNING lines such as "Could not find cuda
+* environment defaults (a user's own setting wins): ``TF_USE_LEGACY_KERAS=1`` (tf.keras is
+  Keras 2, which the TFRA baselines need; ``install(legacy_keras=False)`` leaves it alone,
+  for a Keras 3 program) and ``TF_CPP_MIN_LOG_LEVEL=2`` (C++ INFO and WARNING lines such as "Could not find cuda
   drivers", "oneDNN custom operations are on");
 * the three "Unable to register cuFFT/cuDNN/cuBLAS factory" ERROR lines of TensorFlow
   2.16's wheel. Where they come from: libtensorflow_cc.so.2 and libtensorflow_framework.so.2
@@ -83,11 +84,13 @@ def launcher_command(command: Sequence[str], env: Optional[Mapping[str, str]] = 
     return argv, full
 
 
-def install() -> None:
+def install(legacy_keras: bool = True) -> None:
     """Environment defaults, log/warning filters and the one-shot import filters
-    (idempotent). Call it before TensorFlow is imported (see the module docstring)."""
+    (idempotent). Call it before TensorFlow is imported (see the module docstring).
+    ``legacy_keras``: also default ``TF_USE_LEGACY_KERAS=1`` (tf.keras = Keras 2)."""
     for key, value in ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
+        if legacy_keras or key not in KERAS_ENV_DEFAULT:
+            os.environ.setdefault(key, value)
     logger = logging.getLogger("tensorflow")  # the logger TF's tf_logging writes to
     if not any(isinstance(f, _DropMessages) for f in logger.filters):
         logger.addFilter(_DropMessages(TFRA_LOG_NOISE))
