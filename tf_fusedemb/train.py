@@ -181,8 +181,8 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
         begin = time.perf_counter()
         faults.inject("step", step + 1, comm.rank)  # no-op unless tf_fusedemb.testing.faults
         with comm.watch(f"training step {step + 1}"):  # a lost peer: named, no hang
-            (loss, _, logits), (x, y) = loop.progress(batches)
-            loss = float(loss)
+            done, (x, y) = loop.progress(batches)
+            loss, logits = float(done.loss), done.predictions
         elapsed = time.perf_counter() - begin
         if step >= start + 3:  # after tracing and warm-up
             timed += elapsed

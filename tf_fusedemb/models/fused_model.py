@@ -291,7 +291,8 @@ class SparseTrainingMixin(_KerasModel):
     def _report(self, loss, weight, gathered, per_output=()):
         self._loss_tracker.update_state(loss, sample_weight=weight)
         # Keras's "<output>_loss" of a model with several outputs (eager: made on first use)
-        names = self._keras_loss().output_names_with_loss() if len(self.output_names) > 1 else []
+        names = self._keras_loss().output_names_with_loss() \
+            if len(self.output_names or []) > 1 else []
         for name, value in zip(names, per_output):
             if name not in self._output_loss_trackers:
                 self._output_loss_trackers[name] = tf_keras.metrics.Mean(name=f"{name}_loss")
