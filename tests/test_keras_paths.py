@@ -249,3 +249,18 @@ def test_keras3_export_serves_the_same_predictions(tmp_path):
             "serving_default"](**{f: tf.constant(v) for f, v in x.items()})
     np.testing.assert_allclose(served["logits"].numpy(), want, **TOL)
     np.testing.assert_allclose(served["probability"].numpy(), tf.sigmoid(want).numpy(), **TOL)
+
+
+def test_eviction_outside_fused_model_is_refused():
+    """Eviction runs between FusedModel's steps; a plain model would never evict: its first
+    training step refuses, naming FusedModel (no silent divergence)."""
+    from tf_fusedemb.layers import FusedEmbedding
+    from tf_fusedemb.specs import EvictionPolicy, FeatureSpec, OptimizerSpec, TableSpec
+    layer = FusedEmbedding([FeatureSpec("a", TableSpec(
+        "a", kpth.DIM, OptimizerSpec.sgd(0.1), eviction=EvictionPolicy(ttl_steps=2)))])
+    inputs = {"a": tf_keras.Input((), dtype="int64", name="a")}
+    model = tf_keras.Model(inputs, tf_keras.layers.Dense(1)(layer(inputs)["a"]))
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = kpth.data()
+    with pytest.raises(ValueError, match="EvictionPolicy.*FusedModel"):
+        model.fit({"a": x["a"]}, y, batch_size=kpth.BATCH, verbose=0)

@@ -161,7 +161,7 @@ class FusedEmbeddingMixin(_KerasLayer):
         # evaluate/predict (training=False): eviction and reports must not see eval data.
         record = training is not False
         self._check_inputs(inputs)
-        marker = self._marker(record)
+        marker = self._marker(record, refuse_eviction=training is True)
         outputs = {}
         for group in self.groups:
             lookup = self.lookup_context.lookup_for(group)
@@ -176,16 +176,24 @@ class FusedEmbeddingMixin(_KerasLayer):
                 outputs[spec.name] = _shape_output(spec, flat, emb)
         return outputs
 
-    def _marker(self, training: bool) -> Optional[tf.Tensor]:
+    def _marker(self, training: bool, refuse_eviction: bool = False) -> Optional[tf.Tensor]:
         """The row-update marker's value for a training pass of a trainable layer, else
         None. Outside a step of ours on several ranks it is checked to be 0: an optimizer
         that applied its gradient did not average the dense gradients
-        (``row_update.check_marker``)."""
+        (``row_update.check_marker``). ``refuse_eviction``: a training pass (not a
+        functional model's construction) refuses tables with eviction outside our step."""
         if not training or not self.trainable:
             return None
         value = tf.convert_to_tensor(self.row_update_marker)
         context = self.lookup_context
-        if self._comm.size > 1 and context.tape is None and context.row_update is None:
+        outside_our_step = context.tape is None and context.row_update is None
+        if outside_our_step and refuse_eviction and self.has_eviction:
+            # Eviction runs between steps (enforce_policies), which only FusedModel.fit
+            # calls: trained elsewhere, the tables would never evict.
+            raise ValueError(f"FusedEmbedding '{self.name}': tables with an EvictionPolicy "
+                             "train in tf_fusedemb.models.FusedModel (its fit evicts after "
+                             "every step); this model trains it outside FusedModel")
+        if self._comm.size > 1 and outside_our_step:
             with tf.control_dependencies([check_marker(value, self._comm.size)]):
                 value = tf.identity(value)
         return value
