@@ -46,17 +46,22 @@ def fused_layer_class(k):
     return FusedEmbedding
 
 
+def embeddings(k, fused, optimizer, inputs):
+    """(one [B, dim] vector per feature of ``inputs``, the FusedEmbedding layer or the
+    {feature: Embedding} of the reference)."""
+    if fused:
+        embed = fused_layer_class(k)(specs(optimizer))
+        outs = embed(inputs)
+        return [outs[f] for f in FEATURES], embed
+    embed = {f: k.layers.Embedding(VOCAB, DIM, name=f"emb_{f}") for f in FEATURES}
+    return [embed[f](inputs[f]) for f in FEATURES], embed
+
+
 def functional(k, fused, optimizer="sgd"):
     """(model, {feature: Embedding} or the FusedEmbedding layer): inputs -> embeddings ->
     Dense(8, relu) -> Dense(1) logit, a functional ``k.Model``."""
     inputs = {f: k.Input((), dtype="int64", name=f) for f in FEATURES}
-    if fused:
-        embed = fused_layer_class(k)(specs(optimizer))
-        outs = embed(inputs)
-        vectors = [outs[f] for f in FEATURES]
-    else:
-        embed = {f: k.layers.Embedding(VOCAB, DIM, name=f"emb_{f}") for f in FEATURES}
-        vectors = [embed[f](inputs[f]) for f in FEATURES]
+    vectors, embed = embeddings(k, fused, optimizer, inputs)
     h = k.layers.Dense(8, activation="relu", name="hidden")(k.layers.Concatenate()(vectors))
     return k.Model(inputs, k.layers.Dense(1, name="logit")(h)), embed
 
@@ -212,13 +217,7 @@ def plain_on_ranks(weights, path, optimizer="sgd", wrap=True):
 def multi_output(fused, optimizer="sgd", model_class=None):
     """A two-headed tf_keras model (click logit, rating regression) with dict outputs."""
     inputs = {f: tf_keras.Input((), dtype="int64", name=f) for f in FEATURES}
-    if fused:
-        embed = fused_layer_class(tf_keras)(specs(optimizer))
-        outs = embed(inputs)
-        vectors = [outs[f] for f in FEATURES]
-    else:
-        embed = {f: tf_keras.layers.Embedding(VOCAB, DIM, name=f"emb_{f}") for f in FEATURES}
-        vectors = [embed[f](inputs[f]) for f in FEATURES]
+    vectors, embed = embeddings(tf_keras, fused, optimizer, inputs)
     h = tf_keras.layers.Dense(8, activation="relu", name="hidden")(
         tf_keras.layers.Concatenate()(vectors))
     outputs = {"click": tf_keras.layers.Dense(1, name="click")(h),

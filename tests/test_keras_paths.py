@@ -46,19 +46,13 @@ def pair_subclassed(k, optimizer, base_fused=None, compiled_call=False):
     return ref, ref.embedding(), fused, fused.embedding(), initial
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "ftrl"])
-def test_plain_tf_keras_functional_fit(optimizer):
+@pytest.mark.parametrize("shape,optimizer", [
+    ("functional", "sgd"), ("functional", "adagrad"), ("functional", "ftrl"),
+    ("subclassed", "sgd"), ("subclassed", "adagrad")])
+def test_plain_tf_keras_fit(shape, optimizer):
     x, y = kpth.data()
-    ref, embeds, fused, layer, initial = pair_functional(tf_keras, optimizer)
-    want = kpth.fit(tf_keras, ref, kpth.keras_optimizer(tf_keras, optimizer), x, y, kpth.BATCH)
-    got = kpth.fit(tf_keras, fused, kpth.keras_optimizer(tf_keras, optimizer), x, y, kpth.BATCH)
-    assert_same_training(got, want, layer, embeds, initial)
-
-
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
-def test_plain_tf_keras_subclassed_fit(optimizer):
-    x, y = kpth.data()
-    ref, embeds, fused, layer, initial = pair_subclassed(tf_keras, optimizer)
+    pair = pair_functional if shape == "functional" else pair_subclassed
+    ref, embeds, fused, layer, initial = pair(tf_keras, optimizer)
     want = kpth.fit(tf_keras, ref, kpth.keras_optimizer(tf_keras, optimizer), x, y, kpth.BATCH)
     got = kpth.fit(tf_keras, fused, kpth.keras_optimizer(tf_keras, optimizer), x, y, kpth.BATCH)
     assert_same_training(got, want, layer, embeds, initial)
