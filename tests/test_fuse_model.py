@@ -14,7 +14,7 @@ import tf_keras
 import keras_parity as kp
 import tf_fusedemb.layers
 from conftest import REPO_ROOT
-from tf_fusedemb.layers import FusedEmbedding
+from tf_fusedemb.layers import FusedEmbedding, from_keras_embeddings
 from tf_fusedemb.models import fuse_model
 from tf_fusedemb.specs import OptimizerSpec
 from tf_fusedemb.testing import DistributedTestCase
@@ -138,3 +138,25 @@ def test_movielens_example_ported_from_tfra_runs_quietly(shared_data):
     assert result["world_size"] == 1 and np.isfinite(result["train_loss"])
     assert 0.0 <= result["test_auc"] <= 1.0
     assert not [n for n in NOISE if n in out.stdout + out.stderr], out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("initializer,limit,std", [
+    ("glorot_uniform", np.sqrt(6 / (500 + 16)), np.sqrt(2 / (500 + 16))),
+    ("he_normal", 2 * np.sqrt(2 / 500) / 0.87962566103423978, np.sqrt(2 / 500)),
+    (tf_keras.initializers.VarianceScaling(0.5, "fan_out", "uniform"), np.sqrt(1.5 / 16),
+     np.sqrt(0.5 / 16)),
+])
+def test_keras_variance_scaling_initializers_carry_over(initializer, limit, std):
+    """A converted table draws its never-trained rows from the Keras initializer's own
+    distribution (its scale computed from the Embedding's [input_dim, output_dim])."""
+    emb = tf_keras.layers.Embedding(500, 16, embeddings_initializer=initializer, name="t")
+    layer = from_keras_embeddings({"t": emb}, OPT, dynamic=True)
+    rows = layer({"t": tf.range(500, dtype=tf.int64)}, training=False)["t"].numpy()
+    assert np.abs(rows).max() <= limit + 1e-6
+    assert abs(rows.std() - std) < 0.05 * std
+
+
+def test_initializer_without_a_per_key_form_is_refused_by_name():
+    emb = tf_keras.layers.Embedding(10, 4, embeddings_initializer="orthogonal")
+    with pytest.raises(ValueError, match="'Orthogonal' has no per-key"):
+        from_keras_embeddings({"t": emb}, OPT)

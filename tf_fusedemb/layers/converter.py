@@ -1,5 +1,6 @@
 """Switching a model with one ``tf.keras.layers.Embedding`` per feature to FusedEmbedding."""
-from typing import Any, Mapping, Optional
+import math
+from typing import Any, Mapping, Optional, Tuple
 
 import tf_keras
 
@@ -7,16 +8,54 @@ from tf_fusedemb.layers.fused_embedding import FusedEmbedding
 from tf_fusedemb.specs import FeatureSpec, InitializerSpec, OptimizerSpec, TableSpec
 
 _INITIALIZERS = {
-    "RandomUniform": lambda c: InitializerSpec.uniform(c.get("minval", -0.05),
-                                                       c.get("maxval", 0.05)),
-    "RandomNormal": lambda c: InitializerSpec.normal(c.get("mean", 0.0), c.get("stddev", 0.05)),
-    "TruncatedNormal": lambda c: InitializerSpec.truncated_normal(c.get("mean", 0.0),
-                                                                  c.get("stddev", 0.05)),
-    "Zeros": lambda c: InitializerSpec.zeros(),
+    "RandomUniform": lambda c, fans: InitializerSpec.uniform(c.get("minval", -0.05),
+                                                             c.get("maxval", 0.05)),
+    "RandomNormal": lambda c, fans: InitializerSpec.normal(c.get("mean", 0.0),
+                                                           c.get("stddev", 0.05)),
+    "TruncatedNormal": lambda c, fans: InitializerSpec.truncated_normal(c.get("mean", 0.0),
+                                                                        c.get("stddev", 0.05)),
+    "Zeros": lambda c, fans: InitializerSpec.zeros(),
+    "VarianceScaling": lambda c, fans: _variance_scaling(
+        c.get("scale", 1.0), c.get("mode", "fan_in"), c.get("distribution", "truncated_normal"),
+        fans),
 }
 
 
-def _initializer_spec(feature, initializer):
+def _scaled(scale: float, mode: str, distribution: str):
+    """The converter of one of Keras's named variance-scaling initializers."""
+    return lambda config, fans: _variance_scaling(scale, mode, distribution, fans)
+
+
+_INITIALIZERS.update({"GlorotUniform": _scaled(1.0, "fan_avg", "uniform"),
+                      "GlorotNormal": _scaled(1.0, "fan_avg", "truncated_normal"),
+                      "HeUniform": _scaled(2.0, "fan_in", "uniform"),
+                      "HeNormal": _scaled(2.0, "fan_in", "truncated_normal"),
+                      "LecunUniform": _scaled(1.0, "fan_in", "uniform"),
+                      "LecunNormal": _scaled(1.0, "fan_in", "truncated_normal")})
+# A truncated normal's stddev shrinks by this factor (Keras's constant: the stddev of a
+# standard normal truncated to [-2, 2]); Keras divides by it to keep the variance.
+_TRUNCATION_STDDEV = 0.87962566103423978
+
+
+def _variance_scaling(scale: float, mode: str, distribution: str, fans: Tuple[int, int]
+                      ) -> InitializerSpec:
+    """Keras's VarianceScaling of an Embedding matrix [V, dim] (fan_in V, fan_out dim) as
+    the per-key initializer with the same distribution."""
+    fan_in, fan_out = fans
+    n = {"fan_in": fan_in, "fan_out": fan_out, "fan_avg": (fan_in + fan_out) / 2.0}[mode]
+    variance = scale / max(1.0, n)
+    if distribution == "uniform":
+        limit = math.sqrt(3.0 * variance)
+        return InitializerSpec.uniform(-limit, limit)
+    if distribution == "truncated_normal":
+        return InitializerSpec.truncated_normal(0.0, math.sqrt(variance) / _TRUNCATION_STDDEV)
+    if distribution in ("untruncated_normal", "normal"):
+        return InitializerSpec.normal(0.0, math.sqrt(variance))
+    raise ValueError(f"VarianceScaling distribution {distribution!r} is not uniform, "
+                     "truncated_normal or untruncated_normal")
+
+
+def _initializer_spec(feature, initializer, fans):
     if isinstance(initializer, str):
         initializer = tf_keras.initializers.get(initializer)
     if isinstance(initializer, tf_keras.initializers.Initializer):
@@ -25,8 +64,8 @@ def _initializer_spec(feature, initializer):
     name = initializer.get("class_name")
     if name not in _INITIALIZERS:
         raise ValueError(f"feature '{feature}': embeddings_initializer {name!r} has no "
-                         f"tf_fusedemb equivalent; use one of {sorted(_INITIALIZERS)}")
-    return _INITIALIZERS[name](initializer.get("config", {}))
+                         f"per-key tf_fusedemb equivalent; use one of {sorted(_INITIALIZERS)}")
+    return _INITIALIZERS[name](initializer.get("config", {}), fans)
 
 
 def embedding_table_spec(name: str, config: Mapping, optimizer: OptimizerSpec,
@@ -43,8 +82,9 @@ def embedding_table_spec(name: str, config: Mapping, optimizer: OptimizerSpec,
         raise ValueError(f"feature '{name}': Embedding with {unsupported or 'trainable=False'} "
                          "has no tf_fusedemb equivalent; remove it before converting")
     return TableSpec(name=name, dim=int(config["output_dim"]), optimizer=optimizer,
-                     initializer=_initializer_spec(name, config.get("embeddings_initializer",
-                                                                    "uniform")),
+                     initializer=_initializer_spec(
+                         name, config.get("embeddings_initializer", "uniform"),
+                         (int(config["input_dim"]), int(config["output_dim"]))),
                      vocabulary_size=None if dynamic else int(config["input_dim"]))
 
 
