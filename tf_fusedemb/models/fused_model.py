@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Type, Typ
 import tensorflow as tf
 import tf_keras
 
-from tf_fusedemb.comm import get_communicator
+from tf_fusedemb.comm import Communicator, get_communicator
 from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
 from tf_fusedemb.pipeline import AutoPipeline, NestedPipeline, PipelineOptions, make_pipeline
 from tf_fusedemb.training import step as steps
@@ -89,6 +89,18 @@ class SparseTrainingMixin(_KerasModel):
                   all(m is not o for o in outputs)]
         return ([tracker] if tracker is not None else []) + outputs + others
 
+    @property
+    def communicator(self) -> Communicator:
+        """The communicator the model's FusedEmbedding layers run over (all of them must
+        share one: a model trains over one set of ranks); the process's default
+        (``tf_fusedemb.comm.get_communicator()``) for a model without such a layer."""
+        comms = {id(layer.communicator): layer.communicator
+                 for layer in fused_embedding_layers(self)}
+        if len(comms) > 1:
+            raise ValueError(f"{type(self).__name__} '{self.name}': its FusedEmbedding layers "
+                             "were built with different communicators; build them with one")
+        return next(iter(comms.values())) if comms else get_communicator()
+
     def fit(self, *args: Any, **kwargs: Any) -> tf_keras.callbacks.History:
         """Keras ``fit``; without ``verbose``: no output off rank 0, the bar on a terminal,
         one line per epoch on a pipe (horovodrun), see ``training.progress``.
@@ -98,17 +110,17 @@ class SparseTrainingMixin(_KerasModel):
         reported once (``tf_fusedemb.training.rank_batches``)."""
         call = _bound(tf_keras.Model.fit, self, args, kwargs)
         if "verbose" not in call:
-            call["verbose"] = fit_verbosity(get_communicator().rank)
+            call["verbose"] = fit_verbosity(self.communicator.rank)
         if call.get("steps_per_epoch") is None and call.get("x") is not None:
-            agreed = agree_on_steps(get_communicator(), "shortest", "fit", call["x"],
+            agreed = agree_on_steps(self.communicator, "shortest", "fit", call["x"],
                                     call.get("y"), call.get("sample_weight"),
                                     call.get("batch_size"))
             call.update(x=agreed.x, y=agreed.y, sample_weight=agreed.sample_weight)
             self.unused_batches = agreed.unused
         if call.get("validation_data") is not None and call.get("validation_steps") is None:
             call["validation_data"], call["validation_steps"] = _agreed_validation(
-                call["validation_data"], call.get("validation_batch_size") or
-                call.get("batch_size"))
+                self.communicator, call["validation_data"],
+                call.get("validation_batch_size") or call.get("batch_size"))
         return super().fit(**call)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
@@ -129,7 +141,7 @@ class SparseTrainingMixin(_KerasModel):
         """The call's arguments with the steps every rank runs (the longest rank's)."""
         call = _bound(method, self, args, kwargs)
         if call.get("steps") is None and not call.get("_use_cached_eval_dataset"):
-            agreed = agree_on_steps(get_communicator(), "longest", what, call.get("x"),
+            agreed = agree_on_steps(self.communicator, "longest", what, call.get("x"),
                                     batch_size=call.get("batch_size"))
             call.update(x=agreed.x, steps=agreed.steps)
         return call
@@ -161,7 +173,7 @@ class SparseTrainingMixin(_KerasModel):
             raise ValueError("admission/eviction policies need the synchronous step; "
                              "compile without pipeline=")
         step = self._pipelined_step if pipelined else self._synchronous_step
-        batches = RankBatches(get_communicator(), "shortest", "fit")
+        batches = RankBatches(self.communicator, "shortest", "fit")
 
         def train_function(iterator):
             logs = None
@@ -196,7 +208,7 @@ class SparseTrainingMixin(_KerasModel):
     def _agreed_steps(self, what: str, counter: tf.Variable,
                       step: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """``f(iterator)``: ``step`` on the next batch all ranks agreed on, counted."""
-        batches = RankBatches(get_communicator(), "longest", what)
+        batches = RankBatches(self.communicator, "longest", what)
 
         def run(iterator):
             outputs = step(batches.next(iterator))
@@ -214,7 +226,7 @@ class SparseTrainingMixin(_KerasModel):
         and the next call ends the epoch (StopIteration)."""
         if self._loop is None:
             self._pipeline = make_pipeline(self, self._keras_loss(), self.optimizer,
-                                           self._fused_compile["pipeline"], get_communicator())
+                                           self._fused_compile["pipeline"], self.communicator)
             self._loop = TrainLoop(self._pipeline, draw=batches.next)
         result, batch = self._loop.progress(iterator)
         _, y, sample_weight = tf_keras.utils.unpack_x_y_sample_weight(batch)
@@ -246,18 +258,18 @@ class SparseTrainingMixin(_KerasModel):
     # ---------------------------------------------------------------- traced cores
     def _train_core(self, x, y, sample_weight):
         result = steps.train_step(self, x, y, self._keras_loss(), self.optimizer,
-                                  sample_weight, get_communicator())
+                                  sample_weight, self.communicator)
         return result.loss, result.weight, result.per_output, \
             self._gather(y, result.predictions, sample_weight)
 
     def _test_core(self, x, y, sample_weight):
         result = steps.test_step(self, x, y, self._keras_loss(), sample_weight,
-                                 get_communicator())
+                                 self.communicator)
         return result.loss, result.weight, result.per_output, \
             self._gather(y, result.predictions, sample_weight)
 
     def _predict_core(self, x):
-        replicas_of(self).synchronize(get_communicator(), x=x)  # before any training step
+        replicas_of(self).synchronize(self.communicator, x=x)  # before any training step
         return self(x, training=False)
 
     def _traced(self, kind, fn):
@@ -282,7 +294,7 @@ class SparseTrainingMixin(_KerasModel):
         None when there are none (no collective then)."""
         if not self._fused_compile["gather"]:
             return None
-        comm = get_communicator()
+        comm = self.communicator
         values = tf.nest.flatten((y, y_pred, sample_weight))
         gathered = [None if v is None else comm.allgather(v, f"{METRICS_GATHER}/{i}")
                     for i, v in enumerate(values)]
@@ -361,13 +373,13 @@ def _bound(method, model, args, kwargs) -> dict:
     return call
 
 
-def _agreed_validation(data, batch_size):
+def _agreed_validation(comm, data, batch_size):
     """(validation data, validation_steps): the longest rank's steps (see evaluate)."""
     if isinstance(data, tf.data.Dataset):
-        agreed = agree_on_steps(get_communicator(), "longest", "validation", data)
+        agreed = agree_on_steps(comm, "longest", "validation", data)
         return agreed.x, agreed.steps
     x, y, sample_weight = tf_keras.utils.unpack_x_y_sample_weight(tuple(data))
-    agreed = agree_on_steps(get_communicator(), "longest", "validation", x, y, sample_weight,
+    agreed = agree_on_steps(comm, "longest", "validation", x, y, sample_weight,
                             batch_size)
     return tuple(d for d in (agreed.x, agreed.y, agreed.sample_weight) if d is not None), \
         agreed.steps
