@@ -77,10 +77,11 @@ def _functional_config(model) -> Dict:
     if not isinstance(config, dict) or "layers" not in config or "input_layers" not in config:
         raise ValueError(
             f"fuse_model needs a functional tf_keras.Model (Model(inputs, outputs)); got "
-            f"{type(model).__name__}, whose layers it cannot rewire. Either put "
-            "tf_fusedemb.layers.FusedEmbedding in the model in place of its Embedding layers "
-            "(it trains in a plain tf_keras.Model, subclassed or not, with fit or your own "
-            "loop), or wrap a Sequential model as tf_keras.Model(inputs, sequential(inputs))")
+            f"{type(model).__name__}, whose layers it cannot rewire. Convert it in place with "
+            "tf_fusedemb.models.shard_embeddings(model, optimizer) (each Embedding sharded, "
+            "not fused), or put tf_fusedemb.layers.FusedEmbedding in the model in place of "
+            "its Embedding layers (it trains in a plain tf_keras.Model, subclassed or not), or "
+            "wrap a Sequential model as tf_keras.Model(inputs, sequential(inputs))")
     return config
 
 

@@ -1,0 +1,46 @@
+"""``ShardedEmbedding``: a drop-in for one ``tf_keras.layers.Embedding`` (a tensor of IDs in,
+their rows out), its table sharded over the ranks and trained by its row optimizer.
+
+It is a FusedEmbedding of one feature, so it trains on every Keras path as FusedEmbedding
+does; it is what ``tf_fusedemb.models.shard_embeddings`` puts in place of the Embeddings
+of a model whose layers cannot be rewired (a subclassed model, ``Sequential`` blocks). It
+does not fuse: each ShardedEmbedding makes its own exchanges, where one FusedEmbedding of
+all features makes one per group.
+"""
+from typing import Any, Dict
+
+import tensorflow as tf
+import tf_keras
+
+from tf_fusedemb.layers.fused_embedding import FusedEmbedding
+from tf_fusedemb.specs import FeatureSpec
+
+
+@tf_keras.saving.register_keras_serializable(package="tf_fusedemb")
+class ShardedEmbedding(tf_keras.layers.Layer):
+    """One sharded table looked up like ``Embedding``.
+
+    Args:
+      feature: the FeatureSpec: combiner "sum" for IDs int[B] (gives [B, dim], the row
+        itself), combiner None with ``max_len`` L for IDs int[B, L] (gives [B, L, dim]).
+      **kwargs: the Layer's (name, ...).
+
+    Call: ``ids`` int32/int64 [B] or [B, L] -> float32[B, dim] or [B, L, dim].
+    """
+
+    def __init__(self, feature: FeatureSpec, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.feature = feature
+        self.fused = FusedEmbedding([feature], name=f"{self.name}_table")
+
+    def call(self, ids: tf.Tensor, training: Any = None) -> tf.Tensor:
+        return self.fused({self.feature.name: ids}, training=training)[self.feature.name]
+
+    def get_config(self) -> Dict[str, Any]:
+        return dict(super().get_config(), feature=self.feature.to_dict())
+
+    @classmethod
+    def from_config(cls, config: Dict[str, Any]) -> "ShardedEmbedding":
+        config = dict(config)
+        config["feature"] = FeatureSpec.from_dict(config["feature"])
+        return cls(**config)
