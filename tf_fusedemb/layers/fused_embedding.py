@@ -62,6 +62,11 @@ class FusedEmbeddingMixin(_KerasLayer):
         self._agreed = self._comm.size == 1
         # Installed by a training step for one forward pass (see lookup_context).
         self.lookup_context = NO_CONTEXT
+        # The row-update marker (see tf_fusedemb.layers.row_update): always 0, trainable,
+        # so differentiating the layer's variables differentiates its lookups. Made with
+        # the layer, so code that builds an optimizer's slots before the first call sees it.
+        self.row_update_marker = self.add_weight(name=MARKER_NAME, shape=(), dtype="float32",
+                                                 initializer="zeros", trainable=True)
 
     def agree_across_ranks(self) -> None:
         """Checks (once) that every rank built this layer with the same features, specs and
@@ -148,12 +153,6 @@ class FusedEmbeddingMixin(_KerasLayer):
         self.agree_across_ranks()
         return [lookup.route(self._flat_features(lookup, inputs), context)
                 for lookup in self.groups]
-
-    def _add_marker(self) -> None:
-        # The row-update marker (see tf_fusedemb.layers.row_update): always 0, trainable,
-        # so differentiating the layer's variables differentiates its lookups.
-        self.row_update_marker = self.add_weight(name=MARKER_NAME, shape=(), dtype="float32",
-                                                 initializer="zeros", trainable=True)
 
     def call(self, inputs: Mapping[str, tf.Tensor],
              training: Optional[bool] = None) -> Dict[str, tf.Tensor]:
@@ -358,10 +357,6 @@ class FusedEmbedding(FusedEmbeddingMixin, tf_keras.layers.Layer):
 
     def _is_symbolic_tensor(self, value: Any) -> bool:
         return tf_keras.backend.is_keras_tensor(value)
-
-    def build(self, input_shape: Any = None) -> None:
-        self._add_marker()
-        super().build(input_shape)
 
 
 def _sublayers(model: Any) -> List[Any]:

@@ -31,8 +31,7 @@ class FusedEmbedding(FusedEmbeddingMixin, keras.layers.Layer):
         return isinstance(value, keras.KerasTensor)
 
     def build(self, input_shape: Any = None) -> None:
-        self._add_marker()
-        self.built = True
+        self.built = True  # its one weight, the row-update marker, exists already
 
     def compute_output_spec(self, inputs: Mapping[str, Any],
                             training: Any = None) -> Dict[str, keras.KerasTensor]:
