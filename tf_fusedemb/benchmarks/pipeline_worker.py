@@ -136,7 +136,7 @@ def _collectives_alone(comm, plans, dense_vars):
         stats = comm.allreduce_sum(tf.stack([dep * 0.0 + 1.0, dep]), "bench/loss_stats")
         with tf.control_dependencies([stats]):
             reduced = comm.allreduce_sum_list([d + stats[0] * 0.0 for d in dense], "bench/dense")
-        return tf.add_n([tf.reduce_sum(r[:1]) for r in reduced]) + stats[0]
+        return tf.add_n([tf.reduce_sum(tf.reshape(r, [-1])[:1]) for r in reduced]) + stats[0]
     return lambda: run(sends, splits, dense).numpy()
 
 
