@@ -5,7 +5,7 @@ The layer order (bottom to top; each layer may import only its own and lower one
 ``tf_fusedemb.testing.module_graph.LAYERS``, described in that module's docstring::
 
     quiet < specs < ops < data < comm < storage < layers < training < pipeline < inference
-      < models < testing < benchmarks < job < train, serve < the package facade
+      < models < keras3 < testing < benchmarks < job < train, serve < the package facade
 
 The static checks read the source with ``ast`` (module_graph); the dynamic check imports
 every module in a fresh interpreter state, so a cycle that only bites from one entry point
