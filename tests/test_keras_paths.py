@@ -258,3 +258,15 @@ def test_eviction_outside_fused_model_is_refused():
     x, y = kpth.data()
     with pytest.raises(ValueError, match="EvictionPolicy.*FusedModel"):
         model.fit({"a": x["a"]}, y, batch_size=kpth.BATCH, verbose=0)
+
+
+def test_pipelining_a_tf_function_call_is_refused():
+    """A call decorated with tf.function hides its lookups from the pipelined step: fit
+    with compile(pipeline=...) refuses it naming both fixes, instead of training wrong."""
+    x, y = kpth.data()
+    model = kpth.build(kpth.subclassed_class(tf_keras, FusedModel, True)(True, "sgd"), x)
+    model.compile(optimizer=kpth.keras_optimizer(tf_keras, "sgd"),
+                  loss=tf_keras.losses.BinaryCrossentropy(from_logits=True),
+                  pipeline="dbp,fwp=2")
+    with pytest.raises(ValueError, match="remove @tf.function from call.*compile without pipeline"):
+        model.fit(x, y, batch_size=kpth.BATCH, verbose=0)
