@@ -1,5 +1,6 @@
 """Keras 3 paths with FusedEmbedding against Keras 3 with ordinary Embedding layers:
-functional and subclassed ``fit``, a ``GradientTape`` loop, the SavedModel export. Run by
+functional and subclassed ``fit``, a ``GradientTape`` loop, the SavedModel export, ``fit`` on 2
+ranks with ``DistributedOptimizer``. Run by
 tests/test_keras_paths.py in a process of its own (no TFRA imported, no
 TF_USE_LEGACY_KERAS), as a Keras 3 program runs."""
 import numpy as np
@@ -8,6 +9,7 @@ import tensorflow as tf
 
 import keras_paths as kpth
 from test_keras_paths import TOL, assert_same_training, pair_functional, pair_subclassed
+from tf_fusedemb.testing import DistributedTestCase
 
 keras = pytest.importorskip("keras", minversion="3")
 
@@ -41,3 +43,23 @@ def test_keras3_export_serves_the_same_predictions(tmp_path):
             "serving_default"](**{f: tf.constant(v) for f, v in x.items()})
     np.testing.assert_allclose(served["logits"].numpy(), want, **TOL)
     np.testing.assert_allclose(served["probability"].numpy(), tf.sigmoid(want).numpy(), **TOL)
+
+
+class TwoRankKeras3Test(DistributedTestCase):
+    """Keras 3 fit on 2 ranks (each half of every global batch) equals Keras 3 on the global
+    batch in one process."""
+    timeout = 400
+
+    @pytest.mark.timeout(700)
+    def test_keras3_fit(self):
+        x, y = kpth.data()
+        ref, embeds = kpth.functional(keras, False)
+        initial = kpth.initial_weights(ref, embeds)
+        want = kpth.fit(keras, ref, kpth.keras_optimizer(keras, "sgd"), x, y, 2 * kpth.BATCH)
+        ranks = self.run_ranks(kpth.keras3_on_ranks, 2, (initial,))
+        for r in ranks:
+            np.testing.assert_allclose(r["predictions"], want["predictions"], **TOL)
+        for f, emb in embeds.items():
+            rows = sum(r["tables"][f] for r in ranks)
+            assert np.abs(emb.get_weights()[0] - initial["tables"][f]).max() > 1e-4
+            np.testing.assert_allclose(rows, emb.get_weights()[0], **TOL, err_msg=f)

@@ -144,21 +144,6 @@ class TwoRankKerasPathsTest(DistributedTestCase):
         self._check("loop", "sgd")
 
     @pytest.mark.timeout(700)
-    def test_keras3_fit(self):
-        keras = pytest.importorskip("keras", minversion="3")
-        x, y = kpth.data()
-        ref, embeds = kpth.functional(keras, False)
-        initial = kpth.initial_weights(ref, embeds)
-        want = kpth.fit(keras, ref, kpth.keras_optimizer(keras, "sgd"), x, y, 2 * kpth.BATCH)
-        ranks = self.run_ranks(kpth.keras3_on_ranks, 2, (initial,))
-        for r in ranks:
-            np.testing.assert_allclose(r["predictions"], want["predictions"], **TOL)
-        for f, emb in embeds.items():
-            rows = sum(r["tables"][f] for r in ranks)
-            assert np.abs(emb.get_weights()[0] - initial["tables"][f]).max() > 1e-4
-            np.testing.assert_allclose(rows, emb.get_weights()[0], **TOL, err_msg=f)
-
-    @pytest.mark.timeout(700)
     def test_bare_optimizer_fails_on_every_rank(self):
         initial, _, _, _, _ = self._reference("fit", "sgd")
         for path in ("fit", "loop"):
