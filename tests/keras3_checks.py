@@ -45,6 +45,43 @@ def test_keras3_export_serves_the_same_predictions(tmp_path):
     np.testing.assert_allclose(served["probability"].numpy(), tf.sigmoid(want).numpy(), **TOL)
 
 
+def test_keras3_fuse_model_trains_like_the_original():
+    """fuse_model of a functional Keras 3 model: the same predictions before training, and
+    Keras 3 fit of the fused model equals Keras 3 fit of the original (from a copy)."""
+    from tf_fusedemb.keras3 import FusedEmbedding, fuse_model
+    from tf_fusedemb.specs import OptimizerSpec
+    x, y = kpth.data()
+    original, _ = kpth.functional(keras, False)
+    ref, embeds = kpth.functional(keras, False)
+    ref.set_weights(original.get_weights())
+    initial = kpth.initial_weights(ref, embeds)
+    fused = fuse_model(original, OptimizerSpec.sgd(kpth.LR["sgd"]))
+    assert isinstance(fused, keras.Model) and not isinstance(fused, keras.Sequential)
+    (layer,) = [l for l in fused.layers if isinstance(l, FusedEmbedding)]
+    np.testing.assert_allclose(fused.predict(x, verbose=0), ref.predict(x, verbose=0), **TOL)
+    want = kpth.fit(keras, ref, kpth.keras_optimizer(keras, "sgd"), x, y, kpth.BATCH)
+    got = kpth.fit(keras, fused, kpth.keras_optimizer(keras, "sgd"), x, y, kpth.BATCH)
+    np.testing.assert_allclose(got["losses"], want["losses"], **TOL)
+    np.testing.assert_allclose(got["predictions"], want["predictions"], **TOL)
+    tables, _ = kpth.fused_tables(layer, prefix="emb_")
+    for f, emb in embeds.items():
+        assert np.abs(emb.get_weights()[0] - initial["tables"][f]).max() > 1e-4
+        np.testing.assert_allclose(tables[f], emb.get_weights()[0], **TOL, err_msg=f)
+
+
+def test_keras3_fuse_model_refuses_what_it_cannot_rewire():
+    from tf_fusedemb.keras3 import fuse_model
+    from tf_fusedemb.specs import OptimizerSpec
+    seq = keras.Sequential([keras.Input((), dtype="int64"), keras.layers.Embedding(9, 2)])
+    with pytest.raises(ValueError, match="needs a functional Keras 3 model"):
+        fuse_model(seq, OptimizerSpec.sgd(0.1))
+    import tf_keras
+    inp = tf_keras.Input((), dtype="int64")
+    tfk = tf_keras.Model(inp, tf_keras.layers.Embedding(9, 2)(inp))
+    with pytest.raises(ValueError, match="tf_fusedemb.models.fuse_model"):
+        fuse_model(tfk, OptimizerSpec.sgd(0.1))
+
+
 class TwoRankKeras3Test(DistributedTestCase):
     """Keras 3 fit on 2 ranks (each half of every global batch) equals Keras 3 on the global
     batch in one process."""

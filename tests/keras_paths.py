@@ -119,15 +119,16 @@ def build(model, x):
     return model
 
 
-def fused_tables(layer):
+def fused_tables(layer, prefix="t_"):
     """{feature: float32[V, dim]} of this rank's stored rows (zeros where another rank
-    owns the row) and {feature: bool[V]} which rows are this rank's."""
+    owns the row) and {feature: bool[V]} which rows are this rank's; the tables are named
+    ``prefix + feature``."""
     tables, owned = {}, {}
     for group in layer.groups:
         rows = group.stored_rows()
         for t, spec in enumerate(group.group.tables):
             mine = rows["tables"] == t
-            feature = spec.name[len("t_"):]
+            feature = spec.name[len(prefix):]
             tables[feature] = np.zeros((VOCAB, DIM), np.float32)
             tables[feature][rows["ids"][mine]] = rows["values"][mine]
             owned[feature] = np.zeros(VOCAB, bool)

@@ -74,7 +74,7 @@ def test_sequence_and_shared_embeddings_convert():
     (lambda: _one_embedding(tf.int64, embeddings_regularizer="l2"), "embeddings_regularizer"),
     (lambda: tf_keras.Model(*_io(tf_keras.layers.Reshape([1]))), "no top-level Embedding"),
     (lambda: _Subclassed(), "FusedEmbedding in the model"),
-    (lambda: _keras3_functional(), "Keras 3 model.*tf_fusedemb.keras3.FusedEmbedding"),
+    (lambda: _keras3_functional(), "Keras 3 model.*tf_fusedemb.keras3.fuse_model"),
 ])
 def test_unsupported_models_fail_clearly(build, match):
     with pytest.raises(ValueError, match=match):

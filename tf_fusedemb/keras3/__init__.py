@@ -1,10 +1,12 @@
 """tf_fusedemb for Keras 3 (``import keras``, TensorFlow backend): the ``FusedEmbedding``
-layer and the optimizer wrapper a multi-rank plain model or custom loop uses.
+layer, ``fuse_model`` for functional Keras 3 models, and the optimizer wrapper a
+multi-rank plain model or custom loop uses.
 
     import keras
-    from tf_fusedemb.keras3 import FusedEmbedding, DistributedOptimizer
+    from tf_fusedemb.keras3 import FusedEmbedding, DistributedOptimizer, fuse_model
 """
+from tf_fusedemb.keras3.fuse_model import fuse_model
 from tf_fusedemb.layers.keras3_embedding import FusedEmbedding
 from tf_fusedemb.training.distributed_optimizer import DistributedOptimizer
 
-__all__ = ["DistributedOptimizer", "FusedEmbedding"]
+__all__ = ["DistributedOptimizer", "FusedEmbedding", "fuse_model"]

@@ -359,7 +359,7 @@ class FusedEmbedding(FusedEmbeddingMixin, tf_keras.layers.Layer):
         return tf_keras.backend.is_keras_tensor(value)
 
 
-def _sublayers(model: Any) -> List[Any]:
+def sublayers(model: Any) -> List[Any]:
     """Every module below ``model``: tf.Module's ``submodules`` (tf_keras), else Keras 3's
     layer walk."""
     if hasattr(model, "submodules"):
@@ -371,7 +371,7 @@ def _sublayers(model: Any) -> List[Any]:
 
 def fused_embedding_layers(model: Any) -> List["FusedEmbeddingMixin"]:
     """The FusedEmbedding layers of ``model`` (itself included), in tracking order."""
-    found = [m for m in [model, *_sublayers(model)] if isinstance(m, FusedEmbeddingMixin)]
+    found = [m for m in [model, *sublayers(model)] if isinstance(m, FusedEmbeddingMixin)]
     return list({id(m): m for m in found}.values())
 
 

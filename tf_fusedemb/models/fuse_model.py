@@ -1,23 +1,71 @@
-"""``fuse_model``: a functional tf_keras model with N ``Embedding`` layers becomes the same
+"""``fuse_model``: a functional Keras model with N ``Embedding`` layers becomes the same
 model with one FusedEmbedding, the Embeddings' weights carried into the tables.
 
 The rewrite works on the model's config (the documented functional format): the Embedding
 layers are replaced by one FusedEmbedding layer whose input is a dict {feature: the tensor
 the Embedding was called on} and whose dict output feeds every former consumer; the model
-is rebuilt with ``FusedModel.from_config`` and every weight is copied over. So the result
-shares no layer or variable with the original, and predicts the same before training.
+is rebuilt from the rewritten config and every weight is copied over. So the result shares
+no layer or variable with the original, and predicts the same before training.
+
+tf_keras and Keras 3 write the same graph in two config formats; a :class:`KerasDialect`
+says how one Keras writes a call's input and builds the model, and the rewrite is the same
+for both (``tf_fusedemb.keras3.fuse_model`` is the Keras 3 entry point).
 """
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Tuple
 
 import tensorflow as tf
 import tf_keras
 
 from tf_fusedemb.layers.converter import embedding_table_spec
-from tf_fusedemb.layers.fused_embedding import FusedEmbedding
+from tf_fusedemb.layers.fused_embedding import FusedEmbedding, sublayers
 from tf_fusedemb.models.fused_model import FusedModel
 from tf_fusedemb.specs import FeatureSpec, OptimizerSpec
 
-__all__ = ["fuse_model"]
+__all__ = ["KerasDialect", "fuse_functional", "fuse_model"]
+
+
+class KerasDialect(NamedTuple):
+    """What differs between tf_keras and Keras 3 for the rewrite.
+
+    Fields:
+      name: "tf_keras" or "Keras 3", for messages.
+      model_class, embedding_class, input_layer_class: that Keras's classes.
+      fused_class: the FusedEmbedding layer class of that Keras.
+      call_input: (config node of one Embedding call) -> that call's input reference, in
+        the config's own form; raises ValueError if the call is not on one tensor.
+      fused_node: ({feature: input reference}) -> the fused layer's one config node.
+      call_tensor: (Embedding, call index) -> the symbolic tensor it was called on.
+      from_config: (config) -> the rebuilt model.
+      serialize: (layer) -> its config entry.
+    """
+    name: str
+    model_class: type
+    embedding_class: type
+    input_layer_class: type
+    fused_class: type
+    call_input: Callable[[Any], Any]
+    fused_node: Callable[[Dict[str, Any]], Any]
+    call_tensor: Callable[[Any, int], Any]
+    from_config: Callable[[Dict], Any]
+    serialize: Callable[[Any], Dict]
+
+
+def _tf_keras_call_input(node):
+    """tf_keras writes a call as [[src, node, tensor, kwargs]] (or the bare reference)."""
+    ref = node[0] if len(node) == 1 and isinstance(node[0], list) else node
+    if len(ref) not in (3, 4) or not isinstance(ref[0], str) or (len(ref) == 4 and ref[3]):
+        raise ValueError(f"fuse_model: the call {node} is not a plain call on one tensor")
+    return [ref[0], ref[1], ref[2], {}]
+
+
+TF_KERAS = KerasDialect(
+    name="tf_keras", model_class=tf_keras.Model, embedding_class=tf_keras.layers.Embedding,
+    input_layer_class=tf_keras.layers.InputLayer, fused_class=FusedEmbedding,
+    call_input=_tf_keras_call_input, fused_node=lambda refs: refs,
+    call_tensor=lambda layer, k: layer.get_input_at(k),
+    from_config=lambda config: FusedModel.from_config(
+        config, custom_objects={"FusedEmbedding": FusedEmbedding}),
+    serialize=tf_keras.layers.serialize)
 
 
 def fuse_model(model: tf_keras.Model, optimizer: OptimizerSpec, dynamic: bool = False,
@@ -31,7 +79,9 @@ def fuse_model(model: tf_keras.Model, optimizer: OptimizerSpec, dynamic: bool = 
     ``output_dim``, initializer and (unless ``dynamic``) ``input_dim`` as a static vocabulary.
 
     Args:
-      model: a functional ``tf_keras.Model`` (built from ``tf_keras.Input``s).
+      model: a functional ``tf_keras.Model`` (built from ``tf_keras.Input``s). A Keras 3
+        model goes to ``tf_fusedemb.keras3.fuse_model``; a subclassed or Sequential model
+        to ``tf_fusedemb.models.shard_embeddings`` (the error says so).
       optimizer: the row optimizer of every table (the dense layers keep the Keras
         optimizer given to ``compile``).
       dynamic: True for dynamic hash tables (any int64 ID) instead of static vocabularies.
@@ -45,49 +95,51 @@ def fuse_model(model: tf_keras.Model, optimizer: OptimizerSpec, dynamic: bool = 
       ValueError: not a functional model, no Embedding, a nested model holding Embeddings,
         float or ragged Embedding inputs, ``mask_zero=True``, or a name clash.
     """
-    config = _functional_config(model)
-    embeddings = [l for l in model.layers if isinstance(l, tf_keras.layers.Embedding)]
-    _check_convertible(model, embeddings, name)
-    features, calls = _features(config, embeddings, optimizer, dynamic)
-    layer = FusedEmbedding(features, name=name, **layer_kwargs)
-    fused = FusedModel.from_config(_rewrite(config, layer, calls),
-                                   custom_objects={"FusedEmbedding": FusedEmbedding})
+    return fuse_functional(model, TF_KERAS, optimizer, dynamic, name, **layer_kwargs)
+
+
+def fuse_functional(model: Any, dialect: KerasDialect, optimizer: OptimizerSpec,
+                    dynamic: bool, name: str, **layer_kwargs: Any) -> Any:
+    """``fuse_model`` for the Keras that ``dialect`` describes (arguments as there)."""
+    config = _functional_config(model, dialect)
+    embeddings = [l for l in model.layers if isinstance(l, dialect.embedding_class)]
+    _check_convertible(model, embeddings, name, dialect)
+    features, calls = _features(config, embeddings, optimizer, dynamic, dialect)
+    layer = dialect.fused_class(features, name=name, **layer_kwargs)
+    fused = dialect.from_config(_rewrite(config, layer, calls, dialect))
     for old in model.layers:
-        if not isinstance(old, (tf_keras.layers.Embedding, tf_keras.layers.InputLayer)):
+        if not isinstance(old, (dialect.embedding_class, dialect.input_layer_class)):
             fused.get_layer(old.name).set_weights(old.get_weights())
     fused.get_layer(name).set_embedding_weights({e.name: e.get_weights()[0] for e in embeddings})
     return fused
 
 
-def _functional_config(model) -> Dict:
-    if not isinstance(model, tf_keras.Model):
+def _functional_config(model, dialect) -> Dict:
+    if not isinstance(model, dialect.model_class):
         keras3 = type(model).__module__.startswith("keras")
         raise ValueError(
-            f"fuse_model needs a functional tf_keras.Model; got {type(model).__name__} "
+            f"fuse_model needs a functional {dialect.name} model; got {type(model).__name__} "
             f"({'a Keras 3 model' if keras3 else type(model).__module__}). "
-            + ("For Keras 3, use tf_fusedemb.keras3.FusedEmbedding in the model in place of "
-               "its Embedding layers (it trains in Keras 3's fit and loops)" if keras3 else
-               "Use tf_fusedemb.layers.FusedEmbedding in the model directly"))
-    config = None
-    if not isinstance(model, tf_keras.Sequential):
-        try:
-            config = model.get_config()
-        except NotImplementedError:
-            config = None
+            + ("For Keras 3 models use tf_fusedemb.keras3.fuse_model" if keras3 else
+               "For tf_keras models use tf_fusedemb.models.fuse_model"))
+    try:  # a Sequential's config has no "input_layers", a subclassed model's no "layers"
+        config = model.get_config()
+    except NotImplementedError:
+        config = None
     if not isinstance(config, dict) or "layers" not in config or "input_layers" not in config:
         raise ValueError(
-            f"fuse_model needs a functional tf_keras.Model (Model(inputs, outputs)); got "
-            f"{type(model).__name__}, whose layers it cannot rewire. Convert it in place with "
-            "tf_fusedemb.models.shard_embeddings(model, optimizer) (each Embedding sharded, "
-            "not fused), or put tf_fusedemb.layers.FusedEmbedding in the model in place of "
-            "its Embedding layers (it trains in a plain tf_keras.Model, subclassed or not), or "
-            "wrap a Sequential model as tf_keras.Model(inputs, sequential(inputs))")
+            f"fuse_model needs a functional {dialect.name} model (Model(inputs, outputs)); got "
+            f"{type(model).__name__}, whose layers it cannot rewire. Convert a tf_keras model "
+            "in place with tf_fusedemb.models.shard_embeddings(model, optimizer) (each "
+            "Embedding sharded, not fused), or put FusedEmbedding in the model in place of "
+            "its Embedding layers (it trains in a plain Keras model, subclassed or not), or "
+            "wrap a Sequential model as Model(inputs, sequential(inputs))")
     return config
 
 
-def _check_convertible(model, embeddings, name):
-    nested = [l.name for l in model.layers if isinstance(l, tf_keras.Model) and any(
-        isinstance(s, tf_keras.layers.Embedding) for s in l.submodules)]
+def _check_convertible(model, embeddings, name, dialect):
+    nested = [l.name for l in model.layers if isinstance(l, dialect.model_class) and any(
+        isinstance(s, dialect.embedding_class) for s in sublayers(l))]
     if nested:
         raise ValueError(f"fuse_model: the nested models {nested} hold Embedding layers; only "
                          "the top-level Embeddings of a functional model are converted")
@@ -98,20 +150,25 @@ def _check_convertible(model, embeddings, name):
                          "name=... for the FusedEmbedding layer")
 
 
-def _features(config, embeddings, optimizer, dynamic) -> Tuple[List[FeatureSpec], Dict]:
+def _features(config, embeddings, optimizer, dynamic,
+              dialect) -> Tuple[List[FeatureSpec], Dict]:
     """FeatureSpecs, one per Embedding call, and {(layer name, node index): (feature name,
     the call's input reference in the config)}."""
     nodes = {l["name"]: l["inbound_nodes"] for l in config["layers"]}
     features, calls = [], {}
     for emb in embeddings:
         table = embedding_table_spec(emb.name, emb.get_config(), optimizer, dynamic)
-        if len(nodes[emb.name]) != len(emb.inbound_nodes):
+        if len(nodes[emb.name]) != len(emb._inbound_nodes):  # pylint: disable=protected-access
             raise ValueError(f"fuse_model: Embedding '{emb.name}' is also used outside this "
                              "model; convert a model whose Embeddings are its own")
         for k, node in enumerate(nodes[emb.name]):
             feature = emb.name if k == 0 else f"{emb.name}_{k}"
-            features.append(_feature_spec(feature, table, emb, k))
-            calls[(emb.name, k)] = (feature, _single_input(emb.name, node))
+            features.append(_feature_spec(feature, table, emb.name,
+                                          dialect.call_tensor(emb, k)))
+            try:
+                calls[(emb.name, k)] = (feature, dialect.call_input(node))
+            except ValueError as err:
+                raise ValueError(f"Embedding '{emb.name}': {err}") from None
     names = [f.name for f in features]
     clash = sorted({n for n in names if names.count(n) > 1})
     if clash:
@@ -119,49 +176,45 @@ def _features(config, embeddings, optimizer, dynamic) -> Tuple[List[FeatureSpec]
     return features, calls
 
 
-def _feature_spec(feature, table, emb, k) -> FeatureSpec:
+def _feature_spec(feature, table, layer_name, tensor) -> FeatureSpec:
     """Pooled for [B] IDs (the row itself), sequence for [B, L] IDs (static L)."""
-    tensor = emb.get_input_at(k)
-    if not tensor.dtype.is_integer:
-        raise ValueError(f"fuse_model: Embedding '{emb.name}' is called on {tensor.dtype.name} "
+    dtype = tf.as_dtype(tensor.dtype)
+    if not dtype.is_integer:
+        raise ValueError(f"fuse_model: Embedding '{layer_name}' is called on {dtype.name} "
                          "input; FusedEmbedding takes int32/int64 IDs (declare the Input with "
                          "dtype='int64')")
     shape = tuple(tensor.shape)
-    if not isinstance(tensor.type_spec, tf.TensorSpec) or len(shape) not in (1, 2) or (
-            len(shape) == 2 and shape[1] is None):
-        raise ValueError(f"fuse_model: Embedding '{emb.name}' input shape {shape} is not "
+    dense = not (getattr(tensor, "ragged", False) or getattr(tensor, "sparse", False)) and (
+        not hasattr(tensor, "type_spec") or isinstance(tensor.type_spec, tf.TensorSpec))
+    if not dense or len(shape) not in (1, 2) or (len(shape) == 2 and shape[1] is None):
+        raise ValueError(f"fuse_model: Embedding '{layer_name}' input shape {shape} is not "
                          "[B] or [B, L] with a static L")
     if len(shape) == 1:
         return FeatureSpec(feature, table, combiner="sum")
     return FeatureSpec(feature, table, combiner=None, max_len=int(shape[1]))
 
 
-def _single_input(layer_name, node):
-    """The config reference [src, node, tensor, kwargs] of an Embedding call's one input."""
-    ref = node[0] if len(node) == 1 and isinstance(node[0], list) else node
-    if len(ref) not in (3, 4) or not isinstance(ref[0], str) or (len(ref) == 4 and ref[3]):
-        raise ValueError(f"fuse_model: Embedding '{layer_name}' call {node} is not a plain "
-                         "call on one tensor")
-    return [ref[0], ref[1], ref[2], {}]
-
-
-def _rewrite(config, layer, calls) -> Dict:
+def _rewrite(config, layer, calls, dialect) -> Dict:
     """The model config with the Embeddings replaced by ``layer`` (see module docstring)."""
     order = sorted(feature for feature, _ in calls.values())  # tf.nest order of a dict
     index = {key: order.index(feature) for key, (feature, _) in calls.items()}
 
     def swap(obj):
+        """A reference to an Embedding's output becomes one to the fused output: tf_keras
+        writes [src, node, tensor(, kwargs)], Keras 3 a ``__keras_tensor__`` whose
+        ``keras_history`` is [src, node, tensor]."""
         if (isinstance(obj, list) and len(obj) in (3, 4) and isinstance(obj[0], str)
                 and isinstance(obj[1], int) and (obj[0], obj[1]) in index):
             return [layer.name, 0, index[(obj[0], obj[1])], *[swap(o) for o in obj[3:]]]
-        if isinstance(obj, list):
-            return [swap(o) for o in obj]
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(swap(o) for o in obj)
         if isinstance(obj, dict):
             return {k: swap(v) for k, v in obj.items()}
         return obj
 
-    fused_conf = dict(tf_keras.layers.serialize(layer), name=layer.name,
-                      inbound_nodes=[{feature: ref for feature, ref in calls.values()}])
+    fused_conf = dict(dialect.serialize(layer), name=layer.name,
+                      inbound_nodes=[dialect.fused_node(
+                          {feature: ref for feature, ref in calls.values()})])
     embedding_names = {name for name, _ in calls}
     layers, placed = [], False
     for conf in config["layers"]:
