@@ -24,6 +24,20 @@ def test_keras3_fit(shape):
     assert_same_training(got, want, layer, embeds, initial)
 
 
+def test_keras3_fit_in_mixed_bfloat16():
+    """Keras 3's mixed_bfloat16 policy on every layer but the float32 logit: the fused
+    model trains as the ordinary one under the same policy."""
+    x, y = kpth.data()
+    ref, embeds = kpth.functional(keras, False, policy="mixed_bfloat16")
+    fused, layer = kpth.functional(keras, True, "sgd", policy="mixed_bfloat16")
+    initial = kpth.initial_weights(ref, embeds)
+    kpth.load_weights(fused, layer, initial)
+    assert fused.get_layer("hidden").compute_dtype == "bfloat16"
+    want = kpth.fit(keras, ref, kpth.keras_optimizer(keras, "sgd"), x, y, kpth.BATCH)
+    got = kpth.fit(keras, fused, kpth.keras_optimizer(keras, "sgd"), x, y, kpth.BATCH)
+    assert_same_training(got, want, layer, embeds, initial)
+
+
 def test_keras3_custom_loop():
     x, y = kpth.data()
     ref, embeds, fused, layer, initial = pair_functional(keras, "sgd")

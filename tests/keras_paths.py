@@ -46,24 +46,29 @@ def fused_layer_class(k):
     return FusedEmbedding
 
 
-def embeddings(k, fused, optimizer, inputs):
+def embeddings(k, fused, optimizer, inputs, policy=None):
     """(one [B, dim] vector per feature of ``inputs``, the FusedEmbedding layer or the
-    {feature: Embedding} of the reference)."""
+    {feature: Embedding} of the reference); ``policy``: the layers' Keras dtype policy."""
     if fused:
-        embed = fused_layer_class(k)(specs(optimizer))
+        embed = fused_layer_class(k)(specs(optimizer), dtype=policy)
         outs = embed(inputs)
         return [outs[f] for f in FEATURES], embed
-    embed = {f: k.layers.Embedding(VOCAB, DIM, name=f"emb_{f}") for f in FEATURES}
+    embed = {f: k.layers.Embedding(VOCAB, DIM, name=f"emb_{f}", dtype=policy)
+             for f in FEATURES}
     return [embed[f](inputs[f]) for f in FEATURES], embed
 
 
-def functional(k, fused, optimizer="sgd"):
+def functional(k, fused, optimizer="sgd", policy=None):
     """(model, {feature: Embedding} or the FusedEmbedding layer): inputs -> embeddings ->
-    Dense(8, relu) -> Dense(1) logit, a functional ``k.Model``."""
+    Dense(8, relu) -> Dense(1) logit, a functional ``k.Model``. ``policy`` (e.g.
+    "mixed_bfloat16"): the dtype policy of every layer but the logit, which stays float32
+    (Keras's mixed-precision guide: a float32 output for a float32 loss)."""
     inputs = {f: k.Input((), dtype="int64", name=f) for f in FEATURES}
-    vectors, embed = embeddings(k, fused, optimizer, inputs)
-    h = k.layers.Dense(8, activation="relu", name="hidden")(k.layers.Concatenate()(vectors))
-    return k.Model(inputs, k.layers.Dense(1, name="logit")(h)), embed
+    vectors, embed = embeddings(k, fused, optimizer, inputs, policy)
+    h = k.layers.Dense(8, activation="relu", name="hidden", dtype=policy)(
+        k.layers.Concatenate(dtype=policy)(vectors))
+    logit = k.layers.Dense(1, name="logit", dtype="float32" if policy else None)(h)
+    return k.Model(inputs, logit), embed
 
 
 def subclassed_class(k, base=None, compiled_call=False):
@@ -191,17 +196,17 @@ def rank_slices(x, y, rank, size, local):
     return {f: v[idx] for f, v in x.items()}, y[idx]
 
 
-def plain_on_ranks(weights, path, optimizer="sgd", wrap=True):
-    """One rank: the fused functional tf_keras model from ``weights``, trained on this
-    rank's shares by ``path`` ("fit" or "loop") with the wrapped (or, ``wrap=False``,
-    the bare) optimizer. Returns tables, dense weights and global predictions, or the
-    error's message."""
+def plain_on_ranks(weights, path, optimizer="sgd", wrap=True, policy=None):
+    """One rank: the fused functional tf_keras model from ``weights`` (layers under the
+    dtype ``policy``), trained on this rank's shares by ``path`` ("fit" or "loop") with
+    the wrapped (or, ``wrap=False``, the bare) optimizer. Returns tables, dense weights
+    and global predictions, or the error's message."""
     from tf_fusedemb.comm import get_communicator  # pylint: disable=import-outside-toplevel
     from tf_fusedemb.training import DistributedOptimizer  # pylint: disable=import-outside-toplevel
     comm = get_communicator()
     x, y = data()
     xr, yr = rank_slices(x, y, comm.rank, comm.size, BATCH)
-    model, layer = functional(tf_keras, True, optimizer)
+    model, layer = functional(tf_keras, True, optimizer, policy)
     load_weights(model, layer, weights)
     opt = keras_optimizer(tf_keras, optimizer)
     run = fit if path == "fit" else custom_loop

@@ -1,5 +1,5 @@
 """End to end: ``python -m tf_fusedemb.benchmarks.lookup --json`` relaunches itself under
-horovodrun (2 Gloo workers), trains all five variants and prints one JSON object last.
+horovodrun (2 Gloo workers), trains all six variants and prints one JSON object last.
 Structure and communication counts are asserted, never speed."""
 import json
 import os
@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO_ROOT
 
-VARIANTS = ("fused", "fused_tfra_backend", "unfused", "tfra", "tfra_fused")
+VARIANTS = ("fused", "fused_bf16", "fused_tfra_backend", "unfused", "tfra", "tfra_fused")
 PER_VARIANT = ("step_ms", "alltoall_rounds_per_step", "graph_alltoall_ops", "bytes_per_step",
                "mean_message_bytes", "messages_per_step", "groups", "loss_first", "loss_last")
 
@@ -20,7 +20,7 @@ PER_VARIANT = ("step_ms", "alltoall_rounds_per_step", "graph_alltoall_ops", "byt
 def result():
     cmd = [sys.executable, "-m", "tf_fusedemb.benchmarks.lookup", "--json", "--np", "2",
            "--batch-size", "256", "--steps", "2", "--rounds", "2", "--warmup", "1",
-           "--num-batches", "2", "--timeout", "840"]
+           "--num-batches", "2", "--profile", "2", "--timeout", "840"]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS="1")
     try:
         out = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
@@ -54,6 +54,29 @@ def test_structure(result):
     for key in ("speedup_vs_tfra", "speedup_vs_tfra_fused", "speedup_vs_tfra_backend",
                 "fused_vs_unfused"):
         assert result[key] > 0, key
+
+
+@pytest.mark.timeout(900)
+def test_profile_accounts_for_every_step(result):
+    """--profile: every fused variant's step split into the categories on both ranks;
+    ops, collective waits and overhead add up to the step's wall time."""
+    for name in ("fused", "fused_bf16", "fused_tfra_backend", "unfused"):
+        for prof in result["variants"][name]["profile_by_rank"]:
+            cats = prof["categories_ms"]
+            assert set(cats) == {"dense", "exchange", "engine", "pooling_recovery",
+                                 "embedding_other", "input", "collective_wait",
+                                 "python_overhead"}, name
+            assert cats["dense"] > 0 and cats["exchange"] > 0, name
+            # the TFRA backend's tables are TFRA's ops, in the layer's scope
+            storage = "embedding_other" if name == "fused_tfra_backend" else "engine"
+            assert cats[storage] > 0, name
+            total = prof["ops_busy_ms"] + cats["collective_wait"] + cats["python_overhead"]
+            assert abs(total - prof["wall_ms"]) <= 0.02 * prof["wall_ms"] + 0.5, (name, prof)
+            assert prof["ops_per_step"] > 50 and prof["top_ops_ms"], name
+        assert result["variants"][name]["graph_ops"] > 100, name
+    # bf16 matmuls: the same training up to bf16 rounding, and a measured ratio
+    assert result["bf16_speedup"] > 0
+    assert result["fused_bf16_max_loss_diff"] < 0.05
 
 
 @pytest.mark.timeout(900)

@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from tf_fusedemb import quiet
 
@@ -67,6 +67,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--cluster-samples", action="store_true",
                    help="key-centric sample clustering of each batch for the pipeline's "
                         "micro-batches (tf.data, asynchronous)")
+    p.add_argument("--dtype-policy", default="float32", choices=("float32", "mixed_bfloat16"),
+                   help="Keras dtype policy of the dense layers: mixed_bfloat16 runs their "
+                        "matmuls in bf16 (AVX-512 BF16 / AMX through oneDNN) on float32 "
+                        "weights; the logit, the loss, the rows and their optimizer stay "
+                        "float32")
     p.add_argument("--export-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     try:
@@ -91,10 +96,22 @@ def build(args: argparse.Namespace, comm: Communicator) -> Tuple[
         eval_rows=args.eval_rows, seed=args.seed)
     if args.cluster_samples:  # reorders samples inside each batch only (NestPipe V-C)
         train = cluster_dataset(train, sorted(kinds), args.pipeline.micro_batches)
-    model = job.make_model(args.model, kinds, dense, dim=args.dim, lr=args.lr)
+    model = _with_policy(args.dtype_policy, lambda: job.make_model(
+        args.model, kinds, dense, dim=args.dim, lr=args.lr))
     x0, _ = next(iter(evaluation))
     model(tf.nest.map_structure(lambda t: t[:0], x0))  # build variables, record no key
     return model, train, evaluation, kinds, dense
+
+
+def _with_policy(policy: str, make: Callable[[], Any]) -> Any:
+    """``make()`` with Keras's global dtype policy set to ``policy`` (Keras reads it when
+    each layer is constructed), then the previous policy back."""
+    previous = tf_keras.mixed_precision.global_policy()
+    tf_keras.mixed_precision.set_global_policy(policy)
+    try:
+        return make()
+    finally:
+        tf_keras.mixed_precision.set_global_policy(previous)
 
 
 def evaluate(model: tf_keras.Model, evaluation: tf.data.Dataset,

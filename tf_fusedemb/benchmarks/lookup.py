@@ -32,6 +32,9 @@ Variants, all built and trained in the same worker processes, on the same batche
   ``tf_fusedemb.models.train_step`` (global-mean loss, one grouped dense AllReduce, rows
   updated on their owners), its tables on our storage engine (``storage="engine"``).
   3 AlltoAll rounds per group and step.
+* ``fused_bf16``: ``fused`` with the hidden layers under Keras's ``mixed_bfloat16`` policy
+  (bf16 matmuls on AVX-512 BF16 / AMX through oneDNN, float32 master weights, float32
+  logit and loss); rows, their exchange and the engine's optimizer stay float32.
 * ``fused_tfra_backend``: the same fused step with the tables on the TFRA backend
   (``TableSpec(storage="tfra")``: TFRA hash tables for rows and slots, core-TF hash tables
   for the access statistics): what the storage engine alone changes.
@@ -67,6 +70,13 @@ the median over all timed steps of rank 0 (also p10/p90/min, and the median of p
 means). All variants share the machine, the process and the data, so the ratios are
 side by side.
 
+Profile (``--profile``): after the timed rounds every fused variant runs a few more steps
+under TensorFlow's profiler on every rank; ``profile`` gives, per variant and rank, the
+median step's milliseconds per category of :mod:`tf_fusedemb.benchmarks.op_profile`
+(dense, exchange, engine, pooling/recovery, other embedding ops, input, waiting on
+collectives, Python/tf.function overhead), the op executions per step and the largest op
+types; ``graph_ops`` is the number of ops in the traced step graph.
+
 Counting, per variant (``lookup_comm``): ``alltoall_rounds_per_step`` from in-graph
 counters during the timed steps (FusedEmbedding's ``comm_counters()``; for TFRA a shim
 around ``horovod.tensorflow.alltoall`` -- the function TFRA's ``HvdVariable`` calls --
@@ -90,7 +100,7 @@ from tf_fusedemb.benchmarks.launcher import (add_launch_args, add_workload_args,
 from tf_fusedemb.benchmarks.lookup_data import DEFAULT_CRITEO  # noqa: F401  (re-export)
 
 RESULT_MARKER = "LOOKUP_BENCHMARK_RESULT "
-VARIANTS = ("fused", "fused_tfra_backend", "unfused", "tfra", "tfra_fused")
+VARIANTS = ("fused", "fused_bf16", "fused_tfra_backend", "unfused", "tfra", "tfra_fused")
 
 
 def parse_args(argv=None):
@@ -101,6 +111,10 @@ def parse_args(argv=None):
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated subset of {','.join(VARIANTS)}")
     parser.add_argument("--plot", metavar="PATH", help="also write a PNG of the step times")
+    parser.add_argument("--profile", type=int, nargs="?", const=5, default=0, metavar="STEPS",
+                        help="after the timed rounds, profile STEPS (default 5) more steps of "
+                             "each fused variant with TensorFlow's profiler and report where "
+                             "the step's time goes (tf_fusedemb.benchmarks.op_profile)")
     args = parser.parse_args(argv)
     args.variants = [v for v in args.variants.split(",") if v]
     unknown = set(args.variants) - set(VARIANTS)

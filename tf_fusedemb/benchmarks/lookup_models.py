@@ -38,14 +38,18 @@ class CriteoNet(tf_keras.Model):
     The dense layers use seeded initializers, so every rank and every variant starts from
     the same dense weights (the replicas must agree; the variants are then comparable)."""
 
-    def __init__(self, embedding, seed=0, hidden=HIDDEN, **kwargs):
+    def __init__(self, embedding, seed=0, hidden=HIDDEN, dense_policy=None, **kwargs):
+        """``dense_policy``: the hidden layers' Keras dtype policy (e.g. "mixed_bfloat16":
+        bf16 matmuls, float32 weights); the logit stays float32, as Keras's mixed-precision
+        guide asks, so the loss is float32."""
         super().__init__(**kwargs)
         self.embedding = embedding
         self.hidden = tuple(hidden)
         self.mlp = [tf_keras.layers.Dense(
             units, activation="relu" if units != 1 else None,
             kernel_initializer=tf_keras.initializers.GlorotUniform(seed=seed + i),
-            bias_initializer="zeros") for i, units in enumerate(self.hidden + (1,))]
+            bias_initializer="zeros", dtype=dense_policy if units != 1 else "float32")
+            for i, units in enumerate(self.hidden + (1,))]
 
     def build_variables(self, optimizer):
         """Creates the dense weights and the optimizer's slots before the step is traced,

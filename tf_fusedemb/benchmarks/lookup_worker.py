@@ -4,6 +4,7 @@ result dict (None on other ranks)."""
 import functools
 import os
 import statistics
+import tempfile
 import time
 from typing import Any, Dict, List
 
@@ -14,7 +15,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import tf_keras  # noqa: E402
 
-from tf_fusedemb.benchmarks import lookup_comm, lookup_data, lookup_models  # noqa: E402
+from tf_fusedemb.benchmarks import (lookup_comm, lookup_data, lookup_models,  # noqa: E402
+                                    op_profile)
 from tf_fusedemb.benchmarks.launcher import network_description  # noqa: E402
 from tf_fusedemb.benchmarks.timing import step_stats, time_steps, timed_rounds  # noqa: E402
 from tf_fusedemb.comm import CommCounters, get_communicator  # noqa: E402
@@ -74,9 +76,9 @@ def build_variants(names, comm, hvd, lr):
         from_logits=True, reduction=tf_keras.losses.Reduction.NONE)
     out = {}
 
-    def fused_variant(name, plan, features=specs):
+    def fused_variant(name, plan, features=specs, dense_policy=None):
         layer = FusedEmbedding(features, plan=plan, name=f"{name}_embedding")
-        model = lookup_models.CriteoNet(layer, name=f"{name}_net")
+        model = lookup_models.CriteoNet(layer, name=f"{name}_net", dense_policy=dense_policy)
         optimizer = tf_keras.optimizers.Adagrad(lr)
         model.build_variables(optimizer)
 
@@ -108,6 +110,8 @@ def build_variants(names, comm, hvd, lr):
     for name in names:
         if name == "fused":
             out[name] = fused_variant(name, plan)
+        elif name == "fused_bf16":
+            out[name] = fused_variant(name, plan, dense_policy="mixed_bfloat16")
         elif name == "fused_tfra_backend":
             out[name] = fused_variant(name, plan_fusion(tfra_specs), tfra_specs)
         elif name == "unfused":
@@ -119,6 +123,24 @@ def build_variants(names, comm, hvd, lr):
             out[name] = tfra_variant(name, lookup_models.TfraFusedEmbedding(
                 plan, hvd, name="tfra_fused_emb"))
             out[name].groups = plan.num_groups
+    return out
+
+
+def _profile(variants, batches, steps, comm):
+    """{variant: StepProfile as a dict} of this rank: ``steps`` more steps of each fused
+    variant under TensorFlow's profiler (every rank the same steps, in the same order)."""
+    out = {}
+    for name, v in variants.items():
+        if not name.startswith(("fused", "unfused")):
+            continue  # TFRA's ops carry no scope of ours to categorise them by
+        comm.allgather_object(None)
+        with tempfile.TemporaryDirectory() as logdir:
+            with op_profile.profiled(logdir) as step:
+                for k in range(steps):
+                    with step(k):
+                        v.next_step(batches)
+            scope = v.model.embedding.name
+            out[name] = op_profile.summarize(logdir, scope)._asdict()
     return out
 
 
@@ -158,10 +180,12 @@ def run(args):
         log(f"  {v.name}: warm-up steps " + ", ".join(f"{t / 1e3:.2f}s" for t in times)
             + f", loss {v.losses[-1]:.4f}")
 
-    graph_ops = {}
+    graph_ops, graph_sizes = {}, {}
     for v in variants.values():
         x0, y0 = batches[0]
-        graph_ops[v.name] = lookup_comm.graph_alltoall_ops(v.concrete(x0, y0))
+        concrete = v.concrete(x0, y0)
+        graph_ops[v.name] = lookup_comm.graph_alltoall_ops(concrete)
+        graph_sizes[v.name] = len(concrete.graph.get_operations())
     tracing = {v.name: int(v.step.experimental_get_tracing_count()) for v in variants.values()}
 
     before = {v.name: v.snapshot() for v in variants.values()}
@@ -181,10 +205,11 @@ def run(args):
     timed_s = time.perf_counter() - t_start
     timed_steps = args.rounds * args.steps
     after = {v.name: v.snapshot() for v in variants.values()}
+    profiles = _profile(variants, batches, args.profile, comm) if args.profile else {}
     mine = {n: lookup_comm.per_step(before[n], after[n], timed_steps) for n in variants}
     raw = {n: {f: after[n][f] - before[n][f] for f in ("bytes_sent", "messages")}
            for n in variants}
-    everyone = comm.allgather_object({"per_step": mine, "raw": raw,
+    everyone = comm.allgather_object({"per_step": mine, "raw": raw, "profile": profiles,
                                       "step_ms": {n: step_stats(v.times_ms)["step_ms"]
                                                   for n, v in variants.items()}})
     if rank != 0:
@@ -253,7 +278,10 @@ def run(args):
             "mean_message_bytes": round(bytes_sent / max(1, messages), 1),
             "loss_first": v.losses[0], "loss_last": v.losses[-1],
             "steps_run": len(v.losses), "traces": tracing[name],
+            "graph_ops": graph_sizes[name],
         })
+        if name in profiles:
+            entry["profile_by_rank"] = [e["profile"][name] for e in everyone]
         result["variants"][name] = entry
     vs = result["variants"]
 
@@ -266,6 +294,7 @@ def run(args):
     # The same fused step, its tables on the TFRA backend: the storage engine's share.
     result["speedup_vs_tfra_backend"] = ratio("fused_tfra_backend", "fused")
     result["fused_vs_unfused"] = ratio("unfused", "fused")
+    result["bf16_speedup"] = ratio("fused", "fused_bf16")
     if "fused" in variants and "unfused" in variants:
         # Same batches, same seeded dense weights and plan-independent row initialisation:
         # the two plans must train identically (a correctness check of the comparison).
@@ -273,6 +302,11 @@ def run(args):
         n = min(len(a), len(b))
         result["fused_unfused_max_loss_diff"] = float(np.max(np.abs(np.subtract(a[:n],
                                                                               b[:n]))))
+    if "fused" in variants and "fused_bf16" in variants:
+        # bf16 matmuls change the losses a little (not a correctness check: the drift)
+        a, b = variants["fused"].losses, variants["fused_bf16"].losses
+        n = min(len(a), len(b))
+        result["fused_bf16_max_loss_diff"] = float(np.max(np.abs(np.subtract(a[:n], b[:n]))))
     if "fused" in variants and "fused_tfra_backend" in variants:
         # The two backends compute the same step (same rows, same optimizer formulas).
         a, b = variants["fused"].losses, variants["fused_tfra_backend"].losses

@@ -106,7 +106,8 @@ def read_timeline(path: str) -> List[Collective]:
     return out
 
 
-def _xspace(logdir: str):
+def host_plane(logdir: str):
+    """The ``/host:CPU`` plane of the last TensorFlow profile written under ``logdir``."""
     # The profiler's protobuf, as TensorFlow ships it (no public module exports it); on
     # use: summarising a Horovod timeline alone needs no TensorFlow.
     from tensorflow.tsl.profiler.protobuf import (  # pylint: disable=import-outside-toplevel
@@ -129,7 +130,7 @@ def read_compute(logdir: str, first_step_begin: float,
     in the profile (``ExecutorState::ProcessAsync::Done``, named after the op) against
     the end of its execution in the timeline (median difference), starting from the
     first ``_step`` call against ``first_step_begin``."""
-    plane = _xspace(logdir)
+    plane = host_plane(logdir)
     meta, stat_names = plane.event_metadata, {k: v.name for k, v in plane.stat_metadata.items()}
     calls, dones, spans = [], [], []
     for line in plane.lines:

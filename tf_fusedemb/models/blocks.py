@@ -208,9 +208,11 @@ class MLP(tf_keras.layers.Layer):
 
 
 def logit_layer(seed: Optional[int], offset: int, name: str = "logit") -> tf_keras.layers.Dense:
-    """The final Dense(1) of a model: float32[B, d] -> logits float32[B, 1]."""
+    """The final Dense(1) of a model: float[B, d] -> logits float32[B, 1]. Always float32,
+    whatever the dtype policy of the layers before it (Keras's mixed-precision guide: the
+    loss and the sigmoid want a float32 logit)."""
     return tf_keras.layers.Dense(1, kernel_initializer=_initializer(seed, offset),
-                                 bias_initializer="zeros", name=name)
+                                 bias_initializer="zeros", name=name, dtype="float32")
 
 
 class RecModel(FusedModel):

@@ -1,0 +1,52 @@
+"""tf_fusedemb.benchmarks.op_profile: op categories, the idle-gap split, and a real
+profile of a small tf.function step read back (its ops found, its wall time accounted)."""
+import tensorflow as tf
+
+from tf_fusedemb.benchmarks import op_profile
+from tf_fusedemb.benchmarks.op_profile import OpEvent
+
+
+def test_categories_follow_op_type_and_scope():
+    def cat(name, op_type):
+        return op_profile.category(OpEvent(name, op_type, 0.0, 1.0), "emb")
+    assert cat("emb/x", "FusedEmb>EngineLookup") == "engine"
+    assert cat("emb/x", "FusedEmb>RecoveryPoolGrad") == "pooling_recovery"
+    assert cat("emb/x", "FusedEmb>PackKeyMessages") == "exchange"
+    assert cat("dense_grads/x", "HorovodGroupedAllreduce") == "exchange"
+    assert cat("emb/Reshape", "Reshape") == "embedding_other"
+    assert cat("net/dense/MatMul", "_MklMatMul") == "dense"
+    assert cat("IteratorGetNext", "IteratorGetNext") == "input"
+
+
+def test_gaps_ending_in_a_completion_are_waits():
+    # µs: ops at 1000-2000, 1500-3000, 6000-7000 in a 0-10000 step
+    gaps = op_profile._minus([(0.0, 1e4)], [(1e3, 2e3), (1.5e3, 3e3), (6e3, 7e3)])
+    assert gaps == [(0.0, 1e3), (3e3, 6e3), (7e3, 1e4)]
+    completions = [5990.0, 20000.0]  # a collective's callback right where a gap ends
+    assert op_profile._ends_in((3e3, 6e3), completions)
+    assert not op_profile._ends_in((0.0, 1e3), completions)
+    assert not op_profile._ends_in((7e3, 1e4), completions)
+
+
+def test_a_profiled_step_is_read_back(tmp_path):
+    w = tf.Variable(tf.ones([64, 64]))
+
+    @tf.function
+    def step(x):
+        with tf.name_scope("emb"):
+            x = tf.reshape(x, [64, 64])
+        return tf.reduce_sum(tf.matmul(x, w))
+
+    x = tf.random.normal([4096])
+    step(x)
+    with op_profile.profiled(str(tmp_path)) as mark:
+        for k in range(3):
+            with mark(k):
+                step(x).numpy()
+    prof = op_profile.summarize(str(tmp_path), "emb")
+    assert prof.wall_ms > 0 and prof.ops_per_step >= 2
+    assert prof.categories_ms["dense"] > 0
+    assert prof.categories_ms["collective_wait"] == 0.0
+    total = prof.ops_busy_ms + prof.categories_ms["python_overhead"]
+    assert abs(total - prof.wall_ms) <= 0.02 * prof.wall_ms + 0.01
+    assert any("MatMul" in t for t, _ in prof.top_ops_ms)
