@@ -74,9 +74,19 @@ def test_profile_accounts_for_every_step(result):
             assert abs(total - prof["wall_ms"]) <= 0.02 * prof["wall_ms"] + 0.5, (name, prof)
             assert prof["ops_per_step"] > 50 and prof["top_ops_ms"], name
         assert result["variants"][name]["graph_ops"] > 100, name
-    # bf16 matmuls: the same training up to bf16 rounding, and a measured ratio
+    # bf16 mode: the same training up to bf16 rounding, and a measured ratio
     assert result["bf16_speedup"] > 0
     assert result["fused_bf16_max_loss_diff"] < 0.05
+
+
+@pytest.mark.timeout(900)
+def test_bf16_rows_halve_the_row_bytes(result):
+    """Per unique key: a 16-byte key message, then a dim-16 row and its gradient: 2 x 64
+    bytes in float32, 2 x 32 in bf16. The same keys travel in both variants."""
+    v = result["variants"]
+    ratio = v["fused_bf16"]["bytes_per_step"] / v["fused"]["bytes_per_step"]
+    assert abs(ratio - (16 + 64) / (16 + 128)) < 1e-3, ratio
+    assert v["fused_bf16"]["alltoall_rounds_per_step"] == 3
 
 
 @pytest.mark.timeout(900)

@@ -75,6 +75,24 @@ def test_bf16_export_serves_the_same_predictions(tmp_path):
     np.testing.assert_allclose(served["logits"].numpy(), want, **TOL)
 
 
+def test_rows_in_bf16_on_the_wire_are_the_rows_rounded_to_bf16():
+    """wire_dtype="bfloat16": the layer's outputs are the float32 layer's (the same
+    key-seeded rows) rounded to bf16; the tables stay float32."""
+    from tf_fusedemb.layers import FusedEmbedding
+    x, _ = kpth.data()
+    inputs = {f: tf.constant(v) for f, v in x.items()}
+    exact = FusedEmbedding(kpth.specs("sgd"))(inputs)
+    layer = FusedEmbedding(kpth.specs("sgd"), wire_dtype="bfloat16")
+    out = layer(inputs)
+    for f in kpth.FEATURES:
+        assert out[f].dtype == tf.float32
+        rounded = tf.cast(tf.cast(exact[f], tf.bfloat16), tf.float32).numpy()
+        np.testing.assert_array_equal(out[f].numpy(), rounded)
+        assert np.abs(out[f].numpy() - exact[f].numpy()).max() > 0  # really rounded
+    with pytest.raises(ValueError, match="wire_dtype must be one of"):
+        FusedEmbedding(kpth.specs("sgd"), wire_dtype="float16")
+
+
 class TwoRankBf16Test(DistributedTestCase):
     """bf16 fit on 2 ranks (each half of every global batch, DistributedOptimizer) equals
     tf_keras bf16 fit of the ordinary model on the global batch in one process, to bf16

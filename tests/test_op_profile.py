@@ -39,11 +39,12 @@ def test_a_profiled_step_is_read_back(tmp_path):
 
     x = tf.random.normal([4096])
     step(x)
-    with op_profile.profiled(str(tmp_path)) as mark:
-        for k in range(3):
-            with mark(k):
-                step(x).numpy()
-    prof = op_profile.summarize(str(tmp_path), "emb")
+    profiler = op_profile.StepProfiler(str(tmp_path), range(2, 5))
+    for k in range(6):  # steps 0, 1 and 5 run unprofiled
+        with profiler.step(k):
+            step(x).numpy()
+    assert not profiler._running
+    prof = profiler.summary("emb")
     assert prof.wall_ms > 0 and prof.ops_per_step >= 2
     assert prof.categories_ms["dense"] > 0
     assert prof.categories_ms["collective_wait"] == 0.0

@@ -14,8 +14,10 @@ import argparse
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
@@ -28,6 +30,7 @@ import tensorflow as tf  # noqa: E402
 import tf_keras  # noqa: E402
 
 from tf_fusedemb import job  # noqa: E402
+from tf_fusedemb.benchmarks.op_profile import StepProfiler  # noqa: E402
 from tf_fusedemb.comm import Communicator, get_communicator  # noqa: E402
 from tf_fusedemb.inference import export_saved_model  # noqa: E402
 from tf_fusedemb.models import fused_embedding_layers  # noqa: E402
@@ -72,6 +75,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "matmuls in bf16 (AVX-512 BF16 / AMX through oneDNN) on float32 "
                         "weights; the logit, the loss, the rows and their optimizer stay "
                         "float32")
+    p.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                   help="profile N steps after the first 5 with TensorFlow's profiler and "
+                        "report where each rank's step time goes (RESULT's profile_by_rank; "
+                        "tf_fusedemb.benchmarks.op_profile)")
     p.add_argument("--export-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     try:
@@ -194,10 +201,13 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
     timed, timed_samples = 0.0, 0
     counters_before = [layer.comm_counters() for layer in layers]
     loss_sum, loss_steps = 0.0, 0  # the progress bar's running mean, logged alike
+    profile_dir = tempfile.mkdtemp(prefix=f"tf_fusedemb_profile_rank{comm.rank}_") \
+        if args.profile_steps else ""
+    profiler = StepProfiler(profile_dir, range(start + 5, start + 5 + args.profile_steps))
     for step in range(start, args.steps):
         begin = time.perf_counter()
         faults.inject("step", step + 1, comm.rank)  # no-op unless tf_fusedemb.testing.faults
-        with comm.watch(f"training step {step + 1}"):  # a lost peer: named, no hang
+        with comm.watch(f"training step {step + 1}"), profiler.step(step):
             done, (x, y) = loop.progress(batches)
             loss, logits = float(done.loss), done.predictions
         elapsed = time.perf_counter() - begin
@@ -238,6 +248,11 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
               "alltoall_rounds_per_step": {
                   g: (c[g]["rounds"] - b[g]["rounds"]) / max(1, args.steps - start)
                   for b, c in zip(counters_before, counters) for g in c}}
+    if args.profile_steps:  # every rank's, gathered (a collective)
+        mine = profiler.summary(layers[0].name)._asdict()
+        result["profile_by_rank"] = comm.allgather_object(mine)
+    if profile_dir:
+        shutil.rmtree(profile_dir, ignore_errors=True)
     with comm.watch("evaluation"):
         result.update(evaluate(model, evaluation, comm))
     # The job's last collective is done: every rank agrees on the end, so each one's exit
@@ -274,7 +289,9 @@ def export_only(args: argparse.Namespace) -> None:
     if meta is None:
         raise SystemExit(f"export: no complete checkpoint in {args.checkpoint_dir}")
     x, _ = next(iter(evaluation))
-    trained = model(x, training=False).numpy()
+    # Traced, as the SavedModel serves it: under mixed_bfloat16 an eager call rounds
+    # between ops that the traced graph fuses (MatMul + BiasAdd + ReLU in one kernel).
+    trained = tf.function(lambda x: model(x, training=False))(x).numpy()
     export_saved_model(model, args.export_dir, kinds, dense_features=dense)
     loaded = tf.saved_model.load(args.export_dir).signatures["serving_default"]
     raw = {k: (v if kinds.get(k) != "list" else v.to_tensor()) for k, v in x.items()}

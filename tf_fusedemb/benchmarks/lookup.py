@@ -32,9 +32,11 @@ Variants, all built and trained in the same worker processes, on the same batche
   ``tf_fusedemb.models.train_step`` (global-mean loss, one grouped dense AllReduce, rows
   updated on their owners), its tables on our storage engine (``storage="engine"``).
   3 AlltoAll rounds per group and step.
-* ``fused_bf16``: ``fused`` with the hidden layers under Keras's ``mixed_bfloat16`` policy
-  (bf16 matmuls on AVX-512 BF16 / AMX through oneDNN, float32 master weights, float32
-  logit and loss); rows, their exchange and the engine's optimizer stay float32.
+* ``fused_bf16``: ``fused`` in bf16 mode: the hidden layers under Keras's
+  ``mixed_bfloat16`` policy (bf16 matmuls on AVX-512 BF16 / AMX through oneDNN, float32
+  master weights, float32 logit and loss) and the rows and row gradients sent in bf16
+  (``FusedEmbedding(wire_dtype="bfloat16")``: half their AlltoAll bytes); the tables and
+  the engine's optimizer stay float32.
 * ``fused_tfra_backend``: the same fused step with the tables on the TFRA backend
   (``TableSpec(storage="tfra")``: TFRA hash tables for rows and slots, core-TF hash tables
   for the access statistics): what the storage engine alone changes.

@@ -76,8 +76,9 @@ def build_variants(names, comm, hvd, lr):
         from_logits=True, reduction=tf_keras.losses.Reduction.NONE)
     out = {}
 
-    def fused_variant(name, plan, features=specs, dense_policy=None):
-        layer = FusedEmbedding(features, plan=plan, name=f"{name}_embedding")
+    def fused_variant(name, plan, features=specs, dense_policy=None, wire_dtype="float32"):
+        layer = FusedEmbedding(features, plan=plan, name=f"{name}_embedding",
+                               wire_dtype=wire_dtype)
         model = lookup_models.CriteoNet(layer, name=f"{name}_net", dense_policy=dense_policy)
         optimizer = tf_keras.optimizers.Adagrad(lr)
         model.build_variables(optimizer)
@@ -111,7 +112,8 @@ def build_variants(names, comm, hvd, lr):
         if name == "fused":
             out[name] = fused_variant(name, plan)
         elif name == "fused_bf16":
-            out[name] = fused_variant(name, plan, dense_policy="mixed_bfloat16")
+            out[name] = fused_variant(name, plan, dense_policy="mixed_bfloat16",
+                                      wire_dtype="bfloat16")
         elif name == "fused_tfra_backend":
             out[name] = fused_variant(name, plan_fusion(tfra_specs), tfra_specs)
         elif name == "unfused":
@@ -135,12 +137,11 @@ def _profile(variants, batches, steps, comm):
             continue  # TFRA's ops carry no scope of ours to categorise them by
         comm.allgather_object(None)
         with tempfile.TemporaryDirectory() as logdir:
-            with op_profile.profiled(logdir) as step:
-                for k in range(steps):
-                    with step(k):
-                        v.next_step(batches)
-            scope = v.model.embedding.name
-            out[name] = op_profile.summarize(logdir, scope)._asdict()
+            profiler = op_profile.StepProfiler(logdir, range(steps))
+            for k in range(steps):
+                with profiler.step(k):
+                    v.next_step(batches)
+            out[name] = profiler.summary(v.model.embedding.name)._asdict()
     return out
 
 

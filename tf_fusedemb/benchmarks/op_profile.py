@@ -1,5 +1,5 @@
-"""Where a training step's time goes: TensorFlow's profiler around a few steps, each op's
-time put in one category.
+"""Where a training step's time goes: TensorFlow's profiler around a few steps
+(:class:`StepProfiler`), each op's time put in one category (:func:`summarize`).
 
 Categories (``CATEGORIES``), from each op's type and name (the executor records ops as
 ``name:type``; the gradient of a layer's op carries the layer's name scope):
@@ -29,7 +29,7 @@ import bisect
 import contextlib
 import re
 import statistics
-from typing import Callable, Dict, Iterator, List, NamedTuple, Sequence, Tuple
+from typing import Dict, Iterator, List, NamedTuple, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -87,15 +87,46 @@ def category(op: OpEvent, embedding_scope: str) -> str:
     return "dense"
 
 
-@contextlib.contextmanager
-def profiled(logdir: str) -> Iterator[Callable[[int], contextlib.AbstractContextManager]]:
-    """Runs the block under TensorFlow's profiler writing to ``logdir``; yields
-    ``step(k)``, a context manager that marks one step for :func:`read_profile`."""
-    tf.profiler.experimental.start(logdir)
-    try:
-        yield lambda k: tf.profiler.experimental.Trace(STEP_EVENT, step_num=k)
-    finally:
-        tf.profiler.experimental.stop()
+class StepProfiler:
+    """TensorFlow's profiler over the steps ``steps`` of a training loop, each marked for
+    :func:`summarize`: wrap every step of the loop in ``with profiler.step(k):``; the
+    profile starts at the first step of the range and stops after its last.
+
+    Args:
+      logdir: where the profile is written (one directory per rank).
+      steps: the step indices to profile, e.g. ``range(10, 15)``.
+    """
+
+    def __init__(self, logdir: str, steps: range):
+        self.logdir, self.steps = logdir, steps
+        self._running = False
+
+    @contextlib.contextmanager
+    def step(self, k: int) -> Iterator[None]:
+        """Runs step ``k``'s block, profiled and marked when ``k`` is in ``steps``."""
+        if k not in self.steps:
+            yield
+            return
+        if not self._running:
+            tf.profiler.experimental.start(self.logdir)
+            self._running = True
+        try:
+            with tf.profiler.experimental.Trace(STEP_EVENT, step_num=k):
+                yield
+        finally:
+            if k == self.steps[-1]:
+                self.stop()
+
+    def stop(self) -> None:
+        """Stops the profiler if it runs (after the last step, or a loop cut short)."""
+        if self._running:
+            tf.profiler.experimental.stop()
+            self._running = False
+
+    def summary(self, embedding_scope: str) -> "StepProfile":
+        """The :class:`StepProfile` of the profiled steps."""
+        self.stop()
+        return summarize(self.logdir, embedding_scope)
 
 
 def read_events(logdir: str) -> Tuple[List[Interval], List[OpEvent], List[float]]:

@@ -197,6 +197,10 @@ class HorovodCommunicator(Communicator):
         # program order, which serialises pipelined micro-batches (tf_fusedemb.pipeline).
         def scoped(x, send, collective_name):
             with collective_scope(collective_name):
+                if x.dtype == tf.bfloat16:  # Horovod's ops take no bf16: its bits travel
+                    out, recv = collective(tf.identity(tf.bitcast(x, tf.uint16), "x"),
+                                           tf.identity(send, "splits"), collective_name)
+                    return tf.bitcast(out, tf.bfloat16), recv
                 return collective(tf.identity(x, "x"), tf.identity(send, "splits"),
                                   collective_name)
 

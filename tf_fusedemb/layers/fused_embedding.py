@@ -34,15 +34,17 @@ class FusedEmbeddingMixin(_KerasLayer):
     def __init__(self, features: Sequence[FeatureSpec], plan: Optional[FusionPlan] = None,
                  key_mode: str = "hashed", communicator: Optional[Communicator] = None,
                  exchange: Union[None, str, Mapping[str, str]] = None,
-                 traffic: Optional[TrafficHints] = None, **kwargs: Any):
+                 traffic: Optional[TrafficHints] = None, wire_dtype: str = "float32",
+                 **kwargs: Any):
         super().__init__(**kwargs)  # the Keras Layer's
-        self._setup(features, plan, key_mode, communicator, exchange, traffic)
+        self._setup(features, plan, key_mode, communicator, exchange, traffic, wire_dtype)
 
     def _is_symbolic_tensor(self, value: Any) -> bool:
         """Whether ``value`` is a symbolic tensor of this layer's Keras."""
         raise NotImplementedError
 
-    def _setup(self, features, plan, key_mode, communicator, exchange, traffic) -> None:
+    def _setup(self, features, plan, key_mode, communicator, exchange, traffic,
+               wire_dtype) -> None:
         self.features = tuple(features)
         self.plan = plan if plan is not None else plan_fusion(self.features)
         if set(self.plan.feature_names) != {f.name for f in self.features}:
@@ -57,8 +59,9 @@ class FusedEmbeddingMixin(_KerasLayer):
         # built, cloned or rebuilt from its config on one rank alone.
         self.exchanges = _choose_exchanges(self.plan, self._comm.topology, exchange,
                                            traffic or TrafficHints())
-        self.groups = [GroupLookup(g, self._comm, key_mode, self.exchanges[g.name].kind)
-                       for g in self.plan.groups]
+        self.wire_dtype = wire_dtype  # checked by GroupLookup
+        self.groups = [GroupLookup(g, self._comm, key_mode, self.exchanges[g.name].kind,
+                                   wire_dtype) for g in self.plan.groups]
         self._agreed = self._comm.size == 1
         # Installed by a training step for one forward pass (see lookup_context).
         self.lookup_context = NO_CONTEXT
@@ -84,7 +87,7 @@ class FusedEmbeddingMixin(_KerasLayer):
             return
         if all(self.lookup_context.lookup_for(g) is not g for g in self.groups):
             return  # serving or sharded inference: this pass runs no collective lookup
-        mine = {"plan": self.plan.to_dict(),
+        mine = {"plan": self.plan.to_dict(), "wire_dtype": self.wire_dtype,
                 "exchanges": {name: c.kind for name, c in self.exchanges.items()}}
         with tf.init_scope():  # eager, also when the first call is being traced
             everyone = self._comm.allgather_object(mine)
@@ -105,6 +108,12 @@ class FusedEmbeddingMixin(_KerasLayer):
                     f"this is rank {self._comm.rank}, {self._comm.topology.describe()}). "
                     f"Every rank must see the same topology, exchange= and "
                     "traffic= (e.g. link costs measured on one rank and shared).")
+        wires = [other["wire_dtype"] for other in everyone]
+        if len(set(wires)) > 1:
+            raise ValueError(
+                f"FusedEmbedding '{self.name}': the ranks built it with different wire_dtype "
+                f"({', '.join(f'rank {r}: {w}' for r, w in enumerate(wires))}); every rank "
+                "must pass the same")
         self._agreed = True
 
     def __call__(self, inputs: Any, *args: Any, **kwargs: Any) -> Any:
@@ -268,7 +277,8 @@ class FusedEmbeddingMixin(_KerasLayer):
     def get_config(self) -> Dict[str, Any]:
         config = super().get_config()
         config.update(features=[f.to_dict() for f in self.features],
-                      plan=self.plan.to_dict(), key_mode=self.key_mode)
+                      plan=self.plan.to_dict(), key_mode=self.key_mode,
+                      wire_dtype=self.wire_dtype)
         if self.exchange is not None:  # a str or a mapping (Keras wraps a dict attribute)
             config.update(exchange=self.exchange if isinstance(self.exchange, str)
                           else dict(self.exchange))
@@ -339,6 +349,10 @@ class FusedEmbedding(FusedEmbeddingMixin, tf_keras.layers.Layer):
         costs.
       traffic: the cost model's TrafficHints (keys per rank, node dedup ratio, links);
         the default (no node dedup) keeps the flat exchange.
+      wire_dtype: what the rows and their gradients travel in between ranks: "float32"
+        (default) or "bfloat16", which halves the row and gradient AlltoAll bytes; rows
+        are stored and their optimizer runs in float32 either way, and the layer's
+        outputs are float32 (the rows rounded to bf16 on the way). Every rank the same.
 
     Call:
       inputs: {feature name: int32/int64 [B] | [B, L] | RaggedTensor [B, None] |

@@ -32,6 +32,9 @@ if TYPE_CHECKING:  # a type only: the static backend makes this table
 KEY_MODES = ("hashed", "packed")
 
 
+# What rows and their gradients may travel in between ranks (FusedEmbedding(wire_dtype=)).
+WIRE_DTYPES = ("float32", "bfloat16")
+
 class GroupLookup(tf.Module):
     """Owner-side table, statistics and counters of one group, and its lookup.
 
@@ -46,7 +49,7 @@ class GroupLookup(tf.Module):
     """
 
     def __init__(self, group: FusedGroup, communicator: Communicator, key_mode: str = "hashed",
-                 exchange: str = "flat"):
+                 exchange: str = "flat", wire_dtype: str = "float32"):
         super().__init__(name=f"group_{group.name}")
         if key_mode not in KEY_MODES:
             raise ValueError(f"key_mode must be one of {KEY_MODES}, got {key_mode!r}")
@@ -55,6 +58,9 @@ class GroupLookup(tf.Module):
                              f"got {exchange!r}")
         self.group = group
         self.comm = communicator
+        if wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire_dtype must be one of {WIRE_DTYPES}, got {wire_dtype!r}")
+        self.wire_dtype = tf.as_dtype(wire_dtype)  # rows' and row gradients' AlltoAll dtype
         self.key_mode = "packed" if group.is_static else key_mode
         self.table_names = [t.name for t in group.tables]
         if len(self.table_names) >= 1 << CATEGORY_BITS:
@@ -407,7 +413,11 @@ class GroupLookup(tf.Module):
             rows = through_row_update(marker, rows, self, routed["keys"], routed["init_keys"],
                                       context.row_update or RowUpdate.for_ranks(self.comm.size))
         served = tf.gather(rows, routed["inverse"])
-        back = self.exchange_for(context).send_rows(served, routed, context.suffix)
+        # In wire_dtype both ways: the AlltoAll's gradient travels in its input's dtype.
+        # (A cast to the same dtype adds no op: float32 graphs are unchanged.)
+        back = self.exchange_for(context).send_rows(
+            tf.cast(served, self.wire_dtype), routed, context.suffix)
+        back = tf.cast(back, tf.float32)
         back.set_shape([None, self.group.dim])
         return ops.recover_features(back, routed["sort_indices"], routed["unique_inverse"],
                                     [f.row_splits for f in flats], combiners)
