@@ -89,3 +89,17 @@ def test_readme_figures_name_their_json_file():
         path = re.search(r"`(docs/[^`]+\.json)`", row)
         assert path and (REPO_ROOT / path.group(1)).exists(), row
         assert re.search(r"\b20\d\d-\d\d-\d\d\b", row) and "vCPU" in row, row
+
+
+@pytest.mark.parametrize("module", ["train", "serve"])
+def test_commands_page_lists_every_option(module):
+    """docs/guide/commands.md documents every option of the command's --help."""
+    out = subprocess.run([sys.executable, "-m", f"tf_fusedemb.{module}", "--help"],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    options = set(re.findall(r"^\s+(--[a-z][a-z0-9-]*)", out.stdout, re.M)) - {"--help"}
+    assert options, out.stdout
+    page = (DOCS / "guide" / "commands.md").read_text()
+    section = page.split(f"## `python -m tf_fusedemb.{module}`", 1)[1].split("\n## ", 1)[0]
+    missing = sorted(o for o in options if f"| `{o}` |" not in section)
+    assert not missing, f"tf_fusedemb.{module} options missing from docs/guide/commands.md: {missing}"
