@@ -11,7 +11,7 @@ HVD_STAMP := $(VENV)/.horovod-installed
 export TF_USE_LEGACY_KERAS := 1
 export TF_CPP_MIN_LOG_LEVEL := 2
 
-.PHONY: setup ops typecheck test train smoke bench clean
+.PHONY: setup ops typecheck docs test train smoke bench clean
 NP ?= 2
 
 setup: netns-tools mpi-tools $(HVD_STAMP) ops
@@ -69,10 +69,25 @@ $(TYPECHECK_STAMP): $(STAMP) requirements-typecheck.txt
 typecheck: $(TYPECHECK_STAMP)
 	$(PY) -m mypy
 
+# The documentation site (mkdocs.yml: MkDocs, the Material theme, mkdocstrings for the API
+# reference), pinned in requirements-docs.txt with its own stamp, so changing it rebuilds
+# neither the stack nor Horovod. Strict: a broken link or anchor, a page missing from the
+# navigation or an API reference that does not resolve fails the build. Output: site/.
+# mkdocstrings reads the docstrings from the source: no op library, Horovod or TensorFlow.
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): $(STAMP) requirements-docs.txt
+	$(PIP) install -r requirements-docs.txt
+	touch $@
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
 # The whole suite, after the type check (first, so that a type error fails the run before
 # Horovod is built and the long suite runs); multi-process Horovod tests carry their own
 # timeouts, and every test is bounded by pytest-timeout so a hang fails instead of blocking CI.
-test: typecheck setup
+# tests/test_docs.py builds the site (strict) and tests/test_readme.py runs the code blocks
+# of the README and the guides: the docs requirements are installed first.
+test: typecheck $(DOCS_STAMP) setup
 	$(PY) -m pytest -q -rs --timeout=900 tests
 
 # The main job: DLRM on Criteo-profile synthetic data (teacher labels), NP workers;
@@ -173,4 +188,4 @@ sanitize: $(STAMP) sanitize-engine
 	$(SAN_ENV) $(PY) -m pytest -q -rs -p no:cacheprovider --capture=sys --timeout=900 $(SAN_TESTS)
 
 clean:
-	rm -rf build tf_fusedemb/_fusedemb_ops.so *.egg-info
+	rm -rf build site tf_fusedemb/_fusedemb_ops.so *.egg-info

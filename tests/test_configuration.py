@@ -1,7 +1,8 @@
-"""Configuration (issue 21, part 4): one environment prefix, every variable in the README's
-table with its default; nothing that changes results is an environment variable; fault
-injection is switched on from ``tf_fusedemb.testing`` only; ``import tf_fusedemb`` leaves
-file descriptor 2 alone, and quieting TensorFlow is the explicit ``quiet.install()``."""
+"""Configuration: one environment prefix, every variable in the table of the configuration
+guide (docs/guide/configuration.md) with its default; nothing that changes results is an
+environment variable; fault injection is switched on from ``tf_fusedemb.testing`` only;
+``import tf_fusedemb`` leaves file descriptor 2 alone, and quieting TensorFlow is the
+explicit ``quiet.install()``."""
 import os
 import re
 import subprocess
@@ -41,9 +42,10 @@ def _names_in_code():
     return found
 
 
-def _readme_table():
-    """{variable: (default, what)} of the README's table of environment variables."""
-    text = (REPO_ROOT / "README.md").read_text()
+def _guide_table():
+    """{variable: (default, what)} of the configuration guide's table of environment
+    variables."""
+    text = (REPO_ROOT / "docs" / "guide" / "configuration.md").read_text()
     section = text.split("## Environment variables", 1)[1].split("\n## ", 1)[0]
     rows = {}
     for line in section.splitlines():
@@ -53,8 +55,8 @@ def _readme_table():
     return rows
 
 
-def test_one_prefix_and_every_variable_in_the_readme_table():
-    table = _readme_table()
+def test_one_prefix_and_every_variable_in_the_configuration_guide():
+    table = _guide_table()
     found = _names_in_code()
     variables = set(found) - NOT_VARIABLES - RENAMED - GONE
     assert variables, "no TF_FUSEDEMB_ variable found: the scan is broken"
@@ -62,10 +64,10 @@ def test_one_prefix_and_every_variable_in_the_readme_table():
                     if not n.startswith("TF_FUSEDEMB_") and n not in NOT_VARIABLES | RENAMED}
     assert not other_prefix, f"variables outside the TF_FUSEDEMB_ prefix: {other_prefix}"
     missing = sorted(variables - set(table))
-    assert not missing, f"not in the README's table: {missing} (used in " \
+    assert not missing, f"not in the configuration guide's table: {missing} (used in " \
         f"{ {n: sorted(found[n]) for n in missing} })"
     stale = sorted(n for n in table if n.startswith("TF_FUSEDEMB_") and n not in variables)
-    assert not stale, f"in the README's table but nowhere in the code: {stale}"
+    assert not stale, f"in the configuration guide's table but nowhere in the code: {stale}"
     for name, (default, what) in table.items():
         assert default and what, f"{name}: the table needs its default and what it does"
     # The renamed names appear only where the launcher refuses them (and in this check).

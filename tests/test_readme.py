@@ -1,22 +1,25 @@
-"""Every fenced code block of README.md runs as written (issue 21, part 6), so the README
-cannot drift from the code.
+"""Every fenced code block of README.md and of the documentation site's pages (docs/*.md,
+docs/guide/*.md; the API reference has none) runs as written, so the README and the
+guides cannot drift from the code.
 
 * ``python`` blocks run as they are, each in its own process; blocks whose first line says
   ``# continues the "SECTION" example`` run together, after the first python block of that
-  section, in one process (as a reader runs them in one session). They are written with
-  short settings already.
+  section of the same page, in one process (as a reader runs them in one session). They
+  are written with short settings already.
 * ``bash`` blocks run as written where that fits CI time; a long one is listed in SHELL
   with the short-settings equivalent the test runs instead (each replacement is asserted
   to apply to the block's text), or with the reason it is not run at all. A block that is
-  neither run nor listed fails the test, as does a listed block that is no longer in the
-  README.
+  neither run nor listed fails the test, as does a listed block that is no longer on any
+  page.
+* The pages run in order, README first: a guide's command may use what the README's
+  ``make train`` wrote (``runs/main/ckpt``).
 
 Everything runs in a scratch copy of the checkout's layout (symlinks: the repository's
 files, ``.venv``, and ``../shared`` beside it), so ``runs/``, ``predictions.tsv`` and the
 like land in the scratch directory. The environment is a newcomer's: no
 ``TF_CPP_MIN_LOG_LEVEL``/``TF_USE_LEGACY_KERAS`` from this suite, so every block's output is
 also checked for TensorFlow's CUDA-factory error lines, which the project's commands and
-``tf_fusedemb.quiet.install()`` must drop. About 4 minutes on 2 cores.
+``tf_fusedemb.quiet.install()`` must drop. About 8 minutes on 2 cores.
 """
 import dataclasses
 import os
@@ -31,6 +34,10 @@ import pytest
 from conftest import REPO_ROOT, SHARED_DATA
 
 README = REPO_ROOT / "README.md"
+DOCS = REPO_ROOT / "docs"
+# The pages whose blocks run: the README, then the site's pages (reference pages hold only
+# mkdocstrings directives; docs/timelines and docs/tfra_cuckoo_race are records, not pages).
+PAGES = [README] + sorted(DOCS.glob("*.md")) + sorted((DOCS / "guide").glob("*.md"))
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```[ \t]*$", re.S | re.M)
 HEADING = re.compile(r"^(#{2,3}) (.+)$", re.M)
 CONTINUES = re.compile(r'^# continues the "([^"]+)" example')
@@ -46,20 +53,33 @@ class Block:
     text: str
     section: str
     line: int
+    page: str = "README.md"
 
     @property
     def where(self) -> str:
-        return f"README.md:{self.line} ({self.section!r}, {self.lang or 'no language'})"
+        return f"{self.page}:{self.line} ({self.section!r}, {self.lang or 'no language'})"
 
 
-def readme_blocks() -> List[Block]:
-    text = README.read_text()
+def page_blocks(path) -> List[Block]:
+    """The fenced blocks of one page, each with the heading (## or ###) above it."""
+    text = path.read_text()
+    page = str(path.relative_to(REPO_ROOT))
     headings = [(m.start(), m.group(2).strip()) for m in HEADING.finditer(text)]
     blocks = []
     for m in FENCE.finditer(text):
-        section = [h for pos, h in headings if pos < m.start()][-1]
-        blocks.append(Block(m.group(1), m.group(2), section, text[:m.start()].count("\n") + 1))
+        above = [h for pos, h in headings if pos < m.start()]
+        blocks.append(Block(m.group(1), m.group(2), above[-1] if above else "(top)",
+                            text[:m.start()].count("\n") + 1, page))
     return blocks
+
+
+def readme_blocks() -> List[Block]:
+    return page_blocks(README)
+
+
+def all_blocks() -> List[Block]:
+    """Every page's blocks, README first (see the module doc)."""
+    return [b for path in PAGES for b in page_blocks(path)]
 
 
 def _sub(text: str, *pairs: Tuple[str, str]) -> str:
@@ -118,6 +138,11 @@ SHELL: Dict[str, tuple] = {
         "take minutes: tests/test_benchmark_lookup.py and tests/test_benchmark_pipeline.py "
         "run them with short settings (the pipeline one on emulated hosts where possible)"),
     ".venv/bin/python -m tf_fusedemb.testing.module_graph --local": ("run",),
+    "TF_CPP_MIN_LOG_LEVEL=3 .venv/bin/horovodrun -np 2 --gloo -H localhost:2 env "
+    "TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python train_it.py": (
+        "skip",
+        "train_it.py is the reader's own script (the README's complete example runs above in "
+        "one process); the MovieLens block runs the same horovodrun launcher on 2 ranks"),
     "python3 -m venv .venv && .venv/bin/pip install -r requirements.txt": (
         "skip",
         "`make setup` performs these steps (CI runs it before the suite); building Horovod "
@@ -169,10 +194,12 @@ def python_source(block: Block, blocks: List[Block]) -> str:
     section = continued(block)
     if section is None:
         return block.text
-    base = [b for b in blocks if b.lang == "python" and b.section == section]
+    base = [b for b in blocks if b.lang == "python" and b.page == block.page
+            and b.section == section]
     assert base, f"{block.where} continues section {section!r}, which has no python block"
     assert continued(base[0]) is None, "one level of continuation only"
-    followers = [b for b in blocks if b.lang == "python" and continued(b) == section]
+    followers = [b for b in blocks if b.lang == "python" and b.page == block.page
+                 and continued(b) == section]
     if block is not followers[0]:
         return ""
     return "\n".join([base[0].text] + [b.text for b in followers])
@@ -187,19 +214,26 @@ def check_output(what: str, out: subprocess.CompletedProcess) -> str:
 
 def test_every_block_is_run_or_listed():
     """Cheap and first: a new or changed bash block must be run or listed, and every listed
-    block must still be in the README."""
-    blocks = readme_blocks()
-    assert len([b for b in blocks if b.lang == "python"]) >= 8
+    block must still be on a page."""
+    assert len([b for b in readme_blocks() if b.lang == "python"]) >= 1
+    blocks = all_blocks()
+    assert len([b for b in blocks if b.lang == "python"]) >= 12
     firsts = {b.text.splitlines()[0] for b in blocks if b.lang in ("bash", "sh", "")}
     unknown = [b.where + ": " + b.text.splitlines()[0] for b in blocks
                if b.lang not in ("python", "bash", "sh", "")]
     assert not unknown, f"blocks of a language this test cannot run: {unknown}"
+    firsts_per_page: Dict[str, List[str]] = {}
+    for b in blocks:
+        if b.lang != "python":
+            firsts_per_page.setdefault(b.text.splitlines()[0], []).append(b.where)
+    twice = {k: v for k, v in firsts_per_page.items() if len(v) > 1}
+    assert not twice, f"bash blocks starting with the same line (SHELL keys them): {twice}"
     unlisted = [b.where + ": " + b.text.splitlines()[0] for b in blocks
                 if b.lang != "python" and b.text.splitlines()[0] not in SHELL]
     assert not unlisted, ("bash blocks neither run nor listed in tests/test_readme.py's "
                           f"SHELL: {unlisted}")
     stale = [k for k in SHELL if k not in firsts]
-    assert not stale, f"listed in SHELL but no longer in the README: {stale}"
+    assert not stale, f"listed in SHELL but on no page: {stale}"
 
 
 def _cluster_unavailable() -> Optional[str]:
@@ -211,9 +245,9 @@ def _cluster_unavailable() -> Optional[str]:
         return str(e)
 
 
-@pytest.mark.timeout(1500)
-def test_readme_code_blocks_run(workdir):
-    blocks = readme_blocks()
+@pytest.mark.timeout(2400)
+def test_readme_and_guides_code_blocks_run(workdir):
+    blocks = all_blocks()
     cluster_reason = _cluster_unavailable()
     ran, skipped, timings = [], [], []
     for block in blocks:
@@ -247,7 +281,7 @@ def test_readme_code_blocks_run(workdir):
         print(f"{block.where}: {timings[-1][0]:.0f} s", flush=True)
     print("\nran:\n  " + "\n  ".join(ran) + "\nnot run:\n  " + "\n  ".join(skipped))
     print("slowest: " + ", ".join(f"{w} {t:.0f}s" for t, w in sorted(timings)[::-1][:5]))
-    assert len(ran) >= 12, (ran, skipped)
+    assert len(ran) >= 14, (ran, skipped)
 
 
 def _check_block_result(first: str, command: str, text: str, workdir) -> None:

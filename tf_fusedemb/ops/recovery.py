@@ -24,7 +24,7 @@ def recovery_gather(rows: TensorLike, sort_indices: TensorLike, unique_inverse: 
 
     Returns:
       (output: [n, D] with ``output[i] = rows[sort_indices[unique_inverse[i]]]``,
-       recover_indices: int32[n], I_r). The gradient w.r.t. ``rows`` is the unsorted
+      recover_indices: int32[n], I_r). The gradient w.r.t. ``rows`` is the unsorted
       segment sum of the output gradient by I_r.
     """
     with tf.name_scope(name or "recovery_gather"):
