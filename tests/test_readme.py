@@ -138,6 +138,10 @@ SHELL: Dict[str, tuple] = {
         "take minutes: tests/test_benchmark_lookup.py and tests/test_benchmark_pipeline.py "
         "run them with short settings (the pipeline one on emulated hosts where possible)"),
     ".venv/bin/python -m tf_fusedemb.testing.module_graph --local": ("run",),
+    "python -m tf_fusedemb.benchmarks.lookup --json --variants fused,fused_bf16 --profile": (
+        "skip",
+        "a benchmark of minutes: tests/test_benchmark_lookup.py runs it with --profile 2 and "
+        "short settings, and checks the breakdown adds up to each step's time"),
     "TF_CPP_MIN_LOG_LEVEL=3 .venv/bin/horovodrun -np 2 --gloo -H localhost:2 env "
     "TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python train_it.py": (
         "skip",
