@@ -160,3 +160,24 @@ def test_initializer_without_a_per_key_form_is_refused_by_name():
     emb = tf_keras.layers.Embedding(10, 4, embeddings_initializer="orthogonal")
     with pytest.raises(ValueError, match="'Orthogonal' has no per-key"):
         from_keras_embeddings({"t": emb}, OPT)
+
+
+def test_a_fused_model_pipelines_though_its_inputs_are_named_otherwise():
+    """fuse_model names features after the Embedding layers (emb_a), the model's inputs
+    keep their names (a): prefetch reads each feature from the input it comes from, and
+    the pipelined fit equals plain tf_keras fit of the original model."""
+    import keras_paths as kpth
+    from tf_fusedemb.pipeline import PipelineOptions
+    x, y = kpth.data()
+    original, _ = kpth.functional(tf_keras, False)
+    ref, _ = kpth.functional(tf_keras, False)
+    ref.set_weights(original.get_weights())
+    fused = fuse_model(original, OptimizerSpec.sgd(kpth.LR["sgd"]))
+    fused.compile(optimizer=kpth.keras_optimizer(tf_keras, "sgd"),
+                  loss=tf_keras.losses.BinaryCrossentropy(from_logits=True),
+                  pipeline=PipelineOptions(prefetch=True))
+    got = fused.fit(x, y, batch_size=kpth.BATCH, epochs=2, shuffle=False, verbose=0)
+    want = kpth.fit(tf_keras, ref, kpth.keras_optimizer(tf_keras, "sgd"), x, y, kpth.BATCH)
+    np.testing.assert_allclose(fused.predict(x, batch_size=kpth.BATCH, verbose=0).reshape(-1),
+                               want["predictions"], rtol=1e-5, atol=1e-6)
+    assert np.isfinite(got.history["loss"]).all()

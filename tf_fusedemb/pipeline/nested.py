@@ -94,6 +94,8 @@ class NestedPipeline:
         if not self.layers:
             raise ValueError("NestedPipeline: the model has no FusedEmbedding layer")
         self.lookups = [g for layer in self.layers for g in layer.groups]
+        # Where each layer finds its features in x (by layer name: names are unique).
+        self._sources = {layer.name: feature_sources(model, layer) for layer in self.layers}
         if self.options.prefetch and any(g.policy is not None for g in self.lookups):
             # The prefetch counts batch t+1's accesses before batch t's update, and delayed
             # updates could rewrite evicted rows: not the synchronous semantics.
@@ -188,13 +190,16 @@ class NestedPipeline:
         """Per micro-batch, per lookup: the route() dict of ``x``'s slice (DBP stage 3)."""
         routed = []
         schedule = Schedule(self.options.num_micro_batches, self.options.exchange)
-        bounds = micro_batch_slices(_features_batch_size(x, self.layers),
-                                    self.options.num_micro_batches)
+        first = self.layers[0]
+        bounds = micro_batch_slices(
+            _batch_size(_feature(x, first.features[0].name, first, self._sources)),
+            self.options.num_micro_batches)
         for i, (lo, hi) in enumerate(bounds):
             xi = slice_rows(x, lo, hi)
             context = schedule.context(i)
             routed.append([r for layer in self.layers
-                           for r in layer.route({f.name: _feature(xi, f.name, layer)
+                           for r in layer.route({f.name: _feature(xi, f.name, layer,
+                                                                  self._sources)
                                                  for f in layer.features}, context)])
         return routed
 
@@ -337,16 +342,38 @@ class PrefetchSchedule(Schedule):
         return pending, rows
 
 
-def _feature(x, name, layer):
-    if not isinstance(x, dict) or name not in x:
+def feature_sources(model: Any, layer: Any) -> Dict[str, Any]:
+    """{feature: the key of the model's input ``x`` that holds it}: in a functional model
+    whose FusedEmbedding is called on model inputs directly, the input each feature's
+    tensor is (``fuse_model`` names features after the Embedding layers, not after the
+    inputs); else the feature's own name (x holds the features by name)."""
+    sources = {f.name: f.name for f in layer.features}
+    nodes = getattr(layer, "_inbound_nodes", None) or []
+    model_inputs = getattr(model, "_nested_inputs", None)
+    if len(nodes) != 1 or not isinstance(model_inputs, dict):
+        return sources
+    args = nodes[0].call_args
+    feeds = args[0] if args else None
+    if not isinstance(feeds, dict):
+        return sources
+    keys = {id(tensor): key for key, tensor in model_inputs.items()}
+    for feature, tensor in feeds.items():
+        if id(tensor) in keys:
+            sources[feature] = keys[id(tensor)]
+    return sources
+
+
+def _feature(x, name, layer, sources):
+    key = sources[layer.name][name]
+    if not isinstance(x, dict) or key not in x:
         raise ValueError(f"NestedPipeline: prefetch needs x to be a dict holding each "
-                         f"FusedEmbedding feature by name; feature '{name}' of layer "
-                         f"'{layer.name}' is missing")
-    return x[name]
+                         f"FusedEmbedding feature (feature '{name}' of layer '{layer.name}' "
+                         f"as x[{key!r}]); it is missing. Prefetch reads the IDs from x, so "
+                         "the layer must take its inputs from x directly")
+    return x[key]
 
 
-def _features_batch_size(x, layers):
-    value = _feature(x, layers[0].features[0].name, layers[0])
+def _batch_size(value):
     if isinstance(value, tf.RaggedTensor):
         return value.nrows(out_type=tf.int64)
     if isinstance(value, tf.SparseTensor):
