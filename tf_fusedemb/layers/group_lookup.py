@@ -316,11 +316,13 @@ class GroupLookup(tf.Module):
         engine the bytes it really allocated for rows, slots and statistics; on TFRA and
         static tables their payload (per row the key (8) and dim float32 values per row
         and optimizer slot, per tracked key 5 int64: key, count, table, ID, last step;
-        hash-table overhead not counted)."""
+        hash-table overhead not counted); ``ssd_bytes``, the bytes of its blocks in the
+        SSD tier (TableSpec.memory_budget_bytes; 0 without one)."""
         rows, tracked = int(self.table.size().numpy()), int(self.stats.size().numpy())
+        storage = GroupStorage(self.table, self.stats)
         return {"rows": rows, "tracked_keys": tracked,
-                "bytes": self._backend.memory_bytes(GroupStorage(self.table, self.stats),
-                                                    self.group.dim)}
+                "bytes": self._backend.memory_bytes(storage, self.group.dim),
+                "ssd_bytes": self._backend.ssd_bytes(storage)}
 
     def hashed_keys(self, ids: tf.Tensor, segment_ids: tf.Tensor) -> tf.Tensor:
         """Plan-independent unified keys mix64(id ^ tag(table)) of ``ids`` int[n] of the

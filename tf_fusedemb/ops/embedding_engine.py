@@ -11,8 +11,16 @@ Example::
     engine = EmbeddingEngine("g0", 16, InitializerSpec(), (-0.05, 0.1), OptimizerSpec.adagrad(0.1))
     rows = engine.lookup(keys, keys)                                 # float32[u, 16]
     rows = engine.apply_gradients(keys, keys, grads, step=1)         # one pass per key
+
+With ``memory_budget_bytes``, the engine keeps at most that many bytes of blocks and
+index in DRAM and spills the others whole to a RocksDB store in a fresh subdirectory of
+``spill_dir`` (an SSD tier); every call returns what it would without a budget.
 """
 import itertools
+import os
+import re
+import shutil
+import tempfile
 from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 import tensorflow as tf
@@ -21,7 +29,8 @@ from tf_fusedemb.ops import _loader
 from tf_fusedemb.ops._validate import TensorLike
 from tf_fusedemb.specs import InitializerSpec, OptimizerSpec
 
-__all__ = ["DEFAULT_NUM_SHARDS", "EmbeddingEngine", "EngineExport", "EngineKeyFields",
+__all__ = ["DEFAULT_NUM_SHARDS", "MIN_FREE_SPILL_BYTES", "EmbeddingEngine", "EngineExport",
+           "EngineKeyFields", "make_spill_path",
            "EngineSize"]
 
 DEFAULT_NUM_SHARDS = 16
@@ -50,11 +59,40 @@ class EngineExport(NamedTuple):
 
 
 class EngineSize(NamedTuple):
-    """int64 scalars: ``stored`` rows, ``tracked`` keys with statistics, ``bytes_held``
-    (arena chunks and hash-index arrays the engine allocated)."""
+    """int64 scalars: ``stored`` rows, ``tracked`` keys with statistics (both over DRAM
+    and SSD), ``bytes_held`` (DRAM: arena chunks and hash-index arrays the engine
+    allocated), ``ssd_bytes`` (blocks in the SSD tier; 0 without one)."""
     stored: tf.Tensor
     tracked: tf.Tensor
     bytes_held: tf.Tensor
+    ssd_bytes: tf.Tensor
+
+
+# A spill directory needs at least this much free space when its table is made, so that a
+# full disk fails at construction, naming table and path, not in a later step.
+MIN_FREE_SPILL_BYTES = 64 << 20
+
+
+def make_spill_path(name: str, spill_dir: Optional[str]) -> str:
+    """A fresh directory for one engine's SSD tier: ``<spill_dir>/fusedemb_<name>_XXXX``
+    (``spill_dir`` None: ``tempfile.gettempdir()``). Fresh, because ranks on one host
+    and tables in one process share ``spill_dir``; the engine removes it when destroyed.
+    Raises ValueError, one line naming the table and the path, when it cannot be made
+    or the disk has less than MIN_FREE_SPILL_BYTES free."""
+    parent = tempfile.gettempdir() if spill_dir is None else spill_dir
+    prefix = "fusedemb_" + re.sub(r"[^A-Za-z0-9_.-]", "_", name) + "_"
+    try:
+        os.makedirs(parent, exist_ok=True)
+        path = tempfile.mkdtemp(prefix=prefix, dir=parent)
+        free = shutil.disk_usage(path).free
+    except OSError as e:
+        raise ValueError(f"table {name!r}: cannot use spill_dir {parent!r} for its SSD tier: "
+                         f"{e.strerror or e}") from None
+    if free < MIN_FREE_SPILL_BYTES:
+        os.rmdir(path)
+        raise ValueError(f"table {name!r}: spill_dir {parent!r} has {free} bytes free, fewer "
+                         f"than the {MIN_FREE_SPILL_BYTES} its SSD tier needs to start")
+    return path
 
 
 def _op(name: str):
@@ -85,11 +123,16 @@ class EmbeddingEngine(tf.saved_model.experimental.TrackableResource):
         optimizer: OptimizerSpec; sgd, adagrad, ftrl or adam (lazy).
         num_shards: power of two; keys are split by hash into this many shards, each
             with its own index, arena and lock.
+        memory_budget_bytes: None: every block in DRAM. Else the DRAM bytes of blocks and
+            index kept at most (blocks a running call or a prefetch pinned aside); the
+            others live in a RocksDB store (see TableSpec.memory_budget_bytes).
+        spill_dir: the parent of the store's directory (see make_spill_path).
     """
 
     def __init__(self, name: str, dim: int, initializer: InitializerSpec,
                  init_params: Tuple[float, float], optimizer: OptimizerSpec,
-                 num_shards: int = DEFAULT_NUM_SHARDS):
+                 num_shards: int = DEFAULT_NUM_SHARDS, memory_budget_bytes: Optional[int] = None,
+                 spill_dir: Optional[str] = None):
         if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0:
             raise ValueError(f"engine {name!r}: dim must be an int > 0, got {dim!r}")
         if not isinstance(num_shards, int) or num_shards <= 0 or num_shards & (num_shards - 1):
@@ -106,6 +149,11 @@ class EmbeddingEngine(tf.saved_model.experimental.TrackableResource):
             dim=dim, optimizer=optimizer.name, learning_rate=optimizer.learning_rate,
             initializer=initializer.name, init_params=[repr(float(loc)), repr(float(scale))],
             num_shards=num_shards, shared_name=f"fusedemb_engine_{next(_instances)}_{name}")
+        self.memory_budget_bytes = memory_budget_bytes
+        self.spill_path: Optional[str] = None  # the SSD tier's directory, with a budget
+        if memory_budget_bytes is not None:
+            self.spill_path = make_spill_path(name, spill_dir)
+            self._attrs.update(memory_budget_bytes=memory_budget_bytes, spill_path=self.spill_path)
         for key in ("initial_accumulator_value", "beta1", "beta2", "epsilon",
                     "learning_rate_power", "l1", "l2"):
             if key in hp:
@@ -168,6 +216,16 @@ class EmbeddingEngine(tf.saved_model.experimental.TrackableResource):
         statistics stay. Returns the op (None eagerly)."""
         return _op("EngineRemoveRows")(self.resource_handle, _keys(keys))
 
+    def pin(self, keys: TensorLike) -> Optional[tf.Operation]:
+        """Reads the blocks of ``keys`` int64[u] from the SSD tier into DRAM and keeps
+        them there until :meth:`unpin` of the same keys (a prefetch of the next batch);
+        a no-op without a budget. Returns the op (None eagerly)."""
+        return _op("EnginePin")(self.resource_handle, _keys(keys))
+
+    def unpin(self, keys: TensorLike) -> Optional[tf.Operation]:
+        """Releases :meth:`pin` of ``keys`` int64[u], then spills over the budget."""
+        return _op("EngineUnpin")(self.resource_handle, _keys(keys))
+
     # ------------------------------------------------------------ statistics
     def record(self, keys: TensorLike, tables: TensorLike, ids: TensorLike, counts: TensorLike,
                last_steps: TensorLike, overwrite_last_step: bool) -> Optional[tf.Operation]:
@@ -196,7 +254,7 @@ class EmbeddingEngine(tf.saved_model.experimental.TrackableResource):
         return EngineExport(out[0], EngineKeyFields(*out[1:6]), out[6], out[7])
 
     def size(self) -> EngineSize:
-        """EngineSize: stored rows, tracked keys and bytes held."""
+        """EngineSize: stored rows, tracked keys, DRAM bytes held and SSD bytes."""
         return EngineSize(*_op("EngineSize")(self.resource_handle))
 
     def slots_dict(self, slots: tf.Tensor, slot_names: Sequence[str]) -> Dict[str, tf.Tensor]:

@@ -191,6 +191,10 @@ class StorageBackend(abc.ABC):
         per_row = 8 + 4 * dim * (1 + len(storage.table.slot_names))
         return rows * per_row + tracked * 40
 
+    def ssd_bytes(self, storage: GroupStorage) -> int:
+        """Bytes of the group's blocks on this rank's SSD tier (eager); 0: none."""
+        return 0
+
 
 class TfraBackend(StorageBackend):
     """TFRA hash tables (``DynamicGroupTable``) and core-TF statistics tables."""
@@ -214,7 +218,9 @@ class EngineBackend(StorageBackend):
     def create(self, group: FusedGroup, table_name: str,
                static: Optional[StaticLayout] = None) -> GroupStorage:
         _no_layout(self, group, static)
-        table = EngineGroupTable(table_name, group.dim, group.initializer, group.optimizer)
+        table = EngineGroupTable(table_name, group.dim, group.initializer, group.optimizer,
+                                 memory_budget_bytes=group.memory_budget_bytes,
+                                 spill_dir=group.spill_dir)
         return GroupStorage(table, EngineStatistics(group.name, [t.name for t in group.tables],
                                                     table.engine))
 
@@ -224,9 +230,12 @@ class EngineBackend(StorageBackend):
         _engine_table(storage).set_admission(min_counts)
 
     def memory_bytes(self, storage: GroupStorage, dim: int) -> int:
-        """The bytes the engine allocated (arena chunks and index arrays) for rows, slots
-        and statistics together: what the process really holds for the group."""
+        """The DRAM bytes the engine allocated (arena chunks and index arrays) for rows,
+        slots and statistics together: what the process really holds for the group."""
         return int(_engine_table(storage).bytes_held().numpy())
+
+    def ssd_bytes(self, storage: GroupStorage) -> int:
+        return int(_engine_table(storage).ssd_bytes().numpy())
 
 
 class StaticBackend(StorageBackend):
