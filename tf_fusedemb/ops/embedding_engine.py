@@ -13,14 +13,10 @@ Example::
     rows = engine.apply_gradients(keys, keys, grads, step=1)         # one pass per key
 
 With ``memory_budget_bytes``, the engine keeps at most that many bytes of blocks and
-index in DRAM and spills the others whole to a RocksDB store in a fresh subdirectory of
-``spill_dir`` (an SSD tier); every call returns what it would without a budget.
+index in DRAM and spills the others whole to a RocksDB store in ``spill_path`` (an SSD
+tier); every call returns what it would without a budget.
 """
 import itertools
-import os
-import re
-import shutil
-import tempfile
 from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 import tensorflow as tf
@@ -29,8 +25,7 @@ from tf_fusedemb.ops import _loader
 from tf_fusedemb.ops._validate import TensorLike
 from tf_fusedemb.specs import InitializerSpec, OptimizerSpec
 
-__all__ = ["DEFAULT_NUM_SHARDS", "MIN_FREE_SPILL_BYTES", "EmbeddingEngine", "EngineExport",
-           "EngineKeyFields", "make_spill_path",
+__all__ = ["DEFAULT_NUM_SHARDS", "EmbeddingEngine", "EngineExport", "EngineKeyFields",
            "EngineSize"]
 
 DEFAULT_NUM_SHARDS = 16
@@ -68,33 +63,6 @@ class EngineSize(NamedTuple):
     ssd_bytes: tf.Tensor
 
 
-# A spill directory needs at least this much free space when its table is made, so that a
-# full disk fails at construction, naming table and path, not in a later step.
-MIN_FREE_SPILL_BYTES = 64 << 20
-
-
-def make_spill_path(name: str, spill_dir: Optional[str]) -> str:
-    """A fresh directory for one engine's SSD tier: ``<spill_dir>/fusedemb_<name>_XXXX``
-    (``spill_dir`` None: ``tempfile.gettempdir()``). Fresh, because ranks on one host
-    and tables in one process share ``spill_dir``; the engine removes it when destroyed.
-    Raises ValueError, one line naming the table and the path, when it cannot be made
-    or the disk has less than MIN_FREE_SPILL_BYTES free."""
-    parent = tempfile.gettempdir() if spill_dir is None else spill_dir
-    prefix = "fusedemb_" + re.sub(r"[^A-Za-z0-9_.-]", "_", name) + "_"
-    try:
-        os.makedirs(parent, exist_ok=True)
-        path = tempfile.mkdtemp(prefix=prefix, dir=parent)
-        free = shutil.disk_usage(path).free
-    except OSError as e:
-        raise ValueError(f"table {name!r}: cannot use spill_dir {parent!r} for its SSD tier: "
-                         f"{e.strerror or e}") from None
-    if free < MIN_FREE_SPILL_BYTES:
-        os.rmdir(path)
-        raise ValueError(f"table {name!r}: spill_dir {parent!r} has {free} bytes free, fewer "
-                         f"than the {MIN_FREE_SPILL_BYTES} its SSD tier needs to start")
-    return path
-
-
 def _op(name: str):
     return _loader.raw_op(name)
 
@@ -126,13 +94,15 @@ class EmbeddingEngine(tf.saved_model.experimental.TrackableResource):
         memory_budget_bytes: None: every block in DRAM. Else the DRAM bytes of blocks and
             index kept at most (blocks a running call or a prefetch pinned aside); the
             others live in a RocksDB store (see TableSpec.memory_budget_bytes).
-        spill_dir: the parent of the store's directory (see make_spill_path).
+        spill_path: the store's directory, required with a budget: this engine's alone
+            (emptied when the engine is made, removed when it is destroyed); see
+            tf_fusedemb.storage.spill_dir for where the storage layer puts it.
     """
 
     def __init__(self, name: str, dim: int, initializer: InitializerSpec,
                  init_params: Tuple[float, float], optimizer: OptimizerSpec,
                  num_shards: int = DEFAULT_NUM_SHARDS, memory_budget_bytes: Optional[int] = None,
-                 spill_dir: Optional[str] = None):
+                 spill_path: Optional[str] = None):
         if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0:
             raise ValueError(f"engine {name!r}: dim must be an int > 0, got {dim!r}")
         if not isinstance(num_shards, int) or num_shards <= 0 or num_shards & (num_shards - 1):
@@ -150,10 +120,11 @@ class EmbeddingEngine(tf.saved_model.experimental.TrackableResource):
             initializer=initializer.name, init_params=[repr(float(loc)), repr(float(scale))],
             num_shards=num_shards, shared_name=f"fusedemb_engine_{next(_instances)}_{name}")
         self.memory_budget_bytes = memory_budget_bytes
-        self.spill_path: Optional[str] = None  # the SSD tier's directory, with a budget
+        self.spill_path = spill_path
         if memory_budget_bytes is not None:
-            self.spill_path = make_spill_path(name, spill_dir)
-            self._attrs.update(memory_budget_bytes=memory_budget_bytes, spill_path=self.spill_path)
+            if not spill_path:
+                raise ValueError(f"engine {name!r}: a memory budget needs a spill_path")
+            self._attrs.update(memory_budget_bytes=memory_budget_bytes, spill_path=spill_path)
         for key in ("initial_accumulator_value", "beta1", "beta2", "epsilon",
                     "learning_rate_power", "l1", "l2"):
             if key in hp:

@@ -43,6 +43,7 @@ import tensorflow as tf
 from tf_fusedemb.specs import FusedGroup, STORAGES
 from tf_fusedemb.storage.dynamic_table import DynamicGroupTable  # TFRA loads on first table
 from tf_fusedemb.storage.engine_table import EngineGroupTable, EngineStatistics
+from tf_fusedemb.storage.spill_dir import make_spill_path
 from tf_fusedemb.storage.static_table import StaticGroupTable
 from tf_fusedemb.storage.statistics import AccessStatistics
 
@@ -218,9 +219,11 @@ class EngineBackend(StorageBackend):
     def create(self, group: FusedGroup, table_name: str,
                static: Optional[StaticLayout] = None) -> GroupStorage:
         _no_layout(self, group, static)
+        budget = group.memory_budget_bytes
+        path = None if budget is None else make_spill_path(
+            group.name, [t.name for t in group.tables], group.spill_dir)
         table = EngineGroupTable(table_name, group.dim, group.initializer, group.optimizer,
-                                 memory_budget_bytes=group.memory_budget_bytes,
-                                 spill_dir=group.spill_dir)
+                                 memory_budget_bytes=budget, spill_path=path)
         return GroupStorage(table, EngineStatistics(group.name, [t.name for t in group.tables],
                                                     table.engine))
 

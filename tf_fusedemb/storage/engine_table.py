@@ -43,18 +43,18 @@ class EngineGroupTable(GroupTable):
         optimizer: OptimizerSpec (sgd, adagrad, ftrl, adam).
         num_shards: power of two; the engine's shards (parallelism and lock granularity).
         validate_unique: check that apply_gradients gets unique keys (debugging).
-        memory_budget_bytes, spill_dir: the SSD tier (TableSpec.memory_budget_bytes):
-            None keeps every block in DRAM.
+        memory_budget_bytes, spill_path: the SSD tier (TableSpec.memory_budget_bytes)
+            and its directory (storage/spill_dir.py); None keeps every block in DRAM.
     """
 
     def __init__(self, name: str, dim: int, initializer: InitializerSpec, optimizer: OptimizerSpec,
                  num_shards: int = DEFAULT_NUM_SHARDS, validate_unique: bool = False,
-                 memory_budget_bytes: Optional[int] = None, spill_dir: Optional[str] = None):
+                 memory_budget_bytes: Optional[int] = None, spill_path: Optional[str] = None):
         super().__init__(name, dim, initializer, optimizer, validate_unique)
         with tf.init_scope():
             self.engine = EmbeddingEngine(
                 name, dim, initializer, initializers._params(initializer),  # pylint: disable=protected-access
-                optimizer, num_shards, memory_budget_bytes, spill_dir)
+                optimizer, num_shards, memory_budget_bytes, spill_path)
         self._min_counts: Optional[tf.Tensor] = None  # int64[T] while admission is on
 
     # ---------------------------------------------------------------- admission
