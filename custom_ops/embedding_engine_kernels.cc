@@ -4,6 +4,8 @@
 // kernels on one resource may run concurrently.
 #include <algorithm>
 #include <cstdlib>
+#include <deque>
+#include <mutex>
 #include <new>
 #include <numeric>
 #include <string>
@@ -29,8 +31,24 @@ using engine::Span;
 // The resource: one engine per group table and rank.
 class EngineResource : public ResourceBase {
  public:
+  // Batches a prefetch keeps pinned: batch t+1's keys, pinned during step t, are
+  // updated in step t+1 (prior rows) and t+2 (delayed rows, NestPipe's vertical
+  // scheduling), before the prefetch of t+3 releases them.
+  static constexpr size_t kPrefetchDepth = 2;
+
   explicit EngineResource(const engine::Config& c) : engine_(c) {}
   Engine& engine() { return engine_; }
+
+  // Records `keys` as the newest prefetched batch; returns the batch it releases (empty
+  // while fewer than kPrefetchDepth are held).
+  std::vector<int64_t> PushPrefetched(std::vector<int64_t> keys) {
+    std::lock_guard<std::mutex> lock(prefetch_mu_);
+    prefetched_.push_back(std::move(keys));
+    if (prefetched_.size() <= kPrefetchDepth) return {};
+    std::vector<int64_t> oldest = std::move(prefetched_.front());
+    prefetched_.pop_front();
+    return oldest;
+  }
   std::string DebugString() const override {
     return strings::StrCat("FusedEmb engine (dim ", engine_.dim(), ", ", engine_.num_shards(),
                            " shards)");
@@ -39,6 +57,8 @@ class EngineResource : public ResourceBase {
 
  private:
   Engine engine_;
+  std::mutex prefetch_mu_;
+  std::deque<std::vector<int64_t>> prefetched_;
 };
 
 namespace {
@@ -505,6 +525,29 @@ class EnginePinOp : public EngineKernel {
   }
 };
 
+// Pins a batch's keys until kPrefetchDepth later batches are prefetched (DBP's retrieval
+// of batch t+1 during step t), then releases the oldest batch's pins.
+class EnginePrefetchOp : public EngineKernel {
+ public:
+  using EngineKernel::EngineKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    KeysBatch b;
+    OP_REQUIRES_OK(ctx, PrepareKeys(ctx, &b));
+    Engine& e = b.engine();
+    if (!e.tiered()) return;
+    // The new pins first, so a key of both batches never leaves DRAM in between.
+    OP_REQUIRES_OK(ctx, ShardedBatch(e, b.keys, b.n).Run(ctx, 400, [&](int s, Span p) {
+      return e.Pin(s, p, b.keys);
+    }));
+    const std::vector<int64_t> old =
+        b.resource->PushPrefetched(std::vector<int64_t>(b.keys, b.keys + b.n));
+    OP_REQUIRES_OK(ctx, ShardedBatch(e, old.data(), old.size()).Run(ctx, 400, [&](int s, Span p) {
+      return e.Unpin(s, p, old.data());
+    }));
+  }
+};
+
 // ------------------------------------------------------------------ export and size
 class EngineExportOp : public OpKernel {
  public:
@@ -591,6 +634,7 @@ FUSEDEMB_ENGINE_KERNEL("EngineRemoveRows", EngineRemoveOp<true>);
 FUSEDEMB_ENGINE_KERNEL("EngineForget", EngineRemoveOp<false>);
 FUSEDEMB_ENGINE_KERNEL("EnginePin", EnginePinOp<true>);
 FUSEDEMB_ENGINE_KERNEL("EngineUnpin", EnginePinOp<false>);
+FUSEDEMB_ENGINE_KERNEL("EnginePrefetch", EnginePrefetchOp);
 FUSEDEMB_ENGINE_KERNEL("EngineExport", EngineExportOp);
 FUSEDEMB_ENGINE_KERNEL("EngineSize", EngineSizeOp);
 

@@ -259,6 +259,17 @@ EngineUnpin calls of the keys have run (a prefetch of the next batch). A no-op w
 an SSD tier. keys: [u] (duplicates pin twice).
 )doc");
 
+REGISTER_OP("FusedEmb>EnginePrefetch")
+    .Input("handle: resource")
+    .Input("keys: int64")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc(R"doc(
+A prefetch of the next batch's keys ([u]): pins them in DRAM (read from the SSD tier
+now) and releases the pins of the batch prefetched two calls before (the batch whose
+prior and delayed updates have both run by then). A no-op without an SSD tier.
+)doc");
+
 REGISTER_OP("FusedEmb>EngineUnpin")
     .Input("handle: resource")
     .Input("keys: int64")

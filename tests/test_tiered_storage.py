@@ -148,12 +148,13 @@ def test_specs_validate_and_round_trip_the_tier():
 
 
 # ---------------------------------------------------------------- training
-def table_specs(budget):
-    return [TableSpec(n, DIM, OPTIMIZER, INIT, memory_budget_bytes=budget, **POLICIES[n])
+def table_specs(budget, policies=True):
+    return [TableSpec(n, DIM, OPTIMIZER, INIT, memory_budget_bytes=budget,
+                      **(POLICIES[n] if policies else {}))
             for n in NAMES]
 
 
-def build_layer_with(specs):
+def build_layer_with(specs, pipeline=None):
     from tf_fusedemb.layers import FusedEmbedding  # pylint: disable=import-outside-toplevel
     from tf_fusedemb.models import FusedModel  # pylint: disable=import-outside-toplevel
     layer = FusedEmbedding([FeatureSpec(t.name, t) for t in specs])
@@ -162,14 +163,15 @@ def build_layer_with(specs):
     logits = tf_keras.layers.Dense(1, use_bias=False, kernel_initializer="ones", trainable=False)(
         tf_keras.layers.Concatenate()([emb[t.name] for t in specs]))
     model = FusedModel(inputs, logits)
-    model.compile(optimizer=tf_keras.optimizers.SGD(0.1),
+    model.compile(optimizer=tf_keras.optimizers.SGD(0.1), pipeline=pipeline,
                   loss=tf_keras.losses.BinaryCrossentropy(from_logits=True))
     return model, layer
 
 
-def build_model(budget):
-    """(compiled FusedModel, its FusedEmbedding) of three tables, tiered or not."""
-    return build_layer_with(table_specs(budget))
+def build_model(budget, pipeline=None):
+    """(compiled FusedModel, its FusedEmbedding) of three tables, tiered or not; with a
+    ``pipeline`` (which admits no policies) without policies."""
+    return build_layer_with(table_specs(budget, policies=pipeline is None), pipeline)
 
 
 def data(steps=STEPS):
@@ -241,6 +243,16 @@ def test_training_with_a_5_percent_budget_is_bit_identical_through_a_restore(tmp
     for budget in (TABLE_BUDGET, None):
         assert_bit_identical(fit_rank(restored(budget, ckpt), x, y, HALF, STEPS), want,
                              f"restored (budget {budget})")
+
+
+def test_pipelined_fit_with_prefetch_is_bit_identical():
+    """fit's pipelined mode (DBP: batch t+1's rows retrieved, and pinned in DRAM, during
+    step t) with a 5% budget equals the same pipeline without one."""
+    x, y = data()
+    want = fit_rank(build_model(None, pipeline="dbp"), x, y, 0, STEPS)
+    got = fit_rank(build_model(TABLE_BUDGET, pipeline="dbp"), x, y, 0, STEPS)
+    assert_bit_identical(got, want, "dbp")
+    assert got["memory"]["ssd_bytes"] > 0
 
 
 # ---------------------------------------------------------------- two ranks

@@ -257,6 +257,18 @@ class GroupLookup(tf.Module):
         """Adds 1 to the group's optimizer step (int64); returns the new value."""
         return self.table.advance_step()
 
+    @property
+    def tiered(self) -> bool:
+        """Whether the group's engine has a memory budget (an SSD tier)."""
+        return self.group.memory_budget_bytes is not None
+
+    def prefetch(self, keys: tf.Tensor) -> Optional[tf.Operation]:
+        """Reads the owner-side ``keys`` int64[u] of a coming batch from the SSD tier
+        into DRAM now and keeps them there while that batch is updated (a pipeline's
+        prefetch calls it once per batch, before retrieving the batch's rows); None
+        without a tier."""
+        return self._backend.prefetch(GroupStorage(self.table, self.stats), keys)
+
     def num_stored_rows(self) -> int:
         """Rows this rank stores for the group: written (trained or restored) rows (eager)."""
         return int(self.table.size())

@@ -197,6 +197,13 @@ class EmbeddingEngine(tf.saved_model.experimental.TrackableResource):
         """Releases :meth:`pin` of ``keys`` int64[u], then spills over the budget."""
         return _op("EngineUnpin")(self.resource_handle, _keys(keys))
 
+    def prefetch(self, keys: TensorLike) -> Optional[tf.Operation]:
+        """Pins the blocks of the next batch's ``keys`` int64[u] in DRAM (reading them from
+        the SSD tier now) and releases those of the batch prefetched two calls before:
+        DBP's batch t+1 is retrieved in step t and updated in steps t+1 and t+2. A no-op
+        without a budget. Returns the op (None eagerly)."""
+        return _op("EnginePrefetch")(self.resource_handle, _keys(keys))
+
     # ------------------------------------------------------------ statistics
     def record(self, keys: TensorLike, tables: TensorLike, ids: TensorLike, counts: TensorLike,
                last_steps: TensorLike, overwrite_last_step: bool) -> Optional[tf.Operation]:

@@ -196,6 +196,11 @@ class StorageBackend(abc.ABC):
         """Bytes of the group's blocks on this rank's SSD tier (eager); 0: none."""
         return 0
 
+    def prefetch(self, storage: GroupStorage, keys: tf.Tensor) -> Optional[tf.Operation]:
+        """Brings the blocks of a coming batch's ``keys`` int64[u] into DRAM and keeps
+        them there while it is updated; None where every row is in DRAM already."""
+        return None
+
 
 class TfraBackend(StorageBackend):
     """TFRA hash tables (``DynamicGroupTable``) and core-TF statistics tables."""
@@ -239,6 +244,10 @@ class EngineBackend(StorageBackend):
 
     def ssd_bytes(self, storage: GroupStorage) -> int:
         return int(_engine_table(storage).ssd_bytes().numpy())
+
+    def prefetch(self, storage: GroupStorage, keys: tf.Tensor) -> Optional[tf.Operation]:
+        table = _engine_table(storage)
+        return table.prefetch(keys) if table.tiered else None
 
 
 class StaticBackend(StorageBackend):

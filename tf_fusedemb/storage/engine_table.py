@@ -116,13 +116,10 @@ class EngineGroupTable(GroupTable):
         return self.engine.memory_budget_bytes is not None
 
     def prefetch(self, keys: tf.Tensor) -> Optional[tf.Operation]:
-        """Pins the blocks of ``keys`` int64[u] in DRAM (read from the SSD tier now, while
-        other work runs) until :meth:`release` of the same keys; a no-op untiered."""
-        return self.engine.pin(self._as_keys(keys, "keys"))
-
-    def release(self, keys: tf.Tensor) -> Optional[tf.Operation]:
-        """Undoes :meth:`prefetch` of ``keys`` int64[u]."""
-        return self.engine.unpin(self._as_keys(keys, "keys"))
+        """Reads the next batch's ``keys`` int64[u] from the SSD tier into DRAM now (while
+        the current batch computes) and keeps them there until two more batches are
+        prefetched (EmbeddingEngine.prefetch); a no-op untiered. Returns the op."""
+        return self.engine.prefetch(self._as_keys(keys, "keys"))
 
     def export(self, keys: Optional[tf.Tensor] = None) -> Dict[str, tf.Tensor]:
         if keys is None:
