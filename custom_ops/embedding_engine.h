@@ -557,6 +557,8 @@ class Shard {
   struct Spilled {
     absl::flat_hash_map<int64_t, int32_t> pins;
     int64_t blocks = 0, stored = 0, tracked = 0, bytes = 0;
+    // Cumulative I/O: blocks and bytes read back, blocks and bytes spilled (benchmarks).
+    int64_t io[4] = {0, 0, 0, 0};
     void Add(const BlockHeader& h, size_t bytes_of_block, bool stored_row, int sign) {
       blocks += sign;
       bytes += sign * static_cast<int64_t>(bytes_of_block);
@@ -907,6 +909,8 @@ class Engine {
       if (blocks[i].empty()) continue;
       const BlockHeader* h = sh.Adopt(blocks[i]);
       sh.spilled().Add(*h, blocks[i].size(), blocks[i].size() == block_bytes_, -1);
+      sh.spilled().io[0] += 1;
+      sh.spilled().io[1] += static_cast<int64_t>(blocks[i].size());
       read.push_back(missing[i]);
     }
     // One tier holds a block at a time, so that erasing it in DRAM erases it.
@@ -929,6 +933,7 @@ class Engine {
   struct Sizes {
     int64_t stored = 0, tracked = 0, blocks = 0;
     int64_t bytes_held = 0, ssd_bytes = 0;
+    int64_t ssd_io[4] = {0, 0, 0, 0};  // Shard::Spilled::io summed
   };
   Sizes Size() const {
     Sizes z;
@@ -943,6 +948,7 @@ class Engine {
       z.tracked += ssd.tracked;
       z.blocks += ssd.blocks;
       z.ssd_bytes += ssd.bytes;
+      for (int i = 0; i < 4; ++i) z.ssd_io[i] += ssd.io[i];
     }
     return z;
   }
@@ -1012,6 +1018,8 @@ class Engine {
     for (const BlockRef& v : victims) {
       const BlockHeader* h = reinterpret_cast<const BlockHeader*>(v.data);
       sh.spilled().Add(*h, v.size, v.size == block_bytes_, +1);
+      sh.spilled().io[2] += 1;
+      sh.spilled().io[3] += static_cast<int64_t>(v.size);
       if (h->tracked()) --sh.tracked();
       sh.Erase(v.key);
     }

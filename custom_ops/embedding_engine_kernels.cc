@@ -615,6 +615,9 @@ class EngineSizeOp : public OpKernel {
       OP_REQUIRES_OK(ctx, ctx->allocate_output(i, TensorShape({}), &t));
       t->scalar<int64_t>()() = values[i];
     }
+    Tensor* io = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(4, TensorShape({4}), &io));
+    std::copy_n(z.ssd_io, 4, io->flat<int64_t>().data());
   }
 };
 

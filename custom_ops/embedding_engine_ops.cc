@@ -237,15 +237,19 @@ REGISTER_OP("FusedEmb>EngineSize")
     .Output("tracked: int64")
     .Output("bytes_held: int64")
     .Output("ssd_bytes: int64")
+    .Output("ssd_io: int64")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       for (int i = 0; i < 4; ++i) c->set_output(i, c->Scalar());
+      c->set_output(4, c->Vector(4));
       return absl::OkStatus();
     })
     .Doc(R"doc(
 stored: keys with a row. tracked: keys with statistics (both counted in DRAM and on SSD).
 bytes_held: the DRAM bytes the engine holds (arena chunks and hash index backing arrays).
 ssd_bytes: the bytes of the blocks in the SSD tier (0 without one).
+ssd_io: [4] since creation: blocks read from the SSD tier, their bytes, blocks spilled
+  to it, their bytes.
 )doc");
 
 REGISTER_OP("FusedEmb>EnginePin")

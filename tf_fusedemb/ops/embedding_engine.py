@@ -56,11 +56,14 @@ class EngineExport(NamedTuple):
 class EngineSize(NamedTuple):
     """int64 scalars: ``stored`` rows, ``tracked`` keys with statistics (both over DRAM
     and SSD), ``bytes_held`` (DRAM: arena chunks and hash-index arrays the engine
-    allocated), ``ssd_bytes`` (blocks in the SSD tier; 0 without one)."""
+    allocated), ``ssd_bytes`` (blocks in the SSD tier; 0 without one), ``ssd_io``
+    int64[4] since creation: blocks read back from SSD, their bytes, blocks spilled,
+    their bytes."""
     stored: tf.Tensor
     tracked: tf.Tensor
     bytes_held: tf.Tensor
     ssd_bytes: tf.Tensor
+    ssd_io: tf.Tensor
 
 
 def _op(name: str):
