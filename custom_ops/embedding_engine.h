@@ -19,6 +19,11 @@
 //  * Keys are split into num_shards shards by the top bits of Mix64(key); each shard has
 //    its own index, arenas and reader/writer lock, so a batch runs shard-parallel with
 //    one writer per shard and no resize race.
+//  * Optionally (AttachStore, a table's memory budget) an SSD tier under the blocks: a
+//    BlockStore (block_store.h; RocksDB in rocksdb_block_store.cc) holds, whole, the
+//    blocks a shard spilled to stay within its share of the budget. Each batch operation
+//    runs between Pin (blocks of its keys read back into DRAM) and Unpin (spill), so the
+//    operations below only ever see DRAM blocks and a budget cannot change a result.
 //
 // The math mirrors tf_fusedemb.storage: initial rows are bit-equal to
 // initializers.init_rows (float64 math, one cast), the optimizers equal optimizers.py's
@@ -552,10 +557,19 @@ class Shard {
     if (index_.capacity() > 4 * index_.size() + 64) index_.rehash(0);
   }
 
-  // The SSD tier's state of this shard (guarded by the shard's lock): keys pinned in DRAM
-  // (a count per pin), and what the store holds of this shard's keys.
+  // A key's pins: how many are held, and the shard's Pin call that last pinned it.
+  struct PinState {
+    int32_t count;
+    uint32_t last_pin;
+  };
+
+  // The SSD tier's state of this shard (guarded by the shard's lock): the keys pinned in
+  // DRAM or pinned by one of the last few Pin calls (see Engine::kRecentPins), and what
+  // the store holds of this shard's keys.
   struct Spilled {
-    absl::flat_hash_map<int64_t, int32_t> pins;
+    absl::flat_hash_map<int64_t, PinState> pins;
+    uint32_t pin_calls = 0;
+    size_t pins_after_prune = 0;
     int64_t blocks = 0, stored = 0, tracked = 0, bytes = 0;
     // Cumulative I/O: blocks and bytes read back, blocks and bytes spilled (benchmarks).
     int64_t io[4] = {0, 0, 0, 0};
@@ -896,9 +910,12 @@ class Engine {
     Shard& sh = *shards_[s];
     std::unique_lock<std::shared_mutex> lock(sh.mutex());
     std::vector<int64_t> missing;
+    const uint32_t call = ++sh.spilled().pin_calls;
     for (int64_t k = 0; k < pos.size; ++k) {
       const int64_t key = keys[pos.data[k]];
-      if (++sh.spilled().pins[key] == 1 && sh.Find(key) == nullptr) missing.push_back(key);
+      Shard::PinState& pin = sh.spilled().pins.try_emplace(key, Shard::PinState{0, call}).first->second;
+      pin.last_pin = call;
+      if (++pin.count == 1 && sh.Find(key) == nullptr) missing.push_back(key);
     }
     if (missing.empty() || sh.spilled().blocks == 0) return "";
     std::vector<std::string> blocks;
@@ -924,8 +941,9 @@ class Engine {
     auto& pins = sh.spilled().pins;
     for (int64_t k = 0; k < pos.size; ++k) {
       auto it = pins.find(keys[pos.data[k]]);
-      if (it != pins.end() && --it->second == 0) pins.erase(it);
+      if (it != pins.end() && it->second.count > 0) --it->second.count;
     }
+    PrunePins(&sh.spilled());
     return Spill(sh);
   }
 
@@ -1005,17 +1023,38 @@ class Engine {
     }
   }
 
+  // Pin calls per shard during which a key stays a late victim after its pins are
+  // released: a training step pins its keys in several calls (lookup, statistics, update),
+  // and the header's last step only advances at the statistics, so without this the
+  // lookup's blocks would be spilled before the update reads them again.
+  static constexpr uint32_t kRecentPins = 4;
+
+  // Forgets unpinned keys pinned longer than kRecentPins calls ago, once the map has
+  // doubled since the last time (so its size stays within a few batches' keys, at an
+  // amortized constant cost per pin).
+  static void PrunePins(Shard::Spilled* t) {
+    if (t->pins.size() <= 2 * t->pins_after_prune + 256) return;
+    const uint32_t now = t->pin_calls;
+    absl::erase_if(t->pins, [&](const auto& p) {
+      return p.second.count == 0 && now - p.second.last_pin >= kRecentPins;
+    });
+    t->pins_after_prune = t->pins.size();
+  }
+
   // Spills unpinned blocks of `sh` (locked) to the store while it holds more than its
   // budget, down to 90% of it, so one scan of the shard pays for a tenth of the budget's
-  // blocks instead of one. Victims: the least recently seen (the header's last step, which
-  // the statistics advance on every access), then the least counted: a block seen long ago
-  // and rarely is the one least likely to be needed by the next batches.
+  // blocks instead of one. Victims: blocks not pinned by the last kRecentPins calls first;
+  // then the least recently seen (the header's last step, which the statistics advance
+  // on every access), then the least counted: a block seen long ago and rarely is the
+  // one least likely to be needed by the next batches.
   std::string Spill(Shard& sh) {
     if (sh.live_bytes() <= shard_budget_) return "";
     std::vector<BlockRef> victims = Victims(sh, shard_budget_ - shard_budget_ / 10);
     std::string error = store_->Write(victims, {});
     if (!error.empty()) return error;  // nothing erased: every block still in DRAM
+    auto& pins = sh.spilled().pins;
     for (const BlockRef& v : victims) {
+      pins.erase(v.key);
       const BlockHeader* h = reinterpret_cast<const BlockHeader*>(v.data);
       sh.spilled().Add(*h, v.size, v.size == block_bytes_, +1);
       sh.spilled().io[2] += 1;
@@ -1030,19 +1069,26 @@ class Engine {
   // The blocks to spill to bring `sh` to `target` bytes, in victim order (see Spill).
   std::vector<BlockRef> Victims(const Shard& sh, int64_t target) const {
     struct Candidate {
+      bool recent;
       int32_t last_step;
       uint64_t count;
       uint32_t ref;
+      bool operator<(const Candidate& o) const {
+        if (recent != o.recent) return !recent;
+        return last_step != o.last_step ? last_step < o.last_step : count < o.count;
+      }
     };
     std::vector<Candidate> candidates;
     const auto& pins = sh.spilled().pins;
+    const uint32_t now = sh.spilled().pin_calls;
     sh.ForEach([&](uint32_t ref) {
       const BlockHeader* h = sh.Header(ref);
-      if (!pins.contains(h->key)) candidates.push_back({h->last_step, h->count(), ref});
+      auto it = pins.find(h->key);
+      if (it != pins.end() && it->second.count > 0) return;  // pinned: stays
+      const bool recent = it != pins.end() && now - it->second.last_pin < kRecentPins;
+      candidates.push_back({recent, h->last_step, h->count(), ref});
     });
-    std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
-      return a.last_step != b.last_step ? a.last_step < b.last_step : a.count < b.count;
-    });
+    std::sort(candidates.begin(), candidates.end());
     std::vector<BlockRef> victims;
     int64_t bytes = sh.live_bytes();
     for (const Candidate& c : candidates) {

@@ -154,10 +154,10 @@ def table_specs(budget, policies=True):
             for n in NAMES]
 
 
-def build_layer_with(specs, pipeline=None):
+def build_layer_with(specs, pipeline=None, exchange=None):
     from tf_fusedemb.layers import FusedEmbedding  # pylint: disable=import-outside-toplevel
     from tf_fusedemb.models import FusedModel  # pylint: disable=import-outside-toplevel
-    layer = FusedEmbedding([FeatureSpec(t.name, t) for t in specs])
+    layer = FusedEmbedding([FeatureSpec(t.name, t) for t in specs], exchange=exchange)
     inputs = {t.name: tf_keras.Input([], dtype=tf.int64, name=t.name) for t in specs}
     emb = layer(inputs)
     logits = tf_keras.layers.Dense(1, use_bias=False, kernel_initializer="ones", trainable=False)(
@@ -168,10 +168,10 @@ def build_layer_with(specs, pipeline=None):
     return model, layer
 
 
-def build_model(budget, pipeline=None):
+def build_model(budget, pipeline=None, exchange=None):
     """(compiled FusedModel, its FusedEmbedding) of three tables, tiered or not; with a
     ``pipeline`` (which admits no policies) without policies."""
-    return build_layer_with(table_specs(budget, policies=pipeline is None), pipeline)
+    return build_layer_with(table_specs(budget, policies=pipeline is None), pipeline, exchange)
 
 
 def data(steps=STEPS):
@@ -286,3 +286,25 @@ class TwoRankTieredTest(DistributedTestCase):
             assert r["tiered"][1]["memory"]["ssd_bytes"] > 0
             assert_bit_identical(r["from_two"], r["plain"][1], f"rank {rank} restored")
             assert_bit_identical(r["resharded"], r["resharded_plain"], f"rank {rank} resharded")
+
+
+def _hierarchical_job(x, y):
+    """On each of 4 ranks (2 nodes x 2): fit untiered and tiered with the hierarchical
+    exchange."""
+    from tf_fusedemb.comm import get_communicator  # pylint: disable=import-outside-toplevel
+    comm = get_communicator()
+    return [fit_rank(build_model(budget, exchange="hierarchical"), x, y, 0, STEPS, comm.size,
+                     comm.rank) for budget in (None, TABLE_BUDGET)]
+
+
+class HierarchicalTieredTest(DistributedTestCase):
+    timeout = 800
+
+    def test_hierarchical_exchange_with_a_budget_equals_without(self):
+        """4 local ranks seen as 2 nodes x 2 (TF_FUSEDEMB_TOPOLOGY, as in
+        test_hierarchical_exchange): the two-stage exchange with a 5% budget."""
+        x, y = data()
+        ranks = self.run_ranks(_hierarchical_job, 4, (x, y),
+                               env={"TF_FUSEDEMB_TOPOLOGY": "2x2", "TF_NUM_INTRAOP_THREADS": "1"})
+        for rank, (plain, tiered) in enumerate(ranks):
+            assert_bit_identical(tiered, plain, f"rank {rank}")
