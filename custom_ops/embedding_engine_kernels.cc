@@ -507,8 +507,15 @@ class EngineRemoveOp : public EngineKernel {
 };
 
 // ------------------------------------------------------------------ prefetch
-// Pins (kPin) or unpins keys in DRAM: a prefetch of the next batch's blocks from the SSD
-// tier, held until its step has run. Nothing to do without a tier.
+// Pins (pin) or unpins keys[0..n) in DRAM, shard-parallel.
+Status PinKeys(OpKernelContext* ctx, Engine& e, const int64_t* keys, int64_t n, bool pin) {
+  return ShardedBatch(e, keys, n).Run(ctx, 400, [&](int s, Span p) {
+    return pin ? e.Pin(s, p, keys) : e.Unpin(s, p, keys);
+  });
+}
+
+// Pins (kPin) or unpins keys in DRAM: reads their blocks from the SSD tier now and keeps
+// them until as many unpins. Nothing to do without a tier.
 template <bool kPin>
 class EnginePinOp : public EngineKernel {
  public:
@@ -517,11 +524,7 @@ class EnginePinOp : public EngineKernel {
   void Compute(OpKernelContext* ctx) override {
     KeysBatch b;
     OP_REQUIRES_OK(ctx, PrepareKeys(ctx, &b));
-    Engine& e = b.engine();
-    if (!e.tiered()) return;
-    OP_REQUIRES_OK(ctx, ShardedBatch(e, b.keys, b.n).Run(ctx, 400, [&](int s, Span p) {
-      return kPin ? e.Pin(s, p, b.keys) : e.Unpin(s, p, b.keys);
-    }));
+    if (b.engine().tiered()) OP_REQUIRES_OK(ctx, PinKeys(ctx, b.engine(), b.keys, b.n, kPin));
   }
 };
 
@@ -537,14 +540,10 @@ class EnginePrefetchOp : public EngineKernel {
     Engine& e = b.engine();
     if (!e.tiered()) return;
     // The new pins first, so a key of both batches never leaves DRAM in between.
-    OP_REQUIRES_OK(ctx, ShardedBatch(e, b.keys, b.n).Run(ctx, 400, [&](int s, Span p) {
-      return e.Pin(s, p, b.keys);
-    }));
+    OP_REQUIRES_OK(ctx, PinKeys(ctx, e, b.keys, b.n, true));
     const std::vector<int64_t> old =
         b.resource->PushPrefetched(std::vector<int64_t>(b.keys, b.keys + b.n));
-    OP_REQUIRES_OK(ctx, ShardedBatch(e, old.data(), old.size()).Run(ctx, 400, [&](int s, Span p) {
-      return e.Unpin(s, p, old.data());
-    }));
+    OP_REQUIRES_OK(ctx, PinKeys(ctx, e, old.data(), static_cast<int64_t>(old.size()), false));
   }
 };
 
