@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from tf_fusedemb import quiet
 
@@ -141,7 +141,7 @@ def run_worker(args: List[str]) -> dict:
 def summary(per: Dict[str, dict]) -> dict:
     """The issue's figures from the per-budget results (keyed by fraction)."""
     dram = per["1.0"]
-    out = {"step_ratio_vs_dram": {}, "rss_ratio_vs_dram": {}, "hit_rate": {}}
+    out: Dict[str, Any] = {"step_ratio_vs_dram": {}, "rss_ratio_vs_dram": {}, "hit_rate": {}}
     for f, r in per.items():
         out["step_ratio_vs_dram"][f] = round(r["prefetch"]["step_ms"] / dram["prefetch"]["step_ms"], 3)
         out["rss_ratio_vs_dram"][f] = round(r["rss_growth_bytes"] / dram["rss_growth_bytes"], 3)
