@@ -160,7 +160,14 @@ class EngineKernel : public OpKernel {
     template <typename F>
     Status Run(OpKernelContext* ctx, int64_t cost_per_key, F&& fn) const {
       Engine& e = engine();
-      if (!e.tiered()) return ShardedBatch(e, keys, n).Run(ctx, cost_per_key, std::forward<F>(fn));
+      if (e.tiered()) return RunTiered(ctx, cost_per_key, fn);
+      return ShardedBatch(e, keys, n).Run(ctx, cost_per_key, std::forward<F>(fn));
+    }
+    // Out of line, so the untiered path's code is what it was before the tier existed.
+    template <typename F>
+    __attribute__((noinline)) Status RunTiered(OpKernelContext* ctx, int64_t cost_per_key,
+                                               F& fn) const {
+      Engine& e = engine();
       return ShardedBatch(e, keys, n).Run(ctx, cost_per_key + kTierCostPerKey, [&](int s, Span p) {
         std::string error = e.Pin(s, p, keys);
         try {
