@@ -14,7 +14,7 @@ export TF_CPP_MIN_LOG_LEVEL := 2
 .PHONY: setup ops typecheck docs test train smoke bench clean
 NP ?= 2
 
-setup: netns-tools mpi-tools $(HVD_STAMP) ops
+setup: netns-tools mpi-tools rocksdb-lib $(HVD_STAMP) ops
 
 # Distributed inference (tf_fusedemb.serve, comm/bls_alltoallv.py) runs under Open MPI's
 # mpirun with mpi4py (requirements.txt); installed only where missing (apt-get; needs root).
@@ -22,6 +22,13 @@ setup: netns-tools mpi-tools $(HVD_STAMP) ops
 mpi-tools:
 	@command -v mpirun >/dev/null 2>&1 && command -v mpicc >/dev/null 2>&1 || \
 		{ apt-get update && apt-get install -y openmpi-bin libopenmpi-dev; }
+
+# The storage engine's SSD tier (TableSpec.memory_budget_bytes) links the distribution's
+# RocksDB (custom_ops/rocksdb_block_store.cc, -lrocksdb in setup.py); installed only where
+# missing (apt-get; needs root).
+.PHONY: rocksdb-lib
+rocksdb-lib:
+	@test -f /usr/include/rocksdb/db.h || { apt-get update && apt-get install -y librocksdb-dev; }
 
 # Emulated hosts (tf_fusedemb.testing.cluster) need iproute2's ip/tc and util-linux's taskset;
 # installed only where missing (apt-get; needs root).
@@ -53,7 +60,7 @@ $(HVD_STAMP): $(STAMP)
 # setup.py or the stack change, so `make train` / `make test` start the job at once.
 OPS_SO := tf_fusedemb/_fusedemb_ops.so
 ops: $(OPS_SO)
-$(OPS_SO): $(STAMP) setup.py $(wildcard custom_ops/*.cc custom_ops/*.h)
+$(OPS_SO): $(STAMP) setup.py $(wildcard custom_ops/*.cc custom_ops/*.h) | rocksdb-lib
 	$(PIP) install --no-build-isolation --no-deps -e .
 	$(PY) setup.py build_ext --inplace
 	touch $@
@@ -179,10 +186,11 @@ sanitize-engine: $(STAMP)
 	ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 		$(SAN_DIR)/engine_stress_asan_ubsan $(ENGINE_STRESS_ARGS)
 
-sanitize: $(STAMP) sanitize-engine
+sanitize: $(STAMP) rocksdb-lib sanitize-engine
 	@mkdir -p $(SAN_DIR)
 	g++ $(SAN_CXXFLAGS) custom_ops/*.cc -o $(SAN_LIB) \
-		$$($(PY) -c "import tensorflow as tf; print(' '.join(tf.sysconfig.get_compile_flags() + tf.sysconfig.get_link_flags()))" 2>/dev/null)
+		$$($(PY) -c "import tensorflow as tf; print(' '.join(tf.sysconfig.get_compile_flags() + tf.sysconfig.get_link_flags()))" 2>/dev/null) \
+		-lrocksdb
 	$(SAN_ENV) $(PY) -c "from tf_fusedemb.ops import _loader; _loader.load_library(); \
 		print('sanitized op library loaded:', _loader.library_path())"
 	$(SAN_ENV) $(PY) -m pytest -q -rs -p no:cacheprovider --capture=sys --timeout=900 $(SAN_TESTS)

@@ -19,6 +19,11 @@
 //  * Keys are split into num_shards shards by the top bits of Mix64(key); each shard has
 //    its own index, arenas and reader/writer lock, so a batch runs shard-parallel with
 //    one writer per shard and no resize race.
+//  * Optionally (AttachStore, a table's memory budget) an SSD tier under the blocks: a
+//    BlockStore (block_store.h; RocksDB in rocksdb_block_store.cc) holds, whole, the
+//    blocks a shard spilled to stay within its share of the budget. Each batch operation
+//    runs between Pin (blocks of its keys read back into DRAM) and Unpin (spill), so the
+//    operations below only ever see DRAM blocks and a budget cannot change a result.
 //
 // The math mirrors tf_fusedemb.storage: initial rows are bit-equal to
 // initializers.init_rows (float64 math, one cast), the optimizers equal optimizers.py's
@@ -44,7 +49,9 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "block_store.h"
 
 namespace tensorflow {
 namespace fusedemb {
@@ -521,6 +528,62 @@ class Shard {
     }
   }
 
+  // Inserts a block read back from the SSD tier (bytes of a full or a meta block, header
+  // first) for a key that has none here; returns its header.
+  BlockHeader* Adopt(const std::string& bytes) {
+    int64_t key;
+    std::memcpy(&key, bytes.data(), sizeof(key));
+    bool created;
+    uint32_t* ref = bytes.size() == full_.block_bytes() ? FindOrAddFull(key, &created)
+                                                        : FindOrAddMeta(key);
+    BlockHeader* h = Header(*ref);
+    std::memcpy(static_cast<void*>(h), bytes.data(), bytes.size());
+    if (h->tracked()) ++tracked_;
+    return h;
+  }
+
+  // Bytes of the blocks alive in DRAM and of the index: what a memory budget bounds
+  // (freed blocks are reused before the arenas grow, so the resident arena bytes stay
+  // within the budget plus one batch's blocks).
+  int64_t live_bytes() const {
+    const size_t cap = index_.capacity();
+    return static_cast<int64_t>(full_.live() * full_.block_bytes() + meta_.live() * sizeof(BlockHeader) +
+                                (cap == 0 ? 0 : cap * (1 + sizeof(uint32_t)) + 16));
+  }
+
+  // Shrinks the index to its size when erasures left it over 4x too large (after a
+  // spill), so the index does not hold on to one large batch's worth of slots.
+  void ShrinkIndex() {
+    if (index_.capacity() > 4 * index_.size() + 64) index_.rehash(0);
+  }
+
+  // A key's pins: how many are held, and the shard's Pin call that last pinned it.
+  struct PinState {
+    int32_t count;
+    uint32_t last_pin;
+  };
+
+  // The SSD tier's state of this shard (guarded by the shard's lock): the keys pinned in
+  // DRAM or pinned by one of the last few Pin calls (see Engine::kRecentPins), and what
+  // the store holds of this shard's keys.
+  struct Spilled {
+    absl::flat_hash_map<int64_t, PinState> pins;
+    uint32_t pin_calls = 0;
+    size_t pins_after_prune = 0;
+    int64_t blocks = 0, stored = 0, tracked = 0, bytes = 0;
+    // Cumulative I/O: blocks and bytes read back, blocks and bytes spilled (benchmarks).
+    int64_t io[4] = {0, 0, 0, 0};
+    void Add(const BlockHeader& h, size_t bytes_of_block, bool stored_row, int sign) {
+      blocks += sign;
+      bytes += sign * static_cast<int64_t>(bytes_of_block);
+      if (stored_row) stored += sign;
+      if (h.tracked()) tracked += sign;
+    }
+  };
+  Spilled& spilled() { return spilled_; }
+  const Spilled& spilled() const { return spilled_; }
+  size_t full_block_bytes() const { return full_.block_bytes(); }
+
   int64_t stored() const { return full_.live(); }
   int64_t blocks() const { return full_.live() + meta_.live(); }
   int64_t& tracked() { return tracked_; }
@@ -593,6 +656,7 @@ class Shard {
   Arena full_, meta_;
   Index index_;
   int64_t tracked_ = 0;
+  Spilled spilled_;
 };
 
 // ------------------------------------------------------------------ the engine
@@ -800,33 +864,94 @@ class Engine {
     }
   }
 
-  // Every block of shard s (stored_only: only those with a row), unsorted; rows and slots
-  // appended to values/slots when they are non-null (zeros for a block without a row).
-  void Export(int s, bool stored_only, std::vector<int64_t>* keys, std::vector<KeyFields>* fields,
-              std::vector<float>* values, std::vector<float>* slots) const {
-    const Shard& sh = *shards_[s];
-    std::shared_lock<std::shared_mutex> lock(sh.mutex());
-    const int64_t d = dim(), sd = num_slots_ * d;
-    sh.ForEach([&](uint32_t ref) {
-      if (stored_only && !Shard::IsStored(ref)) return;
-      const BlockHeader* h = sh.Header(ref);
-      keys->push_back(h->key);
-      fields->push_back(Fields(sh, ref));
-      if (values == nullptr) return;
-      if (Shard::IsStored(ref)) {
-        const float* row = Shard::Row(const_cast<BlockHeader*>(h));
-        values->insert(values->end(), row, row + d);
-        slots->insert(slots->end(), row + d, row + d + sd);
-      } else {
-        values->resize(values->size() + d, 0.0f);
-        slots->resize(slots->size() + sd, 0.0f);
-      }
+  // Every block of both tiers (stored_only: only those with a row), unsorted; rows and
+  // slots appended to values/slots when they are non-null (zeros for a block without a
+  // row). Holds every shard's lock for the whole export, so no block moves between the
+  // tiers meanwhile (it would be exported twice or not at all).
+  std::string Export(bool stored_only, std::vector<int64_t>* keys, std::vector<KeyFields>* fields,
+                     std::vector<float>* values, std::vector<float>* slots) const {
+    std::vector<std::shared_lock<std::shared_mutex>> locks;
+    for (const auto& sh : shards_) locks.emplace_back(sh->mutex());
+    for (const auto& sh : shards_) {
+      sh->ForEach([&](uint32_t ref) {
+        if (stored_only && !Shard::IsStored(ref)) return;
+        const BlockHeader* h = sh->Header(ref);
+        AppendBlock(h, Fields(*sh, ref), keys, fields, values, slots);
+      });
+    }
+    if (store_ == nullptr) return "";
+    return store_->ForEach([&](int64_t, const char* data, size_t size) {
+      const bool stored = size == block_bytes_;
+      if (stored_only && !stored) return;
+      const BlockHeader* h = reinterpret_cast<const BlockHeader*>(data);
+      AppendBlock(h, HeaderFields(*h, stored), keys, fields, values, slots);
     });
   }
 
+  // ------------------------------------------------------------------ the SSD tier
+  // With a store attached, at most `budget_bytes` of blocks and index stay in DRAM
+  // (budget_bytes / num_shards per shard); the others are in the store, whole. Every batch
+  // operation runs between Pin and Unpin of its keys: Pin reads the keys' blocks back
+  // from the store (one MultiGet per shard) and keeps them in DRAM until Unpin; Unpin
+  // spills the least recently used unpinned blocks while the shard is over its share
+  // (one WriteBatch). The operations themselves only ever see DRAM blocks, so moves
+  // between the tiers cannot change a result. Call before any other use.
+  void AttachStore(std::unique_ptr<BlockStore> store, int64_t budget_bytes) {
+    store_ = std::move(store);
+    shard_budget_ = std::max<int64_t>(0, budget_bytes / num_shards());
+  }
+  bool tiered() const { return store_ != nullptr; }
+  const BlockStore* store() const { return store_.get(); }
+
+  // Brings the blocks of the keys at `pos` into DRAM and pins them there (a count per key:
+  // a prefetch and the step's own operation may pin the same key). Keys in neither tier
+  // stay absent. On an error the pins are still taken: Unpin releases them.
+  std::string Pin(int s, Span pos, const int64_t* keys) {
+    Shard& sh = *shards_[s];
+    std::unique_lock<std::shared_mutex> lock(sh.mutex());
+    std::vector<int64_t> missing;
+    const uint32_t call = ++sh.spilled().pin_calls;
+    for (int64_t k = 0; k < pos.size; ++k) {
+      const int64_t key = keys[pos.data[k]];
+      Shard::PinState& pin = sh.spilled().pins.try_emplace(key, Shard::PinState{0, call}).first->second;
+      pin.last_pin = call;
+      if (++pin.count == 1 && sh.Find(key) == nullptr) missing.push_back(key);
+    }
+    if (missing.empty() || sh.spilled().blocks == 0) return "";
+    std::vector<std::string> blocks;
+    std::string error = store_->MultiGet(missing.data(), missing.size(), &blocks);
+    if (!error.empty()) return error;
+    std::vector<int64_t> read;
+    for (size_t i = 0; i < missing.size(); ++i) {
+      if (blocks[i].empty()) continue;
+      const BlockHeader* h = sh.Adopt(blocks[i]);
+      sh.spilled().Add(*h, blocks[i].size(), blocks[i].size() == block_bytes_, -1);
+      sh.spilled().io[0] += 1;
+      sh.spilled().io[1] += static_cast<int64_t>(blocks[i].size());
+      read.push_back(missing[i]);
+    }
+    // One tier holds a block at a time, so that erasing it in DRAM erases it.
+    return read.empty() ? "" : store_->Write({}, read);
+  }
+
+  // Releases Pin's pins of the keys at `pos`, then spills while the shard is over budget.
+  std::string Unpin(int s, Span pos, const int64_t* keys) {
+    Shard& sh = *shards_[s];
+    std::unique_lock<std::shared_mutex> lock(sh.mutex());
+    auto& pins = sh.spilled().pins;
+    for (int64_t k = 0; k < pos.size; ++k) {
+      auto it = pins.find(keys[pos.data[k]]);
+      if (it != pins.end() && it->second.count > 0) --it->second.count;
+    }
+    PrunePins(&sh.spilled());
+    return Spill(sh);
+  }
+
+  // Counts over both tiers; bytes_held is DRAM, ssd_bytes the blocks in the store.
   struct Sizes {
     int64_t stored = 0, tracked = 0, blocks = 0;
-    int64_t bytes_held = 0;
+    int64_t bytes_held = 0, ssd_bytes = 0;
+    int64_t ssd_io[4] = {0, 0, 0, 0};  // Shard::Spilled::io summed
   };
   Sizes Size() const {
     Sizes z;
@@ -836,6 +961,12 @@ class Engine {
       z.tracked += sh->tracked();
       z.blocks += sh->blocks();
       z.bytes_held += static_cast<int64_t>(sh->bytes_held());
+      const Shard::Spilled& ssd = sh->spilled();
+      z.stored += ssd.stored;
+      z.tracked += ssd.tracked;
+      z.blocks += ssd.blocks;
+      z.ssd_bytes += ssd.bytes;
+      for (int i = 0; i < 4; ++i) z.ssd_io[i] += ssd.io[i];
     }
     return z;
   }
@@ -866,10 +997,108 @@ class Engine {
   }
 
   static KeyFields Fields(const Shard& sh, uint32_t ref) {
-    const BlockHeader* h = sh.Header(ref);
-    const bool tracked = h->tracked();
-    return {Shard::IsStored(ref), tracked ? static_cast<int32_t>(h->table()) : -1, h->id,
-            static_cast<int64_t>(h->count()), h->last_step};
+    return HeaderFields(*sh.Header(ref), Shard::IsStored(ref));
+  }
+
+  static KeyFields HeaderFields(const BlockHeader& h, bool stored) {
+    return {stored, h.tracked() ? static_cast<int32_t>(h.table()) : -1, h.id,
+            static_cast<int64_t>(h.count()), h.last_step};
+  }
+
+  // Export's output for one block (its row and slots follow the header when `stored`).
+  void AppendBlock(const BlockHeader* h, const KeyFields& f, std::vector<int64_t>* keys,
+                   std::vector<KeyFields>* fields, std::vector<float>* values,
+                   std::vector<float>* slots) const {
+    const int64_t d = dim(), sd = num_slots_ * d;
+    keys->push_back(h->key);
+    fields->push_back(f);
+    if (values == nullptr) return;
+    if (f.stored) {
+      const float* row = reinterpret_cast<const float*>(h + 1);
+      values->insert(values->end(), row, row + d);
+      slots->insert(slots->end(), row + d, row + d + sd);
+    } else {
+      values->resize(values->size() + d, 0.0f);
+      slots->resize(slots->size() + sd, 0.0f);
+    }
+  }
+
+  // Pin calls per shard during which a key stays a late victim after its pins are
+  // released: a training step pins its keys in several calls (lookup, statistics, update),
+  // and the header's last step only advances at the statistics, so without this the
+  // lookup's blocks would be spilled before the update reads them again.
+  static constexpr uint32_t kRecentPins = 4;
+
+  // Forgets unpinned keys pinned longer than kRecentPins calls ago, once the map has
+  // doubled since the last time (so its size stays within a few batches' keys, at an
+  // amortized constant cost per pin).
+  static void PrunePins(Shard::Spilled* t) {
+    if (t->pins.size() <= 2 * t->pins_after_prune + 256) return;
+    const uint32_t now = t->pin_calls;
+    absl::erase_if(t->pins, [&](const auto& p) {
+      return p.second.count == 0 && now - p.second.last_pin >= kRecentPins;
+    });
+    t->pins_after_prune = t->pins.size();
+  }
+
+  // Spills unpinned blocks of `sh` (locked) to the store while it holds more than its
+  // budget, down to 90% of it, so one scan of the shard pays for a tenth of the budget's
+  // blocks instead of one. Victims: blocks not pinned by the last kRecentPins calls first;
+  // then the least recently seen (the header's last step, which the statistics advance
+  // on every access), then the least counted: a block seen long ago and rarely is the
+  // one least likely to be needed by the next batches.
+  std::string Spill(Shard& sh) {
+    if (sh.live_bytes() <= shard_budget_) return "";
+    std::vector<BlockRef> victims = Victims(sh, shard_budget_ - shard_budget_ / 10);
+    std::string error = store_->Write(victims, {});
+    if (!error.empty()) return error;  // nothing erased: every block still in DRAM
+    auto& pins = sh.spilled().pins;
+    for (const BlockRef& v : victims) {
+      pins.erase(v.key);
+      const BlockHeader* h = reinterpret_cast<const BlockHeader*>(v.data);
+      sh.spilled().Add(*h, v.size, v.size == block_bytes_, +1);
+      sh.spilled().io[2] += 1;
+      sh.spilled().io[3] += static_cast<int64_t>(v.size);
+      if (h->tracked()) --sh.tracked();
+      sh.Erase(v.key);
+    }
+    sh.ShrinkIndex();
+    return "";
+  }
+
+  // The blocks to spill to bring `sh` to `target` bytes, in victim order (see Spill).
+  std::vector<BlockRef> Victims(const Shard& sh, int64_t target) const {
+    struct Candidate {
+      bool recent;
+      int32_t last_step;
+      uint64_t count;
+      uint32_t ref;
+      bool operator<(const Candidate& o) const {
+        if (recent != o.recent) return !recent;
+        return last_step != o.last_step ? last_step < o.last_step : count < o.count;
+      }
+    };
+    std::vector<Candidate> candidates;
+    const auto& pins = sh.spilled().pins;
+    const uint32_t now = sh.spilled().pin_calls;
+    sh.ForEach([&](uint32_t ref) {
+      const BlockHeader* h = sh.Header(ref);
+      auto it = pins.find(h->key);
+      if (it != pins.end() && it->second.count > 0) return;  // pinned: stays
+      const bool recent = it != pins.end() && now - it->second.last_pin < kRecentPins;
+      candidates.push_back({recent, h->last_step, h->count(), ref});
+    });
+    std::sort(candidates.begin(), candidates.end());
+    std::vector<BlockRef> victims;
+    int64_t bytes = sh.live_bytes();
+    for (const Candidate& c : candidates) {
+      if (bytes <= target) break;
+      const size_t size = Shard::IsStored(c.ref) ? block_bytes_ : sizeof(BlockHeader);
+      const BlockHeader* h = sh.Header(c.ref);
+      victims.push_back({h->key, reinterpret_cast<const char*>(h), size});
+      bytes -= static_cast<int64_t>(size);
+    }
+    return victims;
   }
 
   void InitRowAndSlots(BlockHeader* h, int64_t init_key) const {
@@ -887,6 +1116,8 @@ class Engine {
   size_t block_bytes_;
   RowInitializer init_;
   std::vector<std::unique_ptr<Shard>> shards_;
+  std::unique_ptr<BlockStore> store_;  // the SSD tier; null: every block in DRAM
+  int64_t shard_budget_ = 0;           // DRAM bytes per shard with a store
 };
 
 }  // namespace engine

@@ -4,6 +4,8 @@
 // kernels on one resource may run concurrently.
 #include <algorithm>
 #include <cstdlib>
+#include <deque>
+#include <mutex>
 #include <new>
 #include <numeric>
 #include <string>
@@ -12,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "embedding_engine.h"
 #include "fusedemb_common.h"
+#include "rocksdb_block_store.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/tensor_util.h"
@@ -28,8 +31,24 @@ using engine::Span;
 // The resource: one engine per group table and rank.
 class EngineResource : public ResourceBase {
  public:
+  // Batches a prefetch keeps pinned: batch t+1's keys, pinned during step t, are
+  // updated in step t+1 (prior rows) and t+2 (delayed rows, NestPipe's vertical
+  // scheduling), before the prefetch of t+3 releases them.
+  static constexpr size_t kPrefetchDepth = 2;
+
   explicit EngineResource(const engine::Config& c) : engine_(c) {}
   Engine& engine() { return engine_; }
+
+  // Records `keys` as the newest prefetched batch; returns the batch it releases (empty
+  // while fewer than kPrefetchDepth are held).
+  std::vector<int64_t> PushPrefetched(std::vector<int64_t> keys) {
+    std::lock_guard<std::mutex> lock(prefetch_mu_);
+    prefetched_.push_back(std::move(keys));
+    if (prefetched_.size() <= kPrefetchDepth) return {};
+    std::vector<int64_t> oldest = std::move(prefetched_.front());
+    prefetched_.pop_front();
+    return oldest;
+  }
   std::string DebugString() const override {
     return strings::StrCat("FusedEmb engine (dim ", engine_.dim(), ", ", engine_.num_shards(),
                            " shards)");
@@ -38,6 +57,8 @@ class EngineResource : public ResourceBase {
 
  private:
   Engine engine_;
+  std::mutex prefetch_mu_;
+  std::deque<std::vector<int64_t>> prefetched_;
 };
 
 namespace {
@@ -134,11 +155,33 @@ class EngineKernel : public OpKernel {
     const int64_t* keys = nullptr;
     int64_t n = 0;
     Engine& engine() const { return resource->engine(); }
-    // Runs fn(shard, span) over the shards of the keys, in parallel.
+    // Runs fn(shard, span) over the shards of the keys, in parallel; with an SSD tier,
+    // between Pin and Unpin of the shard's keys (fn sees only DRAM blocks).
     template <typename F>
     Status Run(OpKernelContext* ctx, int64_t cost_per_key, F&& fn) const {
-      return ShardedBatch(engine(), keys, n).Run(ctx, cost_per_key, std::forward<F>(fn));
+      Engine& e = engine();
+      if (e.tiered()) return RunTiered(ctx, cost_per_key, fn);
+      return ShardedBatch(e, keys, n).Run(ctx, cost_per_key, std::forward<F>(fn));
     }
+    // Out of line, so the untiered path's code is what it was before the tier existed.
+    template <typename F>
+    __attribute__((noinline)) Status RunTiered(OpKernelContext* ctx, int64_t cost_per_key,
+                                               F& fn) const {
+      Engine& e = engine();
+      return ShardedBatch(e, keys, n).Run(ctx, cost_per_key + kTierCostPerKey, [&](int s, Span p) {
+        std::string error = e.Pin(s, p, keys);
+        try {
+          if (error.empty()) error = fn(s, p);
+        } catch (...) {  // out of memory: release the pins before ShardedBatch reports it
+          e.Unpin(s, p, keys);
+          throw;
+        }
+        const std::string unpinned = e.Unpin(s, p, keys);
+        return error.empty() ? unpinned : error;
+      });
+    }
+    // Rough extra cycles per key of Pin and Unpin (hash map updates, a share of the I/O).
+    static constexpr int64_t kTierCostPerKey = 400;
   };
 
   static Status PrepareKeys(OpKernelContext* ctx, KeysBatch* b) {
@@ -194,6 +237,10 @@ class EngineHandleOp : public OpKernel {
                                         absl::StrJoin(params, ", "), "]"));
     const std::string bad = engine::ValidateConfig(c);
     OP_REQUIRES(ctx, bad.empty(), errors::InvalidArgument("embedding engine: ", bad));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("memory_budget_bytes", &budget_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("spill_path", &spill_path_));
+    OP_REQUIRES(ctx, budget_ < 0 || !spill_path_.empty(),
+                errors::InvalidArgument("a memory budget needs a spill_path for its SSD tier"));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("container", &container_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("shared_name", &name_));
     OP_REQUIRES(ctx, !name_.empty(),
@@ -206,8 +253,7 @@ class EngineHandleOp : public OpKernel {
     EngineResource* r = nullptr;
     OP_REQUIRES_OK(ctx, rm->LookupOrCreate<EngineResource>(
                             container, name_, &r, [this](EngineResource** out) {
-                              *out = new EngineResource(config_);
-                              return OkStatus();
+                              return CreateEngine(out);
                             }));
     core::ScopedUnref unref(r);
     const engine::Config& have = r->engine().config();
@@ -224,8 +270,22 @@ class EngineHandleOp : public OpKernel {
   }
 
  private:
+  // A new engine, with its SSD tier when it has a memory budget.
+  Status CreateEngine(EngineResource** out) const {
+    std::unique_ptr<EngineResource> r(new EngineResource(config_));
+    if (budget_ >= 0) {
+      std::string error;
+      std::unique_ptr<engine::BlockStore> store = engine::OpenRocksDbBlockStore(spill_path_, &error);
+      if (store == nullptr) return errors::FailedPrecondition("embedding engine '", name_, "': ", error);
+      r->engine().AttachStore(std::move(store), budget_);
+    }
+    *out = r.release();
+    return OkStatus();
+  }
+
   engine::Config config_;
-  std::string container_, name_;
+  int64_t budget_;
+  std::string container_, name_, spill_path_;
 };
 
 // ------------------------------------------------------------------ lookup and apply
@@ -453,6 +513,47 @@ class EngineRemoveOp : public EngineKernel {
   }
 };
 
+// ------------------------------------------------------------------ prefetch
+// Pins (pin) or unpins keys[0..n) in DRAM, shard-parallel.
+Status PinKeys(OpKernelContext* ctx, Engine& e, const int64_t* keys, int64_t n, bool pin) {
+  return ShardedBatch(e, keys, n).Run(ctx, 400, [&](int s, Span p) {
+    return pin ? e.Pin(s, p, keys) : e.Unpin(s, p, keys);
+  });
+}
+
+// Pins (kPin) or unpins keys in DRAM: reads their blocks from the SSD tier now and keeps
+// them until as many unpins. Nothing to do without a tier.
+template <bool kPin>
+class EnginePinOp : public EngineKernel {
+ public:
+  using EngineKernel::EngineKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    KeysBatch b;
+    OP_REQUIRES_OK(ctx, PrepareKeys(ctx, &b));
+    if (b.engine().tiered()) OP_REQUIRES_OK(ctx, PinKeys(ctx, b.engine(), b.keys, b.n, kPin));
+  }
+};
+
+// Pins a batch's keys until kPrefetchDepth later batches are prefetched (DBP's retrieval
+// of batch t+1 during step t), then releases the oldest batch's pins.
+class EnginePrefetchOp : public EngineKernel {
+ public:
+  using EngineKernel::EngineKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    KeysBatch b;
+    OP_REQUIRES_OK(ctx, PrepareKeys(ctx, &b));
+    Engine& e = b.engine();
+    if (!e.tiered()) return;
+    // The new pins first, so a key of both batches never leaves DRAM in between.
+    OP_REQUIRES_OK(ctx, PinKeys(ctx, e, b.keys, b.n, true));
+    const std::vector<int64_t> old =
+        b.resource->PushPrefetched(std::vector<int64_t>(b.keys, b.keys + b.n));
+    OP_REQUIRES_OK(ctx, PinKeys(ctx, e, old.data(), static_cast<int64_t>(old.size()), false));
+  }
+};
+
 // ------------------------------------------------------------------ export and size
 class EngineExportOp : public OpKernel {
  public:
@@ -469,14 +570,13 @@ class EngineExportOp : public OpKernel {
     const Engine& e = r->engine();
     OP_REQUIRES_OK(ctx, CheckDimAttr(e, dim_));
     OP_REQUIRES_OK(ctx, CheckNumSlots(e, num_slots_));
-    // Shard by shard (each under its shared lock), then one sort by key.
+    // Both tiers under every shard's lock, then one sort by key.
     std::vector<int64_t> keys;
     std::vector<KeyFields> fields;
     std::vector<float> values, slots;
-    for (int s = 0; s < e.num_shards(); ++s) {
-      e.Export(s, stored_only_, &keys, &fields, with_rows_ ? &values : nullptr,
-               with_rows_ ? &slots : nullptr);
-    }
+    const std::string error = e.Export(stored_only_, &keys, &fields, with_rows_ ? &values : nullptr,
+                                       with_rows_ ? &slots : nullptr);
+    OP_REQUIRES(ctx, error.empty(), errors::Internal("embedding engine: ", error));
     const int64_t k = static_cast<int64_t>(keys.size());
     std::vector<int64_t> order(k);
     std::iota(order.begin(), order.end(), 0);
@@ -515,12 +615,15 @@ class EngineSizeOp : public OpKernel {
     core::RefCountPtr<EngineResource> r;
     OP_REQUIRES_OK(ctx, GetEngine(ctx, &r));
     const Engine::Sizes z = r->engine().Size();
-    const int64_t values[3] = {z.stored, z.tracked, z.bytes_held};
-    for (int i = 0; i < 3; ++i) {
+    const int64_t values[4] = {z.stored, z.tracked, z.bytes_held, z.ssd_bytes};
+    for (int i = 0; i < 4; ++i) {
       Tensor* t = nullptr;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(i, TensorShape({}), &t));
       t->scalar<int64_t>()() = values[i];
     }
+    Tensor* io = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(4, TensorShape({4}), &io));
+    std::copy_n(z.ssd_io, 4, io->flat<int64_t>().data());
   }
 };
 
@@ -538,6 +641,9 @@ FUSEDEMB_ENGINE_KERNEL("EngineGatherRows", EngineGatherRowsOp);
 FUSEDEMB_ENGINE_KERNEL("EngineWriteRows", EngineWriteRowsOp);
 FUSEDEMB_ENGINE_KERNEL("EngineRemoveRows", EngineRemoveOp<true>);
 FUSEDEMB_ENGINE_KERNEL("EngineForget", EngineRemoveOp<false>);
+FUSEDEMB_ENGINE_KERNEL("EnginePin", EnginePinOp<true>);
+FUSEDEMB_ENGINE_KERNEL("EngineUnpin", EnginePinOp<false>);
+FUSEDEMB_ENGINE_KERNEL("EnginePrefetch", EnginePrefetchOp);
 FUSEDEMB_ENGINE_KERNEL("EngineExport", EngineExportOp);
 FUSEDEMB_ENGINE_KERNEL("EngineSize", EngineSizeOp);
 

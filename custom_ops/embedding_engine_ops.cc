@@ -52,6 +52,8 @@ REGISTER_OP("FusedEmb>EngineHandle")
     .Attr("initializer: string")
     .Attr("init_params: list(string)")
     .Attr("num_shards: int = 16")
+    .Attr("memory_budget_bytes: int = -1")
+    .Attr("spill_path: string = ''")
     .Attr("container: string = ''")
     .Attr("shared_name: string")
     .SetIsStateful()
@@ -70,6 +72,11 @@ init_params: two float64 numbers as text (Python's repr, read back exactly): (mi
   and eager execution takes no tensor attrs; the initial rows must be bit-equal to
   init_rows.
 num_shards: power of two; keys are split by the top bits of mix64(key).
+memory_budget_bytes: -1: every block in DRAM. Else the DRAM bytes of blocks and index
+  the engine keeps at most (per shard budget / num_shards, keys pinned by a running op
+  or a prefetch aside); the other blocks are spilled whole to a RocksDB store.
+spill_path: the store's directory, this engine's alone (emptied at creation, removed
+  with the engine); required with a budget.
 shared_name: unique per table instance.
 )doc");
 
@@ -229,14 +236,52 @@ REGISTER_OP("FusedEmb>EngineSize")
     .Output("stored: int64")
     .Output("tracked: int64")
     .Output("bytes_held: int64")
+    .Output("ssd_bytes: int64")
+    .Output("ssd_io: int64")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      for (int i = 0; i < 3; ++i) c->set_output(i, c->Scalar());
+      for (int i = 0; i < 4; ++i) c->set_output(i, c->Scalar());
+      c->set_output(4, c->Vector(4));
       return absl::OkStatus();
     })
     .Doc(R"doc(
-stored: keys with a row. tracked: keys with statistics. bytes_held: the bytes the engine
-holds (arena chunks and hash index backing arrays).
+stored: keys with a row. tracked: keys with statistics (both counted in DRAM and on SSD).
+bytes_held: the DRAM bytes the engine holds (arena chunks and hash index backing arrays).
+ssd_bytes: the bytes of the blocks in the SSD tier (0 without one).
+ssd_io: [4] since creation: blocks read from the SSD tier, their bytes, blocks spilled
+  to it, their bytes.
+)doc");
+
+REGISTER_OP("FusedEmb>EnginePin")
+    .Input("handle: resource")
+    .Input("keys: int64")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc(R"doc(
+Reads the blocks of keys from the SSD tier into DRAM and pins them there until as many
+EngineUnpin calls of the keys have run (a prefetch of the next batch). A no-op without
+an SSD tier. keys: [u] (duplicates pin twice).
+)doc");
+
+REGISTER_OP("FusedEmb>EnginePrefetch")
+    .Input("handle: resource")
+    .Input("keys: int64")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc(R"doc(
+A prefetch of the next batch's keys ([u]): pins them in DRAM (read from the SSD tier
+now) and releases the pins of the batch prefetched two calls before (the batch whose
+prior and delayed updates have both run by then). A no-op without an SSD tier.
+)doc");
+
+REGISTER_OP("FusedEmb>EngineUnpin")
+    .Input("handle: resource")
+    .Input("keys: int64")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc(R"doc(
+Releases EnginePin's pins of keys ([u], the same keys), then spills blocks over the
+memory budget. A no-op without an SSD tier.
 )doc");
 
 }  // namespace fusedemb

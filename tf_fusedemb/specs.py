@@ -34,6 +34,9 @@ __all__ = ["OptimizerSpec", "InitializerSpec", "AdmissionPolicy", "EvictionPolic
 COMBINERS = ("sum", "mean", "sqrtn")
 KEY_DTYPES = ("int64", "int32")
 _POLICY_FIELDS = ("admission", "eviction")  # TableSpec fields outside the storage layout
+# TableSpec fields of the SSD tier: where rows live, not what they are (a checkpoint of a
+# tiered table restores onto an untiered one and back).
+_TIER_FIELDS = ("memory_budget_bytes", "spill_dir")
 # The storage backends of a dynamic table (tf_fusedemb.storage.backend); a static table
 # keeps its dense variables ("static"). Which backend holds the rows is outside the
 # storage layout too: a checkpoint written with one restores onto the other.
@@ -343,6 +346,19 @@ class TableSpec:
             "engine" (our storage engine, one block per key) or "tfra" (TFRA hash
             tables); None means ``DEFAULT_STORAGE``. A static table keeps its dense
             storage (None or "static"). Tables of different storage never fuse.
+        memory_budget_bytes: None keeps every row in DRAM. An int >= 0 (engine storage
+            only) bounds the DRAM the table's blocks (row, slots, statistics) and index
+            take on each rank; the other blocks are spilled whole to an SSD tier
+            (RocksDB), invisibly to results. A table setting, not a layer one, because
+            tables differ in size; the tables fused into one group share one engine
+            whose budget is the sum of theirs, and tiered tables fuse only with tiered
+            tables of the same ``spill_dir``.
+        spill_dir: where the SSD tier's stores go (one fresh subdirectory per group and
+            rank, removed when its table is). None: the system temporary directory
+            (``tempfile.gettempdir()``, i.e. $TMPDIR), because the table is made before
+            any run or checkpoint directory is known; name a directory on a local SSD
+            with room for the table. Nothing in it outlives the process (checkpoints
+            hold every row): a killed run's leftovers may be deleted.
     """
     name: str
     dim: int
@@ -353,6 +369,8 @@ class TableSpec:
     admission: Optional[AdmissionPolicy] = None
     eviction: Optional[EvictionPolicy] = None
     storage: Optional[str] = None
+    memory_budget_bytes: Optional[int] = None
+    spill_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check_name("TableSpec", self.name)
@@ -379,6 +397,22 @@ class TableSpec:
                                               f"(vocabulary_size=None): a static table's "
                                               f"memory is fixed")
         object.__setattr__(self, "storage", self._resolved_storage())
+        self._check_tier()
+
+    def _check_tier(self) -> None:
+        """A budget: an int >= 0 of an engine table; a spill_dir only with a budget."""
+        b = self.memory_budget_bytes
+        if b is None:
+            if self.spill_dir is not None:
+                _fail("TableSpec", self.name, "spill_dir needs a memory_budget_bytes")
+            return
+        if not _is_int(b) or b < 0:
+            _fail("TableSpec", self.name, f"memory_budget_bytes must be None or an int >= 0, got {b!r}")
+        if self.storage != "engine":
+            _fail("TableSpec", self.name, f"memory_budget_bytes needs storage 'engine' (a dynamic "
+                                          f"table on the storage engine), got {self.storage!r}")
+        if self.spill_dir is not None and not isinstance(self.spill_dir, str):
+            _fail("TableSpec", self.name, f"spill_dir must be a str or None, got {self.spill_dir!r}")
 
     def _resolved_storage(self) -> str:
         """``storage`` checked: "static" for a static table, else one of STORAGES."""
@@ -410,7 +444,7 @@ class TableSpec:
         optimizer compares with its learning rate and hyper-parameters: one group takes one
         optimizer step."""
         return (self.dim, self.optimizer, self.initializer, self.key_dtype, self.is_static,
-                self.storage)
+                self.storage, self.memory_budget_bytes is not None, self.spill_dir)
 
     def to_dict(self) -> dict:
         # Policies only when set: a plan without them keeps its old dict and fingerprint.
@@ -422,6 +456,9 @@ class TableSpec:
                 d[field] = getattr(self, field).to_dict()
         if not self.is_static and self.storage != DEFAULT_STORAGE:
             d["storage"] = self.storage  # the default left out, like absent policies
+        for field in _TIER_FIELDS:
+            if getattr(self, field) is not None:
+                d[field] = getattr(self, field)
         return d
 
     @classmethod
@@ -431,7 +468,7 @@ class TableSpec:
                    d.get("key_dtype", "int64"),
                    AdmissionPolicy.from_dict(d["admission"]) if d.get("admission") else None,
                    EvictionPolicy.from_dict(d["eviction"]) if d.get("eviction") else None,
-                   d.get("storage"))
+                   d.get("storage"), d.get("memory_budget_bytes"), d.get("spill_dir"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -524,7 +561,7 @@ class FusedGroup:
             if f.table.fusion_key != first.table.fusion_key:
                 _fail("FusedGroup", self.name, f"FeatureSpec {f.name!r} and FeatureSpec {first.name!r} have "
                                                f"different specs (dim, optimizer, initializer, key_dtype, "
-                                               f"storage) and cannot be fused")
+                                               f"storage, SSD tier) and cannot be fused")
 
     dim = property(lambda self: self.features[0].table.dim)
     optimizer = property(lambda self: self.features[0].table.optimizer)
@@ -540,6 +577,15 @@ class FusedGroup:
     def tables(self) -> tuple:
         """Distinct TableSpecs, in order of first use."""
         return tuple({f.table.name: f.table for f in self.features}.values())
+
+    @property
+    def memory_budget_bytes(self) -> Optional[int]:
+        """The DRAM budget of the group's engine on each rank: the sum of its tables'
+        ``memory_budget_bytes`` (None: no SSD tier; fused tables are all tiered or none)."""
+        budgets = [t.memory_budget_bytes for t in self.tables]
+        return None if budgets[0] is None else sum(budgets)
+
+    spill_dir = property(lambda self: self.features[0].table.spill_dir)
 
     @property
     def table_index(self) -> tuple:
@@ -632,7 +678,7 @@ class FusionPlan:
         if not policies:
             for g in d["groups"]:
                 for f in g["features"]:
-                    for field in _POLICY_FIELDS + ("storage",):
+                    for field in _POLICY_FIELDS + _TIER_FIELDS + ("storage",):
                         f["table"].pop(field, None)
         return d
 
@@ -743,7 +789,7 @@ def plan_fusion(features: Sequence[FeatureSpec], overrides: Optional[Mapping[str
         if units and units[0][0].table.fusion_key != fs[0].table.fusion_key:
             _fail("FeatureSpec", fs[0].name, f"cannot be fused with FeatureSpec {units[0][0].name!r} in "
                   f"override group {key[1]!r}: different specs (dim, optimizer, initializer, key_dtype, "
-                  f"storage)")
+                  f"storage, SSD tier)")
         units.append(fs)
 
     order = {f.name: i for i, f in enumerate(features)}

@@ -263,6 +263,18 @@ class GroupLookup(tf.Module):
         """Adds 1 to the group's optimizer step (int64); returns the new value."""
         return self.table.advance_step()
 
+    @property
+    def tiered(self) -> bool:
+        """Whether the group's engine has a memory budget (an SSD tier)."""
+        return self.group.memory_budget_bytes is not None
+
+    def prefetch(self, keys: tf.Tensor) -> Optional[tf.Operation]:
+        """Reads the owner-side ``keys`` int64[u] of a coming batch from the SSD tier
+        into DRAM now and keeps them there while that batch is updated (a pipeline's
+        prefetch calls it once per batch, before retrieving the batch's rows); None
+        without a tier."""
+        return self._backend.prefetch(GroupStorage(self.table, self.stats), keys)
+
     def num_stored_rows(self) -> int:
         """Rows this rank stores for the group: written (trained or restored) rows (eager)."""
         return int(self.table.size())
@@ -322,11 +334,13 @@ class GroupLookup(tf.Module):
         engine the bytes it really allocated for rows, slots and statistics; on TFRA and
         static tables their payload (per row the key (8) and dim float32 values per row
         and optimizer slot, per tracked key 5 int64: key, count, table, ID, last step;
-        hash-table overhead not counted)."""
+        hash-table overhead not counted); ``ssd_bytes``, the bytes of its blocks in the
+        SSD tier (TableSpec.memory_budget_bytes; 0 without one)."""
         rows, tracked = int(self.table.size().numpy()), int(self.stats.size().numpy())
+        storage = GroupStorage(self.table, self.stats)
         return {"rows": rows, "tracked_keys": tracked,
-                "bytes": self._backend.memory_bytes(GroupStorage(self.table, self.stats),
-                                                    self.group.dim)}
+                "bytes": self._backend.memory_bytes(storage, self.group.dim),
+                "ssd_bytes": self._backend.ssd_bytes(storage)}
 
     def hashed_keys(self, ids: tf.Tensor, segment_ids: tf.Tensor) -> tf.Tensor:
         """Plan-independent unified keys mix64(id ^ tag(table)) of ``ids`` int[n] of the

@@ -11,6 +11,10 @@ Example::
     engine = EmbeddingEngine("g0", 16, InitializerSpec(), (-0.05, 0.1), OptimizerSpec.adagrad(0.1))
     rows = engine.lookup(keys, keys)                                 # float32[u, 16]
     rows = engine.apply_gradients(keys, keys, grads, step=1)         # one pass per key
+
+With ``memory_budget_bytes``, the engine keeps at most that many bytes of blocks and
+index in DRAM and spills the others whole to a RocksDB store in ``spill_path`` (an SSD
+tier); every call returns what it would without a budget.
 """
 import itertools
 from typing import Dict, NamedTuple, Optional, Sequence, Tuple
@@ -50,11 +54,16 @@ class EngineExport(NamedTuple):
 
 
 class EngineSize(NamedTuple):
-    """int64 scalars: ``stored`` rows, ``tracked`` keys with statistics, ``bytes_held``
-    (arena chunks and hash-index arrays the engine allocated)."""
+    """int64 scalars: ``stored`` rows, ``tracked`` keys with statistics (both over DRAM
+    and SSD), ``bytes_held`` (DRAM: arena chunks and hash-index arrays the engine
+    allocated), ``ssd_bytes`` (blocks in the SSD tier; 0 without one), ``ssd_io``
+    int64[4] since creation: blocks read back from SSD, their bytes, blocks spilled,
+    their bytes."""
     stored: tf.Tensor
     tracked: tf.Tensor
     bytes_held: tf.Tensor
+    ssd_bytes: tf.Tensor
+    ssd_io: tf.Tensor
 
 
 def _op(name: str):
@@ -85,11 +94,18 @@ class EmbeddingEngine(tf.saved_model.experimental.TrackableResource):
         optimizer: OptimizerSpec; sgd, adagrad, ftrl or adam (lazy).
         num_shards: power of two; keys are split by hash into this many shards, each
             with its own index, arena and lock.
+        memory_budget_bytes: None: every block in DRAM. Else the DRAM bytes of blocks and
+            index kept at most (blocks a running call or a prefetch pinned aside); the
+            others live in a RocksDB store (see TableSpec.memory_budget_bytes).
+        spill_path: the store's directory, required with a budget: this engine's alone
+            (emptied when the engine is made, removed when it is destroyed); see
+            tf_fusedemb.storage.spill_dir for where the storage layer puts it.
     """
 
     def __init__(self, name: str, dim: int, initializer: InitializerSpec,
                  init_params: Tuple[float, float], optimizer: OptimizerSpec,
-                 num_shards: int = DEFAULT_NUM_SHARDS):
+                 num_shards: int = DEFAULT_NUM_SHARDS, memory_budget_bytes: Optional[int] = None,
+                 spill_path: Optional[str] = None):
         if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0:
             raise ValueError(f"engine {name!r}: dim must be an int > 0, got {dim!r}")
         if not isinstance(num_shards, int) or num_shards <= 0 or num_shards & (num_shards - 1):
@@ -106,6 +122,12 @@ class EmbeddingEngine(tf.saved_model.experimental.TrackableResource):
             dim=dim, optimizer=optimizer.name, learning_rate=optimizer.learning_rate,
             initializer=initializer.name, init_params=[repr(float(loc)), repr(float(scale))],
             num_shards=num_shards, shared_name=f"fusedemb_engine_{next(_instances)}_{name}")
+        self.memory_budget_bytes = memory_budget_bytes
+        self.spill_path = spill_path
+        if memory_budget_bytes is not None:
+            if not spill_path:
+                raise ValueError(f"engine {name!r}: a memory budget needs a spill_path")
+            self._attrs.update(memory_budget_bytes=memory_budget_bytes, spill_path=spill_path)
         for key in ("initial_accumulator_value", "beta1", "beta2", "epsilon",
                     "learning_rate_power", "l1", "l2"):
             if key in hp:
@@ -168,6 +190,23 @@ class EmbeddingEngine(tf.saved_model.experimental.TrackableResource):
         statistics stay. Returns the op (None eagerly)."""
         return _op("EngineRemoveRows")(self.resource_handle, _keys(keys))
 
+    def pin(self, keys: TensorLike) -> Optional[tf.Operation]:
+        """Reads the blocks of ``keys`` int64[u] from the SSD tier into DRAM and keeps
+        them there until :meth:`unpin` of the same keys (a prefetch of the next batch);
+        a no-op without a budget. Returns the op (None eagerly)."""
+        return _op("EnginePin")(self.resource_handle, _keys(keys))
+
+    def unpin(self, keys: TensorLike) -> Optional[tf.Operation]:
+        """Releases :meth:`pin` of ``keys`` int64[u], then spills over the budget."""
+        return _op("EngineUnpin")(self.resource_handle, _keys(keys))
+
+    def prefetch(self, keys: TensorLike) -> Optional[tf.Operation]:
+        """Pins the blocks of the next batch's ``keys`` int64[u] in DRAM (reading them from
+        the SSD tier now) and releases those of the batch prefetched two calls before:
+        DBP's batch t+1 is retrieved in step t and updated in steps t+1 and t+2. A no-op
+        without a budget. Returns the op (None eagerly)."""
+        return _op("EnginePrefetch")(self.resource_handle, _keys(keys))
+
     # ------------------------------------------------------------ statistics
     def record(self, keys: TensorLike, tables: TensorLike, ids: TensorLike, counts: TensorLike,
                last_steps: TensorLike, overwrite_last_step: bool) -> Optional[tf.Operation]:
@@ -196,7 +235,7 @@ class EmbeddingEngine(tf.saved_model.experimental.TrackableResource):
         return EngineExport(out[0], EngineKeyFields(*out[1:6]), out[6], out[7])
 
     def size(self) -> EngineSize:
-        """EngineSize: stored rows, tracked keys and bytes held."""
+        """EngineSize: stored rows, tracked keys, DRAM bytes held and SSD bytes."""
         return EngineSize(*_op("EngineSize")(self.resource_handle))
 
     def slots_dict(self, slots: tf.Tensor, slot_names: Sequence[str]) -> Dict[str, tf.Tensor]:

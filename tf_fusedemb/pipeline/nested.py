@@ -204,8 +204,14 @@ class NestedPipeline:
         return routed
 
     def retrieve(self, routed: List[List[Dict[str, Any]]]) -> List[List[Dict[str, Any]]]:
-        """Rows of every routed lookup from the tables (DBP stage 4)."""
-        return [[dict(r, rows=g.retrieve(r)) for g, r in zip(self.lookups, mb)] for mb in routed]
+        """Rows of every routed lookup from the tables (DBP stage 4). A group with an SSD
+        tier first pins the batch's keys in DRAM (one prefetch per batch, all its
+        micro-batches), so neither this retrieval nor the batch's updates wait on disk."""
+        pins = [g.prefetch(tf.concat([mb[j]["keys"] for mb in routed], 0))
+                for j, g in enumerate(self.lookups) if g.tiered]
+        with tf.control_dependencies([p for p in pins if p is not None]):
+            return [[dict(r, rows=g.retrieve(r)) for g, r in zip(self.lookups, mb)]
+                    for mb in routed]
 
     def _prefetch(self, x):
         return self.retrieve(self.route(x))

@@ -43,6 +43,7 @@ import tensorflow as tf
 from tf_fusedemb.specs import FusedGroup, STORAGES
 from tf_fusedemb.storage.dynamic_table import DynamicGroupTable  # TFRA loads on first table
 from tf_fusedemb.storage.engine_table import EngineGroupTable, EngineStatistics
+from tf_fusedemb.storage.spill_dir import make_spill_path
 from tf_fusedemb.storage.static_table import StaticGroupTable
 from tf_fusedemb.storage.statistics import AccessStatistics
 
@@ -191,6 +192,15 @@ class StorageBackend(abc.ABC):
         per_row = 8 + 4 * dim * (1 + len(storage.table.slot_names))
         return rows * per_row + tracked * 40
 
+    def ssd_bytes(self, storage: GroupStorage) -> int:
+        """Bytes of the group's blocks on this rank's SSD tier (eager); 0: none."""
+        return 0
+
+    def prefetch(self, storage: GroupStorage, keys: tf.Tensor) -> Optional[tf.Operation]:
+        """Brings the blocks of a coming batch's ``keys`` int64[u] into DRAM and keeps
+        them there while it is updated; None where every row is in DRAM already."""
+        return None
+
 
 class TfraBackend(StorageBackend):
     """TFRA hash tables (``DynamicGroupTable``) and core-TF statistics tables."""
@@ -214,7 +224,11 @@ class EngineBackend(StorageBackend):
     def create(self, group: FusedGroup, table_name: str,
                static: Optional[StaticLayout] = None) -> GroupStorage:
         _no_layout(self, group, static)
-        table = EngineGroupTable(table_name, group.dim, group.initializer, group.optimizer)
+        budget = group.memory_budget_bytes
+        path = None if budget is None else make_spill_path(
+            group.name, [t.name for t in group.tables], group.spill_dir)
+        table = EngineGroupTable(table_name, group.dim, group.initializer, group.optimizer,
+                                 memory_budget_bytes=budget, spill_path=path)
         return GroupStorage(table, EngineStatistics(group.name, [t.name for t in group.tables],
                                                     table.engine))
 
@@ -224,9 +238,16 @@ class EngineBackend(StorageBackend):
         _engine_table(storage).set_admission(min_counts)
 
     def memory_bytes(self, storage: GroupStorage, dim: int) -> int:
-        """The bytes the engine allocated (arena chunks and index arrays) for rows, slots
-        and statistics together: what the process really holds for the group."""
+        """The DRAM bytes the engine allocated (arena chunks and index arrays) for rows,
+        slots and statistics together: what the process really holds for the group."""
         return int(_engine_table(storage).bytes_held().numpy())
+
+    def ssd_bytes(self, storage: GroupStorage) -> int:
+        return int(_engine_table(storage).ssd_bytes().numpy())
+
+    def prefetch(self, storage: GroupStorage, keys: tf.Tensor) -> Optional[tf.Operation]:
+        table = _engine_table(storage)
+        return table.prefetch(keys) if table.tiered else None
 
 
 class StaticBackend(StorageBackend):

@@ -43,15 +43,18 @@ class EngineGroupTable(GroupTable):
         optimizer: OptimizerSpec (sgd, adagrad, ftrl, adam).
         num_shards: power of two; the engine's shards (parallelism and lock granularity).
         validate_unique: check that apply_gradients gets unique keys (debugging).
+        memory_budget_bytes, spill_path: the SSD tier (TableSpec.memory_budget_bytes)
+            and its directory (storage/spill_dir.py); None keeps every block in DRAM.
     """
 
     def __init__(self, name: str, dim: int, initializer: InitializerSpec, optimizer: OptimizerSpec,
-                 num_shards: int = DEFAULT_NUM_SHARDS, validate_unique: bool = False):
+                 num_shards: int = DEFAULT_NUM_SHARDS, validate_unique: bool = False,
+                 memory_budget_bytes: Optional[int] = None, spill_path: Optional[str] = None):
         super().__init__(name, dim, initializer, optimizer, validate_unique)
         with tf.init_scope():
             self.engine = EmbeddingEngine(
                 name, dim, initializer, initializers._params(initializer),  # pylint: disable=protected-access
-                optimizer, num_shards)
+                optimizer, num_shards, memory_budget_bytes, spill_path)
         self._min_counts: Optional[tf.Tensor] = None  # int64[T] while admission is on
 
     # ---------------------------------------------------------------- admission
@@ -99,9 +102,24 @@ class EngineGroupTable(GroupTable):
         return self.engine.size().stored
 
     def bytes_held(self) -> tf.Tensor:
-        """int64 scalar: bytes the engine allocated (arena chunks and index arrays) for
-        rows, slots and statistics together."""
+        """int64 scalar: DRAM bytes the engine allocated (arena chunks and index arrays)
+        for rows, slots and statistics together."""
         return self.engine.size().bytes_held
+
+    def ssd_bytes(self) -> tf.Tensor:
+        """int64 scalar: bytes of the blocks in the SSD tier (0 without a budget)."""
+        return self.engine.size().ssd_bytes
+
+    @property
+    def tiered(self) -> bool:
+        """Whether the table has a memory budget (an SSD tier)."""
+        return self.engine.memory_budget_bytes is not None
+
+    def prefetch(self, keys: tf.Tensor) -> Optional[tf.Operation]:
+        """Reads the next batch's ``keys`` int64[u] from the SSD tier into DRAM now (while
+        the current batch computes) and keeps them there until two more batches are
+        prefetched (EmbeddingEngine.prefetch); a no-op untiered. Returns the op."""
+        return self.engine.prefetch(self._as_keys(keys, "keys"))
 
     def export(self, keys: Optional[tf.Tensor] = None) -> Dict[str, tf.Tensor]:
         if keys is None:

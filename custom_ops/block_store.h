@@ -1,0 +1,54 @@
+// The SSD tier's interface as the storage engine sees it: whole blocks (header, row,
+// slots) stored by key. Plain C++17, no store header, so embedding_engine.h and its
+// standalone tests need no RocksDB; rocksdb_block_store.cc implements it.
+#ifndef TF_FUSEDEMB_BLOCK_STORE_H_
+#define TF_FUSEDEMB_BLOCK_STORE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace tensorflow {
+namespace fusedemb {
+namespace engine {
+
+// One block to write: its key and its bytes (pointing into an arena; read during Write).
+struct BlockRef {
+  int64_t key;
+  const char* data;
+  size_t size;
+};
+
+// A key-value store of blocks. Thread-safe: the engine's shards call it in parallel,
+// each for keys of its own shard only. Errors are returned as text ("" = fine) that
+// names the store's path.
+class BlockStore {
+ public:
+  virtual ~BlockStore() = default;
+
+  // Reads the blocks of keys[0..n) in one batch: (*values)[i] is keys[i]'s block, or
+  // empty when the store has none.
+  virtual std::string MultiGet(const int64_t* keys, size_t n,
+                               std::vector<std::string>* values) = 0;
+
+  // Writes `puts` and deletes `deletes` in one atomic batch.
+  virtual std::string Write(const std::vector<BlockRef>& puts,
+                            const std::vector<int64_t>& deletes) = 0;
+
+  // Calls f(key, data, size) for every block (order unspecified).
+  virtual std::string ForEach(
+      const std::function<void(int64_t, const char*, size_t)>& f) const = 0;
+
+  // Bytes of the store's SST files on disk (blocks still in memtables not counted).
+  virtual int64_t DiskBytes() const = 0;
+
+  virtual const std::string& path() const = 0;
+};
+
+}  // namespace engine
+}  // namespace fusedemb
+}  // namespace tensorflow
+
+#endif  // TF_FUSEDEMB_BLOCK_STORE_H_

@@ -1,0 +1,150 @@
+// The storage engine's SSD tier on RocksDB (the distribution's librocksdb-dev).
+//
+// Options, and why:
+//  * No write-ahead log (WriteOptions::disableWAL) and no fsync: the store is scratch
+//    space, never a source of truth across processes. A restart (after SIGKILL too)
+//    restores from the last checkpoint, which holds every block of both tiers, and this
+//    store is recreated empty; a WAL would double every spill's bytes for nothing.
+//  * No compression: rows and optimizer slots are float32 noise to a compressor; it would
+//    spend CPU on the step's critical path for a few percent.
+//  * Point lookups (OptimizeForPointLookup): a bloom filter per SST file, so a miss (a key
+//    never spilled, the common case for new keys) costs no disk read, and a hash index in
+//    data blocks. Its block cache is small (8 MiB) because the DRAM tier is the cache.
+//  * Two memtables of 8 MiB: the fixed memory the store adds to the budget.
+//  * Keys are 8 bytes big-endian: fixed length, so compaction compares them cheaply.
+#include "rocksdb_block_store.h"
+
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "rocksdb/db.h"
+#include "rocksdb/options.h"
+#include "rocksdb/slice.h"
+#include "rocksdb/write_batch.h"
+
+namespace tensorflow {
+namespace fusedemb {
+namespace engine {
+namespace {
+
+constexpr uint64_t kBlockCacheMiB = 8;
+constexpr size_t kMemtableBytes = size_t{8} << 20;
+
+void EncodeKey(int64_t key, char out[8]) {
+  const uint64_t k = static_cast<uint64_t>(key);
+  for (int b = 0; b < 8; ++b) out[b] = static_cast<char>(k >> (56 - 8 * b));
+}
+
+int64_t DecodeKey(const rocksdb::Slice& s) {
+  uint64_t k = 0;
+  for (int b = 0; b < 8; ++b) k = (k << 8) | static_cast<unsigned char>(s[b]);
+  return static_cast<int64_t>(k);
+}
+
+rocksdb::Options StoreOptions() {
+  rocksdb::Options o;
+  o.create_if_missing = true;
+  o.error_if_exists = true;
+  o.OptimizeForPointLookup(kBlockCacheMiB);
+  o.compression = rocksdb::kNoCompression;
+  o.write_buffer_size = kMemtableBytes;
+  o.max_write_buffer_number = 2;
+  o.max_background_jobs = 2;
+  return o;
+}
+
+class RocksDbBlockStore : public BlockStore {
+ public:
+  RocksDbBlockStore(std::string path, std::unique_ptr<rocksdb::DB> db)
+      : path_(std::move(path)), db_(std::move(db)) {
+    write_.disableWAL = true;  // see the file comment
+  }
+
+  ~RocksDbBlockStore() override {
+    db_.reset();
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);  // scratch: the checkpoint holds the truth
+  }
+
+  std::string MultiGet(const int64_t* keys, size_t n, std::vector<std::string>* values) override {
+    std::vector<char> encoded(8 * n);
+    std::vector<rocksdb::Slice> slices(n);
+    for (size_t i = 0; i < n; ++i) {
+      EncodeKey(keys[i], &encoded[8 * i]);
+      slices[i] = rocksdb::Slice(&encoded[8 * i], 8);
+    }
+    std::vector<rocksdb::PinnableSlice> found(n);
+    std::vector<rocksdb::Status> statuses(n);
+    db_->MultiGet(rocksdb::ReadOptions(), db_->DefaultColumnFamily(), n, slices.data(),
+                  found.data(), statuses.data());
+    values->assign(n, std::string());
+    for (size_t i = 0; i < n; ++i) {
+      if (statuses[i].IsNotFound()) continue;
+      if (!statuses[i].ok()) return Failure("read", statuses[i]);
+      (*values)[i].assign(found[i].data(), found[i].size());
+    }
+    return "";
+  }
+
+  std::string Write(const std::vector<BlockRef>& puts, const std::vector<int64_t>& deletes) override {
+    rocksdb::WriteBatch batch;
+    char k[8];
+    for (const BlockRef& b : puts) {
+      EncodeKey(b.key, k);
+      batch.Put(rocksdb::Slice(k, 8), rocksdb::Slice(b.data, b.size));
+    }
+    for (int64_t key : deletes) {
+      EncodeKey(key, k);
+      batch.Delete(rocksdb::Slice(k, 8));
+    }
+    const rocksdb::Status s = db_->Write(write_, &batch);
+    return s.ok() ? "" : Failure("write", s);
+  }
+
+  std::string ForEach(const std::function<void(int64_t, const char*, size_t)>& f) const override {
+    rocksdb::ReadOptions ro;
+    ro.total_order_seek = true;  // OptimizeForPointLookup's hash index needs it to iterate
+    std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(ro));
+    for (it->SeekToFirst(); it->Valid(); it->Next()) {
+      f(DecodeKey(it->key()), it->value().data(), it->value().size());
+    }
+    return it->status().ok() ? "" : Failure("scan", it->status());
+  }
+
+  int64_t DiskBytes() const override {
+    uint64_t sst = 0;
+    db_->GetIntProperty(rocksdb::DB::Properties::kTotalSstFilesSize, &sst);
+    return static_cast<int64_t>(sst);
+  }
+
+  const std::string& path() const override { return path_; }
+
+ private:
+  std::string Failure(const char* what, const rocksdb::Status& s) const {
+    return std::string("SSD tier at ") + path_ + ": " + what + " failed: " + s.ToString();
+  }
+
+  std::string path_;
+  std::unique_ptr<rocksdb::DB> db_;
+  rocksdb::WriteOptions write_;
+};
+
+}  // namespace
+
+std::unique_ptr<BlockStore> OpenRocksDbBlockStore(const std::string& path, std::string* error) {
+  const rocksdb::Options options = StoreOptions();
+  rocksdb::DestroyDB(path, options);  // the directory is this engine's alone: start empty
+  rocksdb::DB* raw = nullptr;
+  const rocksdb::Status s = rocksdb::DB::Open(options, path, &raw);
+  if (!s.ok()) {
+    *error = "cannot open the SSD tier at " + path + ": " + s.ToString();
+    return nullptr;
+  }
+  return std::make_unique<RocksDbBlockStore>(path, std::unique_ptr<rocksdb::DB>(raw));
+}
+
+}  // namespace engine
+}  // namespace fusedemb
+}  // namespace tensorflow

@@ -1,0 +1,24 @@
+// The SSD tier of the storage engine on RocksDB (see rocksdb_block_store.cc for the
+// options chosen and why).
+#ifndef TF_FUSEDEMB_ROCKSDB_BLOCK_STORE_H_
+#define TF_FUSEDEMB_ROCKSDB_BLOCK_STORE_H_
+
+#include <memory>
+#include <string>
+
+#include "block_store.h"
+
+namespace tensorflow {
+namespace fusedemb {
+namespace engine {
+
+// A fresh, empty RocksDB store at `path` (a directory the caller made for this engine
+// alone; anything in it is destroyed first); removed from disk when the store is
+// destroyed. nullptr with *error set (naming `path`) when it cannot be opened.
+std::unique_ptr<BlockStore> OpenRocksDbBlockStore(const std::string& path, std::string* error);
+
+}  // namespace engine
+}  // namespace fusedemb
+}  // namespace tensorflow
+
+#endif  // TF_FUSEDEMB_ROCKSDB_BLOCK_STORE_H_

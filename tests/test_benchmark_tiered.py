@@ -1,0 +1,33 @@
+"""End to end on small sizes: ``python -m tf_fusedemb.benchmarks.tiered --json`` runs one
+worker per budget and prints one JSON object last with the issue's keys. Structure and
+the workload are asserted, never speed: every budget's table holds the same rows, the
+tiered ones mostly on SSD, and the all-DRAM run reads nothing from SSD."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO_ROOT
+
+
+@pytest.mark.timeout(900)
+def test_structure(tmp_path):
+    cmd = [sys.executable, "-m", "tf_fusedemb.benchmarks.tiered", "--json", "--rows", "40000",
+           "--batch", "2000", "--steps", "2", "--fractions", "0.1", "--spill-dir", str(tmp_path),
+           "--plot", str(tmp_path / "tiered.png")]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS="1")
+    out = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=840)
+    assert out.returncode == 0, f"benchmark failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("step_ratio_vs_dram", "rss_ratio_vs_dram", "hit_rate"):
+        assert sorted(result[key]) == ["0.1", "1.0"]
+    assert set(result["exposed_ssd_ms"]) == {"prefetch", "no_prefetch"}
+    assert result["checkpoint_ratio"] > 0
+    dram, tiered = result["budgets"]["1.0"], result["budgets"]["0.1"]
+    assert dram["ssd_bytes"] == 0 and dram["no_prefetch"]["read_bytes"] == 0
+    assert tiered["ssd_bytes"] > 0.8 * 40000 * (28 + 2 * 4 * 16)  # ~90% of the table
+    assert 0 <= result["hit_rate"]["0.1"] < 1
+    assert os.path.exists(result["plot"])
+    assert os.listdir(tmp_path) == ["tiered.png"]  # the workers' stores removed

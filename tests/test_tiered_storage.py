@@ -1,0 +1,310 @@
+"""Tables larger than memory (issue 26): the storage engine under a DRAM budget spills
+blocks to an SSD tier (RocksDB) and reads them back, invisibly to results.
+
+The reference of every check is the same work without a budget (every block in DRAM),
+compared bit for bit with numpy: rows, optimizer slots, statistics and losses. Budgets
+are 5% of the table (the table 20x the budget), so nearly every block of a step comes
+back from the SSD tier; admission and eviction policies are on; training crosses a
+checkpoint restore and runs on 1 and 2 ranks.
+"""
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+from tf_fusedemb.ops.embedding_engine import EmbeddingEngine
+from tf_fusedemb.specs import (AdmissionPolicy, EvictionPolicy, FeatureSpec, FusionPlan,
+                               InitializerSpec, OptimizerSpec, TableSpec, plan_fusion)
+from tf_fusedemb.storage import initializers
+from tf_fusedemb.storage.spill_dir import make_spill_path
+from tf_fusedemb.testing import DistributedTestCase
+from tf_fusedemb.testing.distributed import BatchLosses, rank_bounds, rank_dataset
+
+DIM, INIT = 4, InitializerSpec.uniform(-0.1, 0.1)
+OPTIMIZER = OptimizerSpec.adagrad(0.3)
+NAMES = ("u", "v", "w")
+POLICIES = {"u": dict(admission=AdmissionPolicy(2), eviction=EvictionPolicy(ttl_steps=4)),
+            "v": {},
+            "w": dict(eviction=EvictionPolicy(max_rows=150, every_steps=2))}
+VOCAB, STEPS, HALF, GLOBAL_BATCH = 500, 16, 8, 64
+# Per table and rank; the group's engine gets the sum. At ~60 bytes a block (28 header,
+# 16 row, 16 accumulator) the untraced table holds >= 20x this many bytes: asserted below.
+TABLE_BUDGET = 800
+
+
+# ---------------------------------------------------------------- the engine alone
+def engines(budget):
+    """(untiered engine, tiered engine with ``budget`` bytes) of one Adagrad table."""
+    params = initializers._params(INIT)  # pylint: disable=protected-access
+    return (EmbeddingEngine("plain", DIM, INIT, params, OPTIMIZER),
+            EmbeddingEngine("tiered", DIM, INIT, params, OPTIMIZER, memory_budget_bytes=budget,
+                            spill_path=make_spill_path("g", ["tiered"], None)))
+
+
+def assert_same_export(a, b):
+    """Every block of both tiers: keys, fields, rows and slots bit-equal."""
+    for stored_only in (False, True):
+        ea, eb = a.export(stored_only, True), b.export(stored_only, True)
+        for name, x, y in zip(ea._fields, ea, eb):
+            for u, v in (zip(x, y) if isinstance(x, tuple) else [(x, y)]):
+                np.testing.assert_array_equal(u.numpy(), v.numpy(), err_msg=name)
+
+
+def test_every_engine_call_answers_as_without_a_budget():
+    """Random lookups, updates, statistics, row writes and removals on 4,000 keys with a
+    budget of 5% of the table: every output and the final state equal the untiered
+    engine's; the DRAM tier stays near the budget and the SSD tier holds the rest."""
+    plain, tiered = engines(budget=12_000)
+    rng = np.random.default_rng(5)
+    for step in range(1, 41):
+        keys = np.unique(rng.integers(0, 4000, 400))
+        grads = rng.standard_normal((len(keys), DIM)).astype(np.float32)
+        counts = rng.integers(1, 3, len(keys))
+        probe = rng.integers(0, 5000, 300)
+        outs = []
+        for e in (plain, tiered):
+            e.record(keys, keys % 3, keys, counts, step, True)
+            out = [e.apply_gradients(keys, keys, grads, step, [3, 1, 2]), e.lookup(probe, probe),
+                   *e.find(probe)]
+            if step % 5 == 0:  # rows leave (statistics stay), statistics leave, rows arrive
+                e.remove_rows(keys[::7])
+                e.forget(keys[1::9])
+                e.write_rows(keys[2::11] + 10_000, grads[2::11], grads[2::11, None, :])
+            outs.append([t.numpy() for t in out])
+        for x, y in zip(*outs):
+            np.testing.assert_array_equal(x, y, err_msg=f"step {step}")
+    assert_same_export(plain, tiered)
+    size_a, size_b = plain.size(), tiered.size()
+    assert [int(size_a.stored), int(size_a.tracked)] == [int(size_b.stored), int(size_b.tracked)]
+    assert int(size_a.ssd_bytes) == 0
+    block = 28 + 2 * 4 * DIM  # header, row, accumulator
+    assert int(size_b.ssd_bytes) >= int(size_b.stored) * block - 12_000  # the rest is on SSD
+    assert int(size_a.bytes_held) >= 20 * 12_000  # the table 20x the budget
+    # DRAM: the budget plus one call's pinned blocks (400 keys of ~60 bytes, per shard).
+    assert int(size_b.bytes_held) <= 12_000 + 2 * 400 * 92
+
+
+def test_pinned_blocks_stay_in_dram_until_unpinned():
+    plain, tiered = engines(budget=0)  # everything unpinned is spilled after each call
+    keys = np.arange(100, dtype=np.int64)
+    for e in (plain, tiered):
+        e.apply_gradients(keys, keys, np.ones((100, DIM), np.float32), 1)
+    assert int(tiered.size().ssd_bytes) == 100 * (28 + 2 * 4 * DIM)
+    tiered.pin(keys[:10])
+    tiered.pin(keys[:5])  # pins count: the first unpin keeps keys 0..4
+    assert int(tiered.size().ssd_bytes) == 90 * (28 + 2 * 4 * DIM)
+    tiered.unpin(keys[:10])
+    assert int(tiered.size().ssd_bytes) == 95 * (28 + 2 * 4 * DIM)
+    tiered.unpin(keys[:5])
+    assert int(tiered.size().ssd_bytes) == 100 * (28 + 2 * 4 * DIM)
+    assert_same_export(plain, tiered)
+
+
+def test_the_spill_directory_is_private_and_removed_with_its_engine(tmp_path):
+    params = initializers._params(INIT)  # pylint: disable=protected-access
+    a, b = (EmbeddingEngine("t", DIM, INIT, params, OPTIMIZER, memory_budget_bytes=0,
+                            spill_path=make_spill_path("g", ["t"], str(tmp_path)))
+            for _ in range(2))
+    assert a.spill_path != b.spill_path and os.path.dirname(a.spill_path) == str(tmp_path)
+    a.apply_gradients([1, 2], [1, 2], np.ones((2, DIM), np.float32), 1)
+    assert os.listdir(a.spill_path)  # RocksDB's files
+    path = a.spill_path
+    del a
+    import gc  # pylint: disable=import-outside-toplevel
+    gc.collect()
+    assert not os.path.exists(path)
+
+
+def test_an_unusable_spill_dir_fails_at_construction_naming_table_and_path(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    bad = str(blocker / "spill")
+    spec = TableSpec("items", DIM, OPTIMIZER, memory_budget_bytes=1000, spill_dir=bad)
+    with pytest.raises(ValueError) as err:
+        build_layer_with([spec])
+    message = str(err.value)
+    assert "\n" not in message and "items" in message and bad in message
+
+
+def test_specs_validate_and_round_trip_the_tier():
+    with pytest.raises(ValueError, match="memory_budget_bytes needs storage 'engine'"):
+        TableSpec("t", 4, OPTIMIZER, storage="tfra", memory_budget_bytes=10)
+    with pytest.raises(ValueError, match="memory_budget_bytes must be None or an int >= 0"):
+        TableSpec("t", 4, OPTIMIZER, memory_budget_bytes=-1)
+    with pytest.raises(ValueError, match="spill_dir needs a memory_budget_bytes"):
+        TableSpec("t", 4, OPTIMIZER, spill_dir="/tmp")
+    tiered = plan_fusion([FeatureSpec(t.name, t) for t in table_specs(budget=TABLE_BUDGET)])
+    plain = plan_fusion([FeatureSpec(t.name, t) for t in table_specs(budget=None)])
+    assert FusionPlan.from_dict(tiered.to_dict()) == tiered
+    assert len(tiered.groups) == 1 and tiered.groups[0].memory_budget_bytes == 3 * TABLE_BUDGET
+    assert "memory_budget_bytes" not in str(plain.to_dict())  # old plans keep their fingerprint
+    # A checkpoint's layout ignores the tier: tiered and untiered restore onto each other.
+    assert tiered.fingerprint(policies=False) == plain.fingerprint(policies=False)
+    mixed = [FeatureSpec("a", TableSpec("a", 4, OPTIMIZER, memory_budget_bytes=10)),
+             FeatureSpec("b", TableSpec("b", 4, OPTIMIZER))]
+    assert len(plan_fusion(mixed).groups) == 2  # tiered tables fuse only with tiered ones
+
+
+# ---------------------------------------------------------------- training
+def table_specs(budget, policies=True):
+    return [TableSpec(n, DIM, OPTIMIZER, INIT, memory_budget_bytes=budget,
+                      **(POLICIES[n] if policies else {}))
+            for n in NAMES]
+
+
+def build_layer_with(specs, pipeline=None, exchange=None):
+    from tf_fusedemb.layers import FusedEmbedding  # pylint: disable=import-outside-toplevel
+    from tf_fusedemb.models import FusedModel  # pylint: disable=import-outside-toplevel
+    layer = FusedEmbedding([FeatureSpec(t.name, t) for t in specs], exchange=exchange)
+    inputs = {t.name: tf_keras.Input([], dtype=tf.int64, name=t.name) for t in specs}
+    emb = layer(inputs)
+    logits = tf_keras.layers.Dense(1, use_bias=False, kernel_initializer="ones", trainable=False)(
+        tf_keras.layers.Concatenate()([emb[t.name] for t in specs]))
+    model = FusedModel(inputs, logits)
+    model.compile(optimizer=tf_keras.optimizers.SGD(0.1), pipeline=pipeline,
+                  loss=tf_keras.losses.BinaryCrossentropy(from_logits=True))
+    return model, layer
+
+
+def build_model(budget, pipeline=None, exchange=None):
+    """(compiled FusedModel, its FusedEmbedding) of three tables, tiered or not; with a
+    ``pipeline`` (which admits no policies) without policies."""
+    return build_layer_with(table_specs(budget, policies=pipeline is None), pipeline, exchange)
+
+
+def data(steps=STEPS):
+    """Zipf-popular IDs over VOCAB per table (many keys per step, a long tail)."""
+    rng = np.random.default_rng(11)
+    n = steps * GLOBAL_BATCH
+    x = {name: np.minimum(rng.zipf(1.3, n), VOCAB).astype(np.int64) + rng.integers(0, VOCAB, n) % 3
+         for name in NAMES}
+    x["v"] = rng.integers(0, VOCAB, n).astype(np.int64)  # uniform: most steps miss DRAM
+    return x, (rng.random((n, 1)) < 0.5).astype(np.float32)
+
+
+def fit_rank(model_and_layer, x, y, first, last, num_ranks=1, rank=0):
+    """Fits global batches [first, last) on this rank's share; returns per-batch losses,
+    the group's stored rows (with slots) and statistics, and memory()."""
+    model, layer = model_and_layer
+    lo, hi = first * GLOBAL_BATCH, last * GLOBAL_BATCH
+    xs, ys = {k: v[lo:hi] for k, v in x.items()}, y[lo:hi]
+    losses = BatchLosses()
+    shares = [GLOBAL_BATCH // num_ranks] * num_ranks
+    model.fit(rank_dataset((xs, ys), rank_bounds(len(ys), shares, rank)), epochs=1, verbose=0,
+              callbacks=[losses])
+    group = layer.groups[0]
+    return {"losses": np.asarray(losses.losses), "rows": group.stored_rows(),
+            "stats": group.stats.export(), "memory": layer.memory()[group.group.name]}
+
+
+def assert_bit_identical(got, want, what):
+    np.testing.assert_array_equal(got["losses"], want["losses"], err_msg=f"{what}: losses")
+    for part in ("rows", "stats"):
+        assert sorted(got[part]) == sorted(want[part])
+        for k, v in want[part].items():
+            np.testing.assert_array_equal(got[part][k], v, err_msg=f"{what}: {part} {k}")
+
+
+def restored(budget, ckpt):
+    """A fresh model (tiered with ``budget`` or not) restored from ``ckpt``."""
+    from tf_fusedemb.training import CheckpointManager  # pylint: disable=import-outside-toplevel
+    model, layer = build_model(budget)
+    model({n: tf.zeros([0], tf.int64) for n in NAMES})
+    CheckpointManager(ckpt, model, model.optimizer).restore()
+    return model, layer
+
+
+def fit_in_halves(budget, x, y, ckpt=None, num_ranks=1, rank=0):
+    """Fits steps [0, HALF) then [HALF, STEPS) (two epochs: Keras's logged loss is a
+    running mean per epoch), saving a checkpoint to ``ckpt`` in between if given; returns
+    (first half's results, second half's results)."""
+    from tf_fusedemb.training import CheckpointManager  # pylint: disable=import-outside-toplevel
+    model, layer = build_model(budget)
+    first = fit_rank((model, layer), x, y, 0, HALF, num_ranks, rank)
+    if ckpt is not None:
+        CheckpointManager(ckpt, model, model.optimizer).save(HALF)
+    return first, fit_rank((model, layer), x, y, HALF, STEPS, num_ranks, rank)
+
+
+def test_training_with_a_5_percent_budget_is_bit_identical_through_a_restore(tmp_path):
+    x, y = data()
+    want_first, want = fit_in_halves(None, x, y)
+    assert want["memory"]["bytes"] >= 20 * 3 * TABLE_BUDGET  # the table is 20x the budget
+    assert want["memory"]["ssd_bytes"] == 0
+    ckpt = str(tmp_path / "ckpt")
+    got_first, got = fit_in_halves(TABLE_BUDGET, x, y, ckpt)
+    assert_bit_identical(got_first, want_first, "tiered, first half")
+    assert_bit_identical(got, want, "tiered")
+    # Most blocks are on SSD (DRAM holds the budget and the last step's pinned blocks).
+    assert got["memory"]["ssd_bytes"] > want["memory"]["bytes"] / 2
+    # Restored onto a tiered and onto an untiered model, training goes on identically.
+    for budget in (TABLE_BUDGET, None):
+        assert_bit_identical(fit_rank(restored(budget, ckpt), x, y, HALF, STEPS), want,
+                             f"restored (budget {budget})")
+
+
+def test_pipelined_fit_with_prefetch_is_bit_identical():
+    """fit's pipelined mode (DBP: batch t+1's rows retrieved, and pinned in DRAM, during
+    step t) with a 5% budget equals the same pipeline without one."""
+    x, y = data()
+    want = fit_rank(build_model(None, pipeline="dbp"), x, y, 0, STEPS)
+    got = fit_rank(build_model(TABLE_BUDGET, pipeline="dbp"), x, y, 0, STEPS)
+    assert_bit_identical(got, want, "dbp")
+    assert got["memory"]["ssd_bytes"] > 0
+
+
+# ---------------------------------------------------------------- two ranks
+def _two_rank_job(x, y, ckpt_one, ckpt_two):
+    """On each of 2 ranks: fit untiered and tiered, the untiered run checkpointing at
+    HALF; then fit on from the one-process tiered checkpoint (another world size) onto
+    a tiered and an untiered model, and from the two-rank untiered one onto a tiered."""
+    from tf_fusedemb.comm import get_communicator  # pylint: disable=import-outside-toplevel
+    comm = get_communicator()
+    on_rank = dict(num_ranks=comm.size, rank=comm.rank)
+    plain = fit_in_halves(None, x, y, ckpt_two, **on_rank)
+    tiered = fit_in_halves(TABLE_BUDGET, x, y, **on_rank)
+    return {"plain": plain, "tiered": tiered,
+            "from_two": fit_rank(restored(TABLE_BUDGET, ckpt_two), x, y, HALF, STEPS, **on_rank),
+            "resharded": fit_rank(restored(TABLE_BUDGET, ckpt_one), x, y, HALF, STEPS, **on_rank),
+            "resharded_plain": fit_rank(restored(None, ckpt_one), x, y, HALF, STEPS, **on_rank)}
+
+
+class TwoRankTieredTest(DistributedTestCase):
+    timeout = 600
+
+    def test_two_ranks_with_a_budget_equal_two_ranks_without(self):
+        x, y = data()
+        work = self.get_temp_dir()
+        fit_in_halves(TABLE_BUDGET, x, y, os.path.join(work, "one"))
+        ranks = self.run_ranks(_two_rank_job, 2, (x, y, os.path.join(work, "one"),
+                                                 os.path.join(work, "two")))
+        for rank, r in enumerate(ranks):
+            for half in (0, 1):
+                assert_bit_identical(r["tiered"][half], r["plain"][half], f"rank {rank}")
+            assert r["tiered"][1]["memory"]["ssd_bytes"] > 0
+            assert_bit_identical(r["from_two"], r["plain"][1], f"rank {rank} restored")
+            assert_bit_identical(r["resharded"], r["resharded_plain"], f"rank {rank} resharded")
+
+
+def _hierarchical_job(x, y):
+    """On each of 4 ranks (2 nodes x 2): fit untiered and tiered with the hierarchical
+    exchange."""
+    from tf_fusedemb.comm import get_communicator  # pylint: disable=import-outside-toplevel
+    comm = get_communicator()
+    return [fit_rank(build_model(budget, exchange="hierarchical"), x, y, 0, STEPS, comm.size,
+                     comm.rank) for budget in (None, TABLE_BUDGET)]
+
+
+class HierarchicalTieredTest(DistributedTestCase):
+    timeout = 800
+
+    def test_hierarchical_exchange_with_a_budget_equals_without(self):
+        """4 local ranks seen as 2 nodes x 2 (TF_FUSEDEMB_TOPOLOGY, as in
+        test_hierarchical_exchange): the two-stage exchange with a 5% budget."""
+        x, y = data()
+        ranks = self.run_ranks(_hierarchical_job, 4, (x, y),
+                               env={"TF_FUSEDEMB_TOPOLOGY": "2x2", "TF_NUM_INTRAOP_THREADS": "1"})
+        for rank, (plain, tiered) in enumerate(ranks):
+            assert_bit_identical(tiered, plain, f"rank {rank}")

@@ -1,0 +1,205 @@
+"""Tiered-storage benchmark: one engine table trained under DRAM budgets, side by side.
+
+    python -m tf_fusedemb.benchmarks.tiered --json --plot docs/plots/tiered.png
+    python -m tf_fusedemb.benchmarks.tiered --rows 1000000 --json   # a small machine
+
+One group table of dim 16 with Adagrad and its access statistics (EngineGroupTable +
+EngineStatistics, the storage benchmark's ``Backend`` workload), grown to ``--rows``
+rows, then trained on batches of ``--batch`` unique keys drawn Zipf (exponent 1.05,
+Criteo-like popularity) over the stored keys, 2% new. Each budget fraction of the
+table's payload (``rows * (28 + 2 * 4 * 16)`` bytes: header, row, accumulator) runs in
+its own worker process (its own RSS); "1.0" is the engine without a budget (all DRAM).
+
+Per budget: the median step (record + update of one batch) without prefetch, and with
+the batch prefetched first (``EngineGroupTable.prefetch``: in the pipelined fit it runs
+during the previous step's compute, so it is timed apart and not counted in the step);
+the DRAM hit rate (1 - blocks read back from SSD per key of a step); SSD bytes read and
+written per step; the RSS the table adds; the wall time of a checkpoint's export (rows,
+slots and statistics of both tiers, as training/checkpoint.py writes them).
+
+The exposed SSD wait is the step's time over the all-DRAM step's: with prefetch, what
+the step still waits for (spills of victims, index work) once its blocks are in DRAM.
+The last line (``--json``) is one JSON object with ``step_ratio_vs_dram``,
+``rss_ratio_vs_dram``, ``hit_rate`` (each keyed by the budget fraction as a string),
+``exposed_ssd_ms`` ({"prefetch", "no_prefetch"} at 10%) and ``checkpoint_ratio`` (the
+10% budget's checkpoint wall time over the all-DRAM engine's).
+"""
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional
+
+from tf_fusedemb import quiet
+
+quiet.install()  # a command: quiet TensorFlow before it loads (tf_fusedemb/quiet.py)
+
+import numpy as np  # noqa: E402
+
+from tf_fusedemb.benchmarks import plots  # noqa: E402
+from tf_fusedemb.benchmarks.storage import DIM, ZipfKeys, rss_bytes  # noqa: E402
+from tf_fusedemb.benchmarks.timing import emit  # noqa: E402
+from tf_fusedemb.specs import InitializerSpec, OptimizerSpec  # noqa: E402
+
+FRACTIONS = ("1.0", "0.5", "0.2", "0.1", "0.05")
+BLOCK_BYTES = 28 + 2 * 4 * DIM  # header, row, Adagrad accumulator
+
+
+class TieredTable:
+    """An engine group table (tiered at ``budget`` bytes, or not) with its statistics,
+    and tf.functions of one training step and of a prefetch."""
+
+    def __init__(self, budget: Optional[int], spill_dir: str):
+        # In a worker: the launching process loads no TensorFlow; its workers do.
+        import tensorflow as tf  # in a worker only # pylint: disable=import-outside-toplevel
+        from tf_fusedemb.ops.category_hash import CategoryHashResult  # loads TF: in a worker only # pylint: disable=import-outside-toplevel
+        from tf_fusedemb.storage.engine_table import EngineGroupTable, EngineStatistics  # loads TF: in a worker only # pylint: disable=import-outside-toplevel
+        from tf_fusedemb.storage.spill_dir import make_spill_path  # in a worker only: beside the TF imports # pylint: disable=import-outside-toplevel
+        path = None if budget is None else make_spill_path("bench", ["bench"], spill_dir)
+        self.table = EngineGroupTable("bench", DIM, InitializerSpec(), OptimizerSpec.adagrad(0.05),
+                                      memory_budget_bytes=budget, spill_path=path)
+        self.stats = EngineStatistics("bench", ["c"], self.table.engine)
+        grads = tf.fill([1, DIM], 1e-3)
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.int64)])
+        def step(keys):
+            n = tf.size(keys)
+            hashed = CategoryHashResult(keys, keys, tf.zeros([n], tf.int32), tf.range(n),
+                                        tf.ones([n], tf.int32), tf.constant(0, tf.int64))
+            with tf.control_dependencies([self.stats.record(hashed, tf.ones([n], tf.int64),
+                                                            self.table.step + 1)]):
+                g = tf.tile(grads, [n, 1])
+                return self.table.apply_gradients(keys, g, return_rows=True)[1][:1]
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.int64)])
+        def prefetch(keys):
+            self.table.prefetch(keys)
+            return tf.size(keys)
+
+        self.step, self.prefetch = step, prefetch
+
+    def io(self) -> np.ndarray:
+        """int64[4]: blocks read from SSD, bytes read, blocks spilled, bytes spilled."""
+        return self.table.engine.size().ssd_io.numpy()
+
+    def checkpoint_s(self) -> float:
+        """Wall seconds of a checkpoint's export of rows, slots and statistics."""
+        start = time.perf_counter()
+        self.table.export()["keys"].numpy()
+        self.stats.export()
+        return time.perf_counter() - start
+
+
+def timed_steps(t: TieredTable, keys: ZipfKeys, steps: int, prefetch: bool) -> Dict[str, float]:
+    """Median step ms over ``steps`` batches (prefetched first when ``prefetch``), with
+    SSD blocks read and bytes read/written per step."""
+    import tensorflow as tf  # in a worker: the launching process loads no TensorFlow # pylint: disable=import-outside-toplevel
+    batches = [tf.constant(keys.next(new_fraction=0.02)) for _ in range(steps + 1)]
+    before, times = t.io(), []
+    for b in batches[1:]:
+        if prefetch:
+            t.prefetch(b).numpy()
+        start = time.perf_counter()
+        t.step(b).numpy()
+        times.append((time.perf_counter() - start) * 1e3)
+    io = (t.io() - before) / steps
+    return {"step_ms": float(np.median(times)), "blocks_read": float(io[0]),
+            "read_bytes": float(io[1]), "written_bytes": float(io[3])}
+
+
+def worker(fraction: str, rows: int, batch: int, steps: int, spill_dir: str) -> dict:
+    """Grows the table to ``rows`` under ``fraction`` of its payload (1.0: no budget),
+    then times steps without and with prefetch; RSS and checkpoint time."""
+    import tensorflow as tf  # in a worker: the launching process loads no TensorFlow # pylint: disable=import-outside-toplevel
+    tf.config.threading.set_intra_op_parallelism_threads(2)
+    budget = None if fraction == "1.0" else int(float(fraction) * rows * BLOCK_BYTES)
+    t = TieredTable(budget, spill_dir)
+    keys = ZipfKeys(batch, seed=3)
+    t.step(tf.constant(keys.next(0.5)[:1000])).numpy()  # kernels and functions loaded
+    base = rss_bytes()
+    while keys.next_id < rows:
+        t.step(tf.constant(keys.next(new_fraction=0.5))).numpy()
+    t.step(tf.constant(keys.next(new_fraction=0.02))).numpy()  # the first Zipf step
+    plain = timed_steps(t, keys, steps, prefetch=False)
+    fetched = timed_steps(t, keys, steps, prefetch=True)
+    return {"budget_bytes": budget, "rss_growth_bytes": rss_bytes() - base,
+            "no_prefetch": plain, "prefetch": fetched,
+            "hit_rate": 1.0 - plain["blocks_read"] / batch, "checkpoint_s": t.checkpoint_s(),
+            "ssd_bytes": int(t.table.ssd_bytes().numpy())}
+
+
+def run_worker(args: List[str]) -> dict:
+    cmd = [sys.executable, "-m", "tf_fusedemb.benchmarks.tiered", "--worker", *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"worker {' '.join(args)} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def summary(per: Dict[str, dict]) -> dict:
+    """The issue's figures from the per-budget results (keyed by fraction)."""
+    dram = per["1.0"]
+    out: Dict[str, Any] = {"step_ratio_vs_dram": {}, "rss_ratio_vs_dram": {}, "hit_rate": {}}
+    for f, r in per.items():
+        out["step_ratio_vs_dram"][f] = round(r["prefetch"]["step_ms"] / dram["prefetch"]["step_ms"], 3)
+        out["rss_ratio_vs_dram"][f] = round(r["rss_growth_bytes"] / dram["rss_growth_bytes"], 3)
+        out["hit_rate"][f] = round(r["hit_rate"], 4)
+    if "0.1" in per:
+        ten = per["0.1"]
+        out["exposed_ssd_ms"] = {
+            mode: round(max(0.0, ten[mode]["step_ms"] - dram[mode]["step_ms"]), 2)
+            for mode in ("prefetch", "no_prefetch")}
+        out["checkpoint_ratio"] = round(ten["checkpoint_s"] / dram["checkpoint_s"], 3)
+    return out
+
+
+def plot(result: dict, path: str) -> str:
+    fig, (step_ax, io_ax) = plots.new_figure(12, 5, ncols=2)
+    fr = [f for f in FRACTIONS if f in result["budgets"]]
+    x = np.arange(len(fr))
+    for i, mode in enumerate(("no_prefetch", "prefetch")):
+        step_ax.bar(x + 0.4 * i, [result["budgets"][f][mode]["step_ms"] for f in fr], 0.4,
+                    label=mode)
+    step_ax.set_xticks(x + 0.2)
+    step_ax.set_xticklabels(fr)
+    step_ax.set(xlabel="DRAM budget (fraction of the table)", ylabel="median step ms",
+                title=f"{result['rows']} rows, {result['batch']}-key Zipf batches")
+    step_ax.legend(fontsize=8)
+    io_ax.plot(fr, [result["hit_rate"][f] for f in fr], "o-", label="DRAM hit rate")
+    io_ax.plot(fr, [result["rss_ratio_vs_dram"][f] for f in fr], "x--", label="RSS vs all-DRAM")
+    io_ax.set(xlabel="DRAM budget (fraction of the table)", title="hit rate and RSS")
+    io_ax.legend(fontsize=8)
+    return plots.write_figure(fig, path)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=50_000_000)
+    p.add_argument("--batch", type=int, default=100_000)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--fractions", nargs="+", default=list(FRACTIONS), choices=FRACTIONS)
+    p.add_argument("--spill-dir", default=None,
+                   help="parent of the SSD tiers' directories (default: the system temp dir)")
+    p.add_argument("--plot", default=None)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    spill_dir = args.spill_dir or tempfile.gettempdir()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.rows, args.batch, args.steps, spill_dir)))
+        return
+    common = ["--rows", str(args.rows), "--batch", str(args.batch), "--steps", str(args.steps),
+              "--spill-dir", spill_dir]
+    fractions = ["1.0"] + [f for f in args.fractions if f != "1.0"]
+    per = {f: run_worker([f] + common) for f in fractions}
+    result = {"rows": args.rows, "batch": args.batch, "dim": DIM, "optimizer": "adagrad",
+              "budgets": per, **summary(per)}
+    if args.plot:
+        result["plot"] = plot(result, args.plot)
+    emit(result, args.json)
+
+
+if __name__ == "__main__":
+    main()
