@@ -16,6 +16,17 @@ except ImportError:  # the property tests skip themselves without hypothesis
     pass
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+TFRA_MARKER = ("tfra: needs TensorFlow Recommenders-Addons, installed on the tf216 stack only "
+               "(docs/guide/stacks.md); the other stacks run `-m 'not tfra'`")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", TFRA_MARKER)
+
+
+def storage_params(storages):
+    """The storage backends as pytest parameters, the TFRA backend's marked ``tfra``."""
+    return [pytest.param(s, marks=pytest.mark.tfra) if s == "tfra" else s for s in storages]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 
