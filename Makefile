@@ -29,10 +29,11 @@ ifdef PYTHON_WANTED
 # The interpreter: python$(PYTHON_WANTED) if it runs (a pyenv shim on the PATH may not: it
 # fails unless that version is selected), else pyenv's own build of it; else one line saying
 # what to install. Evaluated only when the venv is created.
-PYTHON ?= $$(for p in python$(PYTHON_WANTED) "$$(pyenv root 2>/dev/null)"/versions/$(PYTHON_WANTED)*/bin/python$(PYTHON_WANTED) \
-	$$HOME/.pyenv/versions/$(PYTHON_WANTED)*/bin/python$(PYTHON_WANTED); do \
-	"$$p" -c 'import sys; assert sys.version_info[:2] == ($(subst .,$(comma),$(PYTHON_WANTED)))' 2>/dev/null && \
-	{ echo "$$p"; break; }; done)
+PY_NAME = python$(PYTHON_WANTED)
+PYTHON ?= $$(for p in $(PY_NAME) "$$(pyenv root 2>/dev/null)"/versions/$(PYTHON_WANTED)*/bin/$(PY_NAME) \
+	$$HOME/.pyenv/versions/$(PYTHON_WANTED)*/bin/$(PY_NAME); do \
+	"$$p" -c 'import sys; assert sys.version_info[:2] == ($(subst .,$(comma),$(PYTHON_WANTED)))' \
+	2>/dev/null && { echo "$$p"; break; }; done)
 endif
 comma := ,
 PY := $(VENV)/bin/python
@@ -63,8 +64,8 @@ netns-tools:
 	@command -v taskset >/dev/null 2>&1 || { apt-get update && apt-get install -y util-linux; }
 
 $(STAMP): $(REQUIREMENTS)
-	@py="$(PYTHON)"; [ -n "$$py" ] || { echo "STACK=$(STACK) needs Python $(PYTHON_WANTED): install it \
-	(pyenv install $(PYTHON_WANTED), or apt-get install python$(PYTHON_WANTED)-venv) and rerun"; exit 1; }; \
+	@py="$(PYTHON)"; [ -n "$$py" ] || { echo "STACK=$(STACK) needs Python $(PYTHON_WANTED): \
+	install it (pyenv install $(PYTHON_WANTED)) and rerun"; exit 1; }; \
 	echo "creating $(VENV) with $$py"; "$$py" -m venv $(VENV)
 	$(PIP) install --upgrade "pip<25" "setuptools<70" wheel
 	$(PIP) install -r $(REQUIREMENTS)

@@ -4,8 +4,8 @@ The custom ops in custom_ops/*.cc are compiled into ONE library,
 tf_fusedemb/_fusedemb_ops-tfX.Y.so, against the TensorFlow X.Y installed in the running Python
 (its tf.sysconfig flags). The name carries TensorFlow's version because a library built for
 one version does not load in another, and the two stacks (docs/guide/stacks.md) share this
-work tree; their objects are kept apart for the same reason. Install without build isolation so that TensorFlow is the one
-that will load the library:  pip install --no-build-isolation -e .
+work tree; their objects are kept apart for the same reason. Install without build
+isolation so that TensorFlow is the one that will load the library:  pip install --no-build-isolation -e .
 Set TF_FUSEDEMB_JOBS to change the number of parallel compile jobs (default: CPU count).
 """
 import glob
