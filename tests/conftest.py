@@ -24,9 +24,12 @@ def pytest_configure(config):
     config.addinivalue_line("markers", TFRA_MARKER)
 
 
+TFRA_NAMES = ("tfra", "dynamic")  # the TFRA backend: its storage name, its table's kind
+
+
 def storage_params(storages):
     """The storage backends as pytest parameters, the TFRA backend's marked ``tfra``."""
-    return [pytest.param(s, marks=pytest.mark.tfra) if s == "tfra" else s for s in storages]
+    return [pytest.param(s, marks=pytest.mark.tfra) if s in TFRA_NAMES else s for s in storages]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 
