@@ -141,7 +141,9 @@ pytest-tfra:
 # HOSTS=2 (or more) runs the NP workers on emulated hosts instead (tf_fusedemb.testing.cluster,
 # needs root): HOSTS hosts x NP/HOSTS ranks, each host's link LINK_MBIT Mbit/s, e.g.
 # `make train HOSTS=2` (2 x 1) or `make train HOSTS=2 NP=4 LINK_MBIT=300` (2 x 2).
-RUN_DIR ?= runs/main
+# Each stack trains into its own run directory (runs/main on tf216, runs/main-tf221 ...): a
+# rerun resumes its own stack's checkpoint, never the other's.
+RUN_DIR ?= runs/main$(if $(filter tf216,$(STACK)),,-$(STACK))
 TRAIN_ARGS ?= --model dlrm --data synthetic --steps 300 --batch-size 1024
 HOSTS ?= 1
 LINK_MBIT ?= 1000

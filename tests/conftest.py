@@ -24,6 +24,16 @@ def pytest_configure(config):
     config.addinivalue_line("markers", TFRA_MARKER)
 
 
+
+
+def _stack():
+    """The Makefile's STACK of the TensorFlow running the tests ("tf216", "tf221"): a test
+    that runs `make` passes it, so that make uses this stack's venv whatever the default."""
+    from importlib.metadata import version  # pylint: disable=import-outside-toplevel
+    return "tf" + "".join(version("tensorflow").split(".")[:2])
+
+
+STACK = _stack()
 TFRA_NAMES = ("tfra", "dynamic")  # the TFRA backend: its storage name, its table's kind
 
 
