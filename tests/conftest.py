@@ -34,6 +34,9 @@ def _stack():
 
 
 STACK = _stack()
+# That stack's venv and main-job run directory (the Makefile's VENV and RUN_DIR).
+STACK_VENV = ".venv" if STACK == "tf216" else f".venv-{STACK}"
+STACK_RUN_DIR = "runs/main" if STACK == "tf216" else f"runs/main-{STACK}"
 TFRA_NAMES = ("tfra", "dynamic")  # the TFRA backend: its storage name, its table's kind
 
 
