@@ -10,8 +10,9 @@ SHELL := /bin/bash
 #     with), no TFRA, in .venv-tf221; Horovod 0.28.1 patched by
 #     patches/horovod-0.28.1-tf2.21.patch (TF >= 2.20 breaks its unpatched build).
 # Each stack has its own venv, requirements file and op library (named after TF's version),
-# so switching between them rebuilds nothing.
-STACK ?= tf216
+# so switching between them rebuilds nothing. Set on make's command line only (a plain
+# assignment: an environment variable named STACK does not switch the stack).
+STACK := tf216
 ifeq ($(STACK),tf216)
 VENV := .venv
 REQUIREMENTS := requirements.txt
