@@ -1,6 +1,7 @@
 # tf_fusedemb: one-command setup on a fresh machine (see README.md).
 # Installs a pinned stack (docs/guide/stacks.md) into its own virtual environment, builds
-# Horovod from source with Gloo, builds the custom-op library and installs the package (editable).
+# Horovod from source with Gloo, builds the custom-op library and installs the package
+# (editable).
 SHELL := /bin/bash
 
 # The stack, chosen by one variable (docs/guide/stacks.md):
@@ -31,7 +32,8 @@ ifdef PYTHON_WANTED
 # fails unless that version is selected), else pyenv's own build of it; else one line saying
 # what to install. Evaluated only when the venv is created.
 PY_NAME = python$(PYTHON_WANTED)
-PYTHON ?= $$(for p in $(PY_NAME) "$$(pyenv root 2>/dev/null)"/versions/$(PYTHON_WANTED)*/bin/$(PY_NAME) \
+PYTHON ?= $$(for p in $(PY_NAME) \
+	"$$(pyenv root 2>/dev/null)"/versions/$(PYTHON_WANTED)*/bin/$(PY_NAME) \
 	$$HOME/.pyenv/versions/$(PYTHON_WANTED)*/bin/$(PY_NAME); do \
 	"$$p" -c 'import sys; assert sys.version_info[:2] == ($(subst .,$(comma),$(PYTHON_WANTED)))' \
 	2>/dev/null && { echo "$$p"; break; }; done)
