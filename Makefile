@@ -1,9 +1,44 @@
 # tf_fusedemb: one-command setup on a fresh machine (see README.md).
-# Installs the pinned stack of ../shared/ENVIRONMENT.md into .venv, builds Horovod from
-# source with Gloo, builds the custom-op library and installs the package (editable).
+# Installs a pinned stack (docs/guide/stacks.md) into its own virtual environment, builds
+# Horovod from source with Gloo, builds the custom-op library and installs the package
+# (editable).
 SHELL := /bin/bash
-PYTHON ?= python3
+
+# The stack, chosen by one variable (docs/guide/stacks.md):
+#   STACK=tf216 (default): TensorFlow 2.16.2 + tf_keras 2.16 + TFRA 0.8.1, the stack of
+#     ../shared/ENVIRONMENT.md, in .venv; the only one with TFRA (built for TF 2.16 only).
+#   STACK=tf221: TensorFlow 2.21 + tf_keras 2.21 on Python 3.12 (the Python it is tested
+#     with), no TFRA, in .venv-tf221; Horovod 0.28.1 patched by
+#     patches/horovod-0.28.1-tf2.21.patch (TF >= 2.20 breaks its unpatched build).
+# Each stack has its own venv, requirements file and op library (named after TF's version),
+# so switching between them rebuilds nothing. Set on make's command line only (a plain
+# assignment: an environment variable named STACK does not switch the stack).
+STACK := tf216
+ifeq ($(STACK),tf216)
 VENV := .venv
+REQUIREMENTS := requirements.txt
+PYTHON ?= python3
+HVD_PATCH :=
+else ifeq ($(STACK),tf221)
+VENV := .venv-tf221
+REQUIREMENTS := requirements-tf221.txt
+PYTHON_WANTED := 3.12
+HVD_PATCH := patches/horovod-0.28.1-tf2.21.patch
+else
+$(error STACK=$(STACK) is not a stack: use tf216 (default) or tf221 (docs/guide/stacks.md))
+endif
+ifdef PYTHON_WANTED
+# The interpreter: python$(PYTHON_WANTED) if it runs (a pyenv shim on the PATH may not: it
+# fails unless that version is selected), else pyenv's own build of it; else one line saying
+# what to install. Evaluated only when the venv is created.
+PY_NAME = python$(PYTHON_WANTED)
+PYTHON ?= $$(for p in $(PY_NAME) \
+	"$$(pyenv root 2>/dev/null)"/versions/$(PYTHON_WANTED)*/bin/$(PY_NAME) \
+	$$HOME/.pyenv/versions/$(PYTHON_WANTED)*/bin/$(PY_NAME); do \
+	"$$p" -c 'import sys; assert sys.version_info[:2] == ($(subst .,$(comma),$(PYTHON_WANTED)))' \
+	2>/dev/null && { echo "$$p"; break; }; done)
+endif
+comma := ,
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.stack-installed
@@ -38,27 +73,39 @@ netns-tools:
 		{ apt-get update && apt-get install -y iproute2; }
 	@command -v taskset >/dev/null 2>&1 || { apt-get update && apt-get install -y util-linux; }
 
-$(STAMP): requirements.txt
-	$(PYTHON) -m venv $(VENV)
+$(STAMP): $(REQUIREMENTS)
+	@py="$(PYTHON)"; [ -n "$$py" ] || { echo "STACK=$(STACK) needs Python $(PYTHON_WANTED): \
+	install it (pyenv install $(PYTHON_WANTED)) and rerun"; exit 1; }; \
+	echo "creating $(VENV) with $$py"; "$$py" -m venv $(VENV)
 	$(PIP) install --upgrade "pip<25" "setuptools<70" wheel
-	$(PIP) install -r requirements.txt
+	$(PIP) install -r $(REQUIREMENTS)
 	touch $@
 
-# Horovod must compile against the TensorFlow that runs it: no build isolation.
-$(HVD_STAMP): $(STAMP)
+# Horovod must compile against the TensorFlow that runs it: no build isolation. It is built
+# from the 0.28.1 source release (pip's sdist); a stack that names HVD_PATCH applies it first
+# (patches/: what each hunk does and why), so the patch is the only change to that release.
+HVD_VERSION := 0.28.1
+HVD_SRC := build/horovod-$(STACK)
+$(HVD_STAMP): $(STAMP) $(HVD_PATCH)
 	$(PIP) install cmake
+	rm -rf $(HVD_SRC) && mkdir -p $(HVD_SRC)
+	$(PIP) download --no-binary :all: --no-deps horovod==$(HVD_VERSION) -d $(HVD_SRC)
+	tar xzf $(HVD_SRC)/horovod-$(HVD_VERSION).tar.gz -C $(HVD_SRC)
+	$(if $(HVD_PATCH),patch -p1 -d $(HVD_SRC)/horovod-$(HVD_VERSION) < $(HVD_PATCH))
 	HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
 	HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_CPU_OPERATIONS=GLOO \
 	CMAKE_POLICY_VERSION_MINIMUM=3.5 MAKEFLAGS=-j2 \
 	PATH=$(abspath $(VENV))/bin:$$PATH \
-	$(PIP) install --no-build-isolation horovod==0.28.1
+	$(PIP) install --no-build-isolation $(HVD_SRC)/horovod-$(HVD_VERSION)
 	$(PY) -c "import horovod.tensorflow as hvd; assert hvd.gloo_built(), 'horovod built without gloo'"
 	touch $@
 
 # Build the custom-op library in place and install the package in editable mode.
 # The op library is rebuilt (and the package reinstalled, editable) only when its sources,
 # setup.py or the stack change, so `make train` / `make test` start the job at once.
-OPS_SO := tf_fusedemb/_fusedemb_ops.so
+# Its name carries TensorFlow's version (setup.py): each stack has its own.
+OPS_TF := $(if $(filter tf221,$(STACK)),2.21,2.16)
+OPS_SO := tf_fusedemb/_fusedemb_ops-tf$(OPS_TF).so
 ops: $(OPS_SO)
 $(OPS_SO): $(STAMP) setup.py $(wildcard custom_ops/*.cc custom_ops/*.h) | rocksdb-lib
 	$(PIP) install --no-build-isolation --no-deps -e .
@@ -94,8 +141,24 @@ docs: $(DOCS_STAMP)
 # timeouts, and every test is bounded by pytest-timeout so a hang fails instead of blocking CI.
 # tests/test_docs.py builds the site (strict) and tests/test_readme.py runs the code blocks
 # of the README and the guides: the docs requirements are installed first.
+# The tests that need TFRA (marked `tfra`, registered in tests/conftest.py) run on the tf216
+# stack only, the one that has TFRA; another stack leaves them out by that marker (not by a
+# skip: they are run, by `make test` on tf216 and by `make test-tf216`).
+TEST_SELECT := $(if $(filter tf216,$(STACK)),,-m "not tfra")
 test: typecheck $(DOCS_STAMP) setup
-	$(PY) -m pytest -q -rs --timeout=900 tests
+	$(PY) -m pytest -q -rs --timeout=900 $(TEST_SELECT) tests
+
+# The TF 2.16 stack's share of CI once another stack runs the whole suite: the tests marked
+# `tfra` (the TFRA backend, the benchmarks' TFRA baselines, the checkpoint round trip between
+# the two backends, and the 2-rank TFRA save restored onto 1 rank of tests/test_checkpoint.py,
+# the 2-rank job): 48 tests, 8 min 43 s on 2 shared cores (load 8), after its setup. Always
+# on tf216 whatever STACK says.
+.PHONY: test-tf216 pytest-tfra
+test-tf216:
+	$(MAKE) STACK=tf216 setup
+	$(MAKE) STACK=tf216 pytest-tfra
+pytest-tfra:
+	$(PY) -m pytest -q -rs --timeout=900 -m tfra tests
 
 # The main job: DLRM on Criteo-profile synthetic data (teacher labels), NP workers;
 # trains, evaluates, checkpoints and exports under runs/main. Rerunning it resumes from
@@ -104,7 +167,9 @@ test: typecheck $(DOCS_STAMP) setup
 # HOSTS=2 (or more) runs the NP workers on emulated hosts instead (tf_fusedemb.testing.cluster,
 # needs root): HOSTS hosts x NP/HOSTS ranks, each host's link LINK_MBIT Mbit/s, e.g.
 # `make train HOSTS=2` (2 x 1) or `make train HOSTS=2 NP=4 LINK_MBIT=300` (2 x 2).
-RUN_DIR ?= runs/main
+# Each stack trains into its own run directory (runs/main on tf216, runs/main-tf221 ...): a
+# rerun resumes its own stack's checkpoint, never the other's.
+RUN_DIR ?= runs/main$(if $(filter tf216,$(STACK)),,-$(STACK))
 TRAIN_ARGS ?= --model dlrm --data synthetic --steps 300 --batch-size 1024
 HOSTS ?= 1
 LINK_MBIT ?= 1000
@@ -196,4 +261,4 @@ sanitize: $(STAMP) rocksdb-lib sanitize-engine
 	$(SAN_ENV) $(PY) -m pytest -q -rs -p no:cacheprovider --capture=sys --timeout=900 $(SAN_TESTS)
 
 clean:
-	rm -rf build site tf_fusedemb/_fusedemb_ops.so *.egg-info
+	rm -rf build site tf_fusedemb/_fusedemb_ops-tf*.so *.egg-info

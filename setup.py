@@ -1,9 +1,11 @@
 """Build and install tf_fusedemb.
 
 The custom ops in custom_ops/*.cc are compiled into ONE library,
-tf_fusedemb/_fusedemb_ops.so, against the TensorFlow installed in the running Python
-(its tf.sysconfig flags). Install without build isolation so that TensorFlow is the one
-that will load the library:  pip install --no-build-isolation -e .
+tf_fusedemb/_fusedemb_ops-tfX.Y.so, against the TensorFlow X.Y installed in the running Python
+(its tf.sysconfig flags). The name carries TensorFlow's version because a library built for
+one version does not load in another, and the two stacks (docs/guide/stacks.md) share this
+work tree; their objects are kept apart for the same reason. Install without build
+isolation so that TensorFlow is the one that will load the library:  pip install --no-build-isolation -e .
 Set TF_FUSEDEMB_JOBS to change the number of parallel compile jobs (default: CPU count).
 """
 import glob
@@ -24,22 +26,29 @@ def _tf_flags():
     except ImportError as e:  # pragma: no cover - build-time message
         raise RuntimeError(
             "tf_fusedemb compiles its ops against the installed TensorFlow; install "
-            "tensorflow==2.16.2 first and build with --no-build-isolation") from e
+            "a stack first (`make setup`) and build with --no-build-isolation") from e
     return tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()
+
+
+def _tf_tag():
+    """"tf2.16", "tf2.21", ...: the TensorFlow the library is built for (its file name)."""
+    import tensorflow as tf
+    return "tf" + ".".join(tf.__version__.split(".")[:2])
 
 
 class BuildTfOps(build_ext):
     """Compiles the op library with g++ and TensorFlow's own flags (no Bazel needed)."""
 
     def get_ext_filename(self, ext_name):
-        # A fixed name, no Python ABI tag: the library is loaded by TF, not imported.
-        return os.path.join(*ext_name.split(".")) + ".so"
+        # No Python ABI tag: the library is loaded by TF, not imported; TF's version instead
+        # (tf_fusedemb/ops/_loader.py loads the one of the running TensorFlow).
+        return os.path.join(*ext_name.split(".")) + f"-{_tf_tag()}.so"
 
     def build_extension(self, ext):
         compile_flags, link_flags = _tf_flags()
         out = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(out), exist_ok=True)
-        obj_dir = os.path.join(self.build_temp, "custom_ops")
+        obj_dir = os.path.join(self.build_temp, "custom_ops-" + _tf_tag())
         os.makedirs(obj_dir, exist_ok=True)
         cxx = os.environ.get("CXX", "g++")
         base = [cxx, "-fPIC", "-O3", "-std=c++17", "-Wall", "-Wno-sign-compare",
@@ -70,10 +79,11 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.9",
     packages=find_packages(include=["tf_fusedemb", "tf_fusedemb.*"]),
-    package_data={"tf_fusedemb": ["_fusedemb_ops.so"], "tf_fusedemb.data": ["*.json"]},
+    package_data={"tf_fusedemb": ["_fusedemb_ops-tf*.so"], "tf_fusedemb.data": ["*.json"]},
     ext_modules=[Extension(LIB_NAME, sources=SOURCES)],
     cmdclass={"build_ext": BuildTfOps},
-    install_requires=["tensorflow==2.16.2", "tf_keras==2.16.0", "numpy>=1.26,<2"],
+    # The two stacks of docs/guide/stacks.md (requirements.txt, requirements-tf221.txt).
+    install_requires=["tensorflow>=2.16.2,<2.22", "tf_keras>=2.16,<2.22", "numpy>=1.26,<2"],
     extras_require={"tfra": ["tensorflow-recommenders-addons==0.8.1"],
                     "test": ["pytest>=7", "pytest-timeout>=2.1"]},
     zip_safe=False,

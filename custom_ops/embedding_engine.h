@@ -593,9 +593,12 @@ class Shard {
   // array (a control byte and a 4-byte ref per slot, plus absl's cloned control bytes,
   // all written when the array is made). Chunk tails never touched are left out: they
   // cost address space, not memory, so the figure follows the process's RSS.
+  // An index no larger than an empty one's capacity has no backing array: 0 slots before
+  // abseil's small-object optimisation, 1 slot held in the table itself with it (TF 2.21).
   size_t bytes_held() const {
+    static const size_t inline_capacity = Index(0, RefHash{nullptr}, RefEq{nullptr}).capacity();
     const size_t cap = index_.capacity();
-    const size_t index_bytes = cap == 0 ? 0 : cap * (1 + sizeof(uint32_t)) + 16;
+    const size_t index_bytes = cap <= inline_capacity ? 0 : cap * (1 + sizeof(uint32_t)) + 16;
     return full_.bytes_used() + meta_.bytes_used() + index_bytes;
   }
 

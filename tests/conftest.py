@@ -16,6 +16,33 @@ except ImportError:  # the property tests skip themselves without hypothesis
     pass
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+TFRA_MARKER = ("tfra: needs TensorFlow Recommenders-Addons, installed on the tf216 stack only "
+               "(docs/guide/stacks.md); the other stacks run `-m 'not tfra'`")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", TFRA_MARKER)
+
+
+
+
+def _stack():
+    """The Makefile's STACK of the TensorFlow running the tests ("tf216", "tf221"): a test
+    that runs `make` passes it, so that make uses this stack's venv whatever the default."""
+    from importlib.metadata import version  # pylint: disable=import-outside-toplevel
+    return "tf" + "".join(version("tensorflow").split(".")[:2])
+
+
+STACK = _stack()
+# That stack's venv and main-job run directory (the Makefile's VENV and RUN_DIR).
+STACK_VENV = ".venv" if STACK == "tf216" else f".venv-{STACK}"
+STACK_RUN_DIR = "runs/main" if STACK == "tf216" else f"runs/main-{STACK}"
+TFRA_NAMES = ("tfra", "dynamic")  # the TFRA backend: its storage name, its table's kind
+
+
+def storage_params(storages):
+    """The storage backends as pytest parameters, the TFRA backend's marked ``tfra``."""
+    return [pytest.param(s, marks=pytest.mark.tfra) if s in TFRA_NAMES else s for s in storages]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 

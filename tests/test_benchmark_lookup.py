@@ -33,6 +33,7 @@ def result():
     return json.loads(lines[-1])
 
 
+@pytest.mark.tfra  # the benchmark's baselines are TFRA's
 @pytest.mark.timeout(900)
 def test_structure(result):
     assert result["benchmark"] == "lookup"
@@ -56,6 +57,7 @@ def test_structure(result):
         assert result[key] > 0, key
 
 
+@pytest.mark.tfra  # the benchmark's baselines are TFRA's
 @pytest.mark.timeout(900)
 def test_profile_accounts_for_every_step(result):
     """--profile: every fused variant's step split into the categories on both ranks;
@@ -107,6 +109,7 @@ def test_alltoall_rounds(result):
     assert v["tfra_fused"]["graph_alltoall_ops"] == 4
 
 
+@pytest.mark.tfra  # the benchmark's baselines are TFRA's
 @pytest.mark.timeout(900)
 def test_fused_and_unfused_agree(result):
     v = result["variants"]

@@ -25,6 +25,7 @@ def result(tmp_path_factory):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.tfra  # the benchmark compares the engine with TFRA
 @pytest.mark.timeout(900)
 def test_structure(result):
     thr = result["throughput"]["threads_1"]

@@ -23,7 +23,7 @@ def run(num_proc, *args):
 @pytest.mark.parametrize("save_np,restore_np,storages", [
     (2, 1, ()), (1, 3, ()), (3, 2, ()),
     # written with the TFRA backend, restored onto the engine (TableSpec.storage)
-    (2, 1, ("tfra", "engine"))])
+    pytest.param(2, 1, ("tfra", "engine"), marks=pytest.mark.tfra)])
 def test_restore_on_another_world_size_continues_exactly(tmp_path, save_np, restore_np,
                                                           storages):
     ckpt = str(tmp_path / "ckpt")

@@ -160,6 +160,7 @@ def _assert_same_state(eng, ref, eng_stats, ref_stats, probe):
                                   ref_stats.counts_of(probe).numpy())
 
 
+@pytest.mark.tfra  # the reference is the TFRA-backed DynamicGroupTable
 @pytest.mark.parametrize("opt_name,admission", [("adagrad", False), ("adam", True),
                                                 ("ftrl", True), ("sgd", False)])
 def test_same_sequence_as_dynamic_table_and_access_statistics(opt_name, admission):

@@ -19,6 +19,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
+from conftest import storage_params
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import (STORAGES, AdmissionPolicy, EvictionPolicy, FeatureSpec,
                                FusionPlan, InitializerSpec, OptimizerSpec, TableSpec, plan_fusion)
@@ -259,7 +260,7 @@ def test_policy_specs_validate_and_round_trip():
 
 
 # ---------------------------------------------------------------- one process
-@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("storage", storage_params(STORAGES))
 def test_training_equals_reference_with_admission_ttl_and_cap(storage):
     x, y = data()
     ref, losses, stored = reference_run(x, y, STEPS)
@@ -270,7 +271,7 @@ def test_training_equals_reference_with_admission_ttl_and_cap(storage):
     assert_matches(ref, [got], losses, stored)
 
 
-@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("storage", storage_params(STORAGES))
 def test_checkpoint_restore_continues_the_policy_and_export_serves_initial_rows(tmp_path,
                                                                                 storage):
     from tf_fusedemb.inference import export_saved_model  # pylint: disable=import-outside-toplevel
@@ -360,7 +361,7 @@ def memory_run(policy, storage):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("storage", storage_params(STORAGES))
 def test_memory_stays_bounded_over_1000_steps_of_new_ids(storage):
     bounded, unbounded = memory_run(True, storage), memory_run(False, storage)
     assert len(bounded) == len(unbounded) == MEMORY_STEPS

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import equivalence_model as em
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, storage_params
 from horovod_launch import horovodrun
 from tf_fusedemb.specs import STORAGES
 
@@ -57,7 +57,7 @@ def run_single_process(*args):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("storage", storage_params(STORAGES))
 def test_single_process_equals_reference(storage):
     result = run_single_process("--steps", str(STEPS), "--storage", storage)
     assert_equivalent(result, 1)

@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, STACK
 from horovod_launch import horovodrun
 
 
@@ -27,8 +27,8 @@ def test_make_smoke_prints_no_cuda_factory_lines():
     call tf_fusedemb.quiet.install()) print TensorFlow's CUDA-factory error lines."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("TF_CPP", "TF_USE_LEGACY", "HOROVOD"))}
-    out = subprocess.run(["make", "--no-print-directory", "-o", "setup", "smoke"], cwd=REPO_ROOT,
-                         env=env, capture_output=True, text=True, timeout=360)
+    out = subprocess.run(["make", "--no-print-directory", "-o", "setup", "smoke", f"STACK={STACK}"],
+                         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=360)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
     assert len(re.findall(r"rows exact", text)) == 2 * 5, text[-3000:]

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, STACK
 
 TRAIN_ARGS = ("--model dlrm --data synthetic --steps 4 --batch-size 32 --rows 512 "
               "--eval-rows 128 --dim 4 --checkpoint-every 2")
@@ -17,7 +17,7 @@ def make_train(run_dir, *extra, timeout=400):
     """``make train`` with setup taken as done (``-o setup``: the test must not rebuild the
     op library the suite runs against); returns the CompletedProcess."""
     cmd = ["make", "--no-print-directory", "-o", "setup", "train", f"RUN_DIR={run_dir}",
-           "NP=2", f"TRAIN_ARGS={TRAIN_ARGS}", *extra]
+           "NP=2", f"TRAIN_ARGS={TRAIN_ARGS}", f"STACK={STACK}", *extra]
     try:
         return subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True,
                               timeout=timeout)
@@ -56,7 +56,7 @@ def test_fresh_is_the_explicit_way_to_start_afresh(tmp_path):
     """Only FRESH=1 removes the run directory (a dry run of the Makefile's recipe)."""
     def recipe(*extra):
         out = subprocess.run(["make", "--no-print-directory", "-n", "-o", "setup", "train",
-                              f"RUN_DIR={tmp_path}", *extra], cwd=REPO_ROOT,
+                              f"RUN_DIR={tmp_path}", f"STACK={STACK}", *extra], cwd=REPO_ROOT,
                              capture_output=True, text=True, timeout=60, check=True)
         return out.stdout
     assert f"rm -rf {tmp_path}" not in recipe()
@@ -64,8 +64,8 @@ def test_fresh_is_the_explicit_way_to_start_afresh(tmp_path):
     assert "-m tf_fusedemb.train" in recipe() and "testing.faults" not in recipe()
     env = dict(os.environ, TRAIN_FAULT="rank=0,step=1,phase=step")
     out = subprocess.run(["make", "--no-print-directory", "-n", "-o", "setup", "train",
-                          f"RUN_DIR={tmp_path}"], cwd=REPO_ROOT, capture_output=True,
-                         text=True, timeout=60, check=True, env=env)
+                          f"RUN_DIR={tmp_path}", f"STACK={STACK}"], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=60, check=True, env=env)
     assert "testing.faults" not in out.stdout  # an environment variable does not switch it on
     assert "-m tf_fusedemb.testing.faults --fault rank=1,step=3,phase=step -m tf_fusedemb.train" \
         in recipe("TRAIN_FAULT=rank=1,step=3,phase=step")

@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Tuple
 
 import pytest
 
-from conftest import REPO_ROOT, SHARED_DATA
+from conftest import REPO_ROOT, SHARED_DATA, STACK, STACK_RUN_DIR, STACK_VENV
 
 README = REPO_ROOT / "README.md"
 DOCS = REPO_ROOT / "docs"
@@ -209,6 +209,17 @@ def python_source(block: Block, blocks: List[Block]) -> str:
     return "\n".join([base[0].text] + [b.text for b in followers])
 
 
+def on_this_stack(command: str) -> str:
+    """The README's shell command, written for the default stack (tf216: .venv, runs/main),
+    as it reads on the stack running the tests (docs/guide/stacks.md): its venv, `make` with
+    its STACK, its run directory. Unchanged on tf216."""
+    if STACK == "tf216":
+        return command
+    command = re.sub(r"(?<![\w.-])\.venv/", STACK_VENV + "/", command)
+    command = re.sub(r"\bmake ", f"make STACK={STACK} ", command)
+    return command.replace("runs/main/", STACK_RUN_DIR + "/")
+
+
 def check_output(what: str, out: subprocess.CompletedProcess) -> str:
     text = out.stdout + out.stderr
     assert out.returncode == 0, f"{what} failed ({out.returncode}):\n{text[-5000:]}"
@@ -278,7 +289,8 @@ def test_readme_and_guides_code_blocks_run(workdir):
                 continue
             commands = rest[0](block.text) if kind == "substitute" else [block.text]
             for command in commands:
-                text = check_output(f"{block.where}: {command}", run(command, workdir, shell=True))
+                text = check_output(f"{block.where}: {command}",
+                                    run(on_this_stack(command), workdir, shell=True))
                 _check_block_result(first, command, text, workdir)
             ran.append(block.where + (" (short settings)" if kind == "substitute" else ""))
         timings.append((time.monotonic() - start, block.where))
@@ -295,7 +307,7 @@ def _check_block_result(first: str, command: str, text: str, workdir) -> None:
         assert lines and "samples/s" not in lines[0], \
             f"the first progress line shows a samples/s before any timed step: {lines[:2]}"
         assert "samples/s" in lines[-1] and "RESULT {" in text, text[-3000:]
-        assert (workdir / "runs" / "main" / "ckpt" / "latest").exists()
+        assert (workdir / STACK_RUN_DIR / "ckpt" / "latest").exists()
     if command.startswith("make -n -o setup train HOSTS=2"):
         assert "tf_fusedemb.testing.cluster --hosts 2 --ranks-per-host 1" in text, text
     if "tf_fusedemb.serve" in command:

@@ -11,6 +11,7 @@ import pytest
 from tf_fusedemb.storage import serial_insert
 
 
+@pytest.mark.tfra
 def test_storage_sets_tfra_insert_parallelism_to_one():
     import tf_fusedemb.storage.dynamic_table  # noqa: F401  pylint: disable=import-outside-toplevel
     assert os.environ[serial_insert.INSERT_THREADS_ENV] == "1"
@@ -23,6 +24,7 @@ def test_a_user_value_is_overridden_with_a_warning(monkeypatch):
     assert os.environ[serial_insert.INSERT_THREADS_ENV] == "1"
 
 
+@pytest.mark.tfra
 def test_bulk_load_on_eight_threads_keeps_every_row():
     """324k rows into one table with 8 intra-op threads: every row stored, exactly."""
     script = textwrap.dedent("""

@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
+from conftest import storage_params
 from tf_fusedemb.specs import InitializerSpec, OptimizerSpec
 from tf_fusedemb.storage import (DynamicGroupTable, RowOptimizer, StaticGroupTable, init_rows,
                                  init_rows_np)
@@ -247,7 +248,7 @@ def assert_exports_equal(a, b, slot_names):
         assert_close(a[n].numpy(), b[n].numpy(), err_msg=n)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", storage_params(KINDS))
 @pytest.mark.parametrize("init", [InitializerSpec.uniform(), InitializerSpec.truncated_normal(),
                                   InitializerSpec.zeros()], ids=lambda s: s.name)
 def test_lookup_new_keys_is_init_and_not_inserted(kind, init):
@@ -260,7 +261,7 @@ def test_lookup_new_keys_is_init_and_not_inserted(kind, init):
     assert table.size().numpy() == 0 and table.export()["keys"].shape == (0,)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", storage_params(KINDS))
 @pytest.mark.parametrize("spec", OPTS, ids=lambda s: s.name)
 def test_apply_gradients_matches_row_optimizer(kind, spec):
     table, ref = make_table(kind, spec), RefTable(spec, InitializerSpec.normal(), 4)
@@ -283,6 +284,7 @@ def test_apply_gradients_matches_row_optimizer(kind, spec):
         assert_close(exported[n].numpy(), want, err_msg=n)
 
 
+@pytest.mark.tfra
 @pytest.mark.parametrize("spec", OPTS, ids=lambda s: s.name)
 def test_dynamic_and_static_agree(spec):
     dyn, eng, sta = (make_table(k, spec) for k in KINDS)
@@ -297,7 +299,7 @@ def test_dynamic_and_static_agree(spec):
     assert_exports_equal(eng.export(), sta.export(), spec.slot_names)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", storage_params(KINDS))
 def test_contains_and_remove_are_the_interface(kind):
     """contains/remove are declared by GroupTable (the backend interface); a static
     table answers contains and refuses remove (its memory is fixed)."""
@@ -315,6 +317,7 @@ def test_contains_and_remove_are_the_interface(kind):
                                   init_rows_np(np.array([3]), 4, InitializerSpec.normal()))
 
 
+@pytest.mark.tfra
 def test_init_keys_seed_new_rows():
     """Storage keys may be packed per group; the initial row follows the plan-independent init key."""
     spec, init = OptimizerSpec.adagrad(0.1), InitializerSpec.uniform()
@@ -334,7 +337,7 @@ def test_init_keys_seed_new_rows():
         make_table("static", spec, init, init_keys=np.arange(3))
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", storage_params(KINDS))
 def test_eager_and_two_functions(kind):
     spec = OptimizerSpec.adam(0.01)
     table, ref = make_table(kind, spec), RefTable(spec, InitializerSpec.normal(), 4)
@@ -370,7 +373,7 @@ def test_eager_and_two_functions(kind):
     assert_exports_equal(tf.function(table.export)(), table.export(), spec.slot_names)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", storage_params(KINDS))
 def test_graph_mode_returns_op(kind):
     with tf.Graph().as_default():
         table = make_table(kind, OptimizerSpec.sgd(0.1))
@@ -392,8 +395,8 @@ def test_static_out_of_range_names_table(bad):
     assert table.size().numpy() == 0
 
 
-@pytest.mark.parametrize("src_kind", KINDS)
-@pytest.mark.parametrize("dst_kind", KINDS)
+@pytest.mark.parametrize("src_kind", storage_params(KINDS))
+@pytest.mark.parametrize("dst_kind", storage_params(KINDS))
 def test_export_load_round_trip(src_kind, dst_kind):
     spec = OptimizerSpec.ftrl(0.1, l1=0.01)
     src, dst = make_table(src_kind, spec, name="src"), make_table(dst_kind, spec, name="dst")
@@ -410,7 +413,7 @@ def test_export_load_round_trip(src_kind, dst_kind):
     assert_exports_equal(dst.export(), src.export(), spec.slot_names)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", storage_params(KINDS))
 def test_load_without_slots_starts_them_fresh(kind):
     spec = OptimizerSpec.adagrad(0.1, 0.3)
     table = make_table(kind, spec)
@@ -420,7 +423,7 @@ def test_load_without_slots_starts_them_fresh(kind):
     np.testing.assert_array_equal(out["accumulator"].numpy(), np.float32(0.3))
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", storage_params(KINDS))
 def test_explicit_step_and_empty_batch(kind):
     spec = OptimizerSpec.adam(0.1)
     split, whole = make_table(kind, spec), make_table(kind, spec)
@@ -435,6 +438,7 @@ def test_explicit_step_and_empty_batch(kind):
     assert whole.step.numpy() == 2 and whole.size().numpy() == 3
 
 
+@pytest.mark.tfra
 def test_validate_unique():
     table = make_table("dynamic", OptimizerSpec.sgd(0.1), validate_unique=True)
     with pytest.raises(tf.errors.InvalidArgumentError, match="DynamicGroupTable g0_d4: apply_gradients needs unique keys"):
@@ -442,6 +446,7 @@ def test_validate_unique():
     table.apply_gradients([1, 2], tf.ones([2, 4]))
 
 
+@pytest.mark.tfra
 def test_bad_arguments_name_table():
     table = make_table("dynamic", OptimizerSpec.sgd(0.1), name="ads")
     with pytest.raises(TypeError, match="'ads': grads must be float32"):
@@ -456,6 +461,7 @@ def test_bad_arguments_name_table():
         StaticGroupTable("x", 2, InitializerSpec(), OptimizerSpec.sgd(0.1), vocabulary_size=0)
 
 
+@pytest.mark.tfra
 def test_same_name_tables_are_independent():
     """A rebuilt model reuses group names; its tables must not share rows with the old ones."""
     a, b = make_table("dynamic", OptimizerSpec.sgd(0.1)), make_table("dynamic", OptimizerSpec.sgd(0.1))
@@ -466,7 +472,7 @@ def test_same_name_tables_are_independent():
     assert sorted(v.name for v in c.slots.values()) == ["g1-accumulator", "g1-linear"]
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "static"])
+@pytest.mark.parametrize("kind", storage_params(["dynamic", "static"]))
 def test_checkpoint_round_trip(kind, tmp_path):
     spec = OptimizerSpec.adagrad(0.1)
     src, dst = make_table(kind, spec), make_table(kind, spec)

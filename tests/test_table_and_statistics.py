@@ -20,6 +20,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
+from conftest import storage_params
 from tf_fusedemb.inference import export_saved_model
 from tf_fusedemb.layers import FusedEmbedding
 from tf_fusedemb.models import FusedModel
@@ -49,7 +50,7 @@ def _data(n=64, seed=0):
     return x, (x["u"] % 2).astype(np.float32)
 
 
-@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("storage", storage_params(STORAGES))
 def test_evaluate_and_predict_do_not_count_accesses(storage):
     model, layer = _model(storage)
     x, y = _data()
@@ -63,7 +64,7 @@ def test_evaluate_and_predict_do_not_count_accesses(storage):
     assert stats.export()["keys"].size == layer.groups[0].table.export()["keys"].shape[0]
 
 
-@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("storage", storage_params(STORAGES))
 def test_restore_gives_every_row_its_identity_even_without_its_statistics(tmp_path, storage):
     model, layer = _model(storage)
     x, y = _data()
@@ -90,7 +91,7 @@ def test_restore_gives_every_row_its_identity_even_without_its_statistics(tmp_pa
     np.testing.assert_allclose(served.numpy(), trained, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("storage", storage_params(STORAGES))
 def test_export_of_a_model_that_never_trained(tmp_path, storage):
     model, _ = _model(storage)
     x = {k: tf.constant(v) for k, v in _data(8)[0].items()}
@@ -114,6 +115,7 @@ def _corrupt_like_tfra(monkeypatch, table):
     monkeypatch.setattr(table.values, "export", corrupted)
 
 
+@pytest.mark.tfra
 def test_checkpoint_and_export_do_not_trust_the_hash_table_iteration(tmp_path, monkeypatch):
     model, layer = _model("tfra")  # the TFRA backend's iteration is what fails
     x, y = _data()
@@ -141,7 +143,7 @@ def test_checkpoint_and_export_do_not_trust_the_hash_table_iteration(tmp_path, m
     np.testing.assert_allclose(served.numpy(), trained, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("storage", storage_params(STORAGES))
 def test_a_stored_row_without_identity_is_an_error_not_a_silent_drop(storage):
     model, layer = _model(storage)
     model.fit(*_data(), batch_size=16, epochs=1, verbose=0)
@@ -152,6 +154,7 @@ def test_a_stored_row_without_identity_is_an_error_not_a_silent_drop(storage):
         group.stored_rows()
 
 
+@pytest.mark.tfra
 @pytest.mark.parametrize("src,dst", [("tfra", "engine"), ("engine", "tfra")])
 def test_a_checkpoint_restores_onto_the_other_backend(tmp_path, src, dst):
     """Rows, slots, step and statistics saved from one backend restore onto the other,

@@ -53,8 +53,17 @@ __all__ = ["ENV_DEFAULTS", "KERAS_ENV_DEFAULT", "filter_stderr_fd", "install",
 KERAS_ENV_DEFAULT = {"TF_USE_LEGACY_KERAS": "1"}  # the project's commands (TFRA needs it)
 ENV_DEFAULTS = dict(KERAS_ENV_DEFAULT, TF_CPP_MIN_LOG_LEVEL="2")
 # C++ lines of `import tensorflow` that say nothing on any machine (see module docstring).
-TF_IMPORT_NOISE = re.compile(rb"Unable to register cu(FFT|DNN|BLAS) factory: Attempting to "
-                             rb"register factory for plugin cu(FFT|DNN|BLAS) when one has already")
+# TF 2.21 (docs/guide/stacks.md) logs its import-time INFO lines before absl's logging is
+# initialised, where TF_CPP_MIN_LOG_LEVEL does not apply yet: the same lines (oneDNN, no CUDA
+# driver, CPU instructions) that the level hides on TF 2.16, dropped by their exact text.
+TF_IMPORT_NOISE = re.compile(
+    rb"Unable to register cu(FFT|DNN|BLAS) factory: Attempting to "
+    rb"register factory for plugin cu(FFT|DNN|BLAS) when one has already"
+    rb"|^WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR"
+    rb"|^I0000 [0-9:. ]+ +\d+ (port\.cc:\d+\] oneDNN custom operations are on"
+    rb"|cudart_stub\.cc:\d+\] Could not find cuda drivers on your machine"
+    rb"|cpu_feature_guard\.cc:\d+\] This TensorFlow binary is optimized)"
+    rb"|^To enable the following instructions: .* rebuild TensorFlow with the appropriate")
 TFRA_PRINT_NOISE = " _SingleDeviceSaver removed after tf version 2.15"
 TFRA_LOG_NOISE = "dynamic_embedding.GraphKeys has already been deprecated"
 

@@ -1,4 +1,4 @@
-"""Lazy loader of tf_fusedemb/_fusedemb_ops.so.
+"""Lazy loader of tf_fusedemb/_fusedemb_ops-tfX.Y.so, the build for the running TensorFlow X.Y.
 
 The library is loaded on the first call of an op wrapper, never at import, so
 ``import tf_fusedemb`` stays cheap and works before the library is built.
@@ -12,8 +12,11 @@ from typing import Any, Callable, Optional
 
 import tensorflow as tf
 
+# Named after the TensorFlow it was built against (setup.py): a build for another version
+# does not load, and each stack of docs/guide/stacks.md builds its own in this directory.
+_TF_VERSION = ".".join(tf.__version__.split(".")[:2])
 LIBRARY_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                            "_fusedemb_ops.so")
+                            f"_fusedemb_ops-tf{_TF_VERSION}.so")
 LIBRARY_ENV = "TF_FUSEDEMB_OPS_LIBRARY"
 # The embedding storage engine's ops (custom_ops/embedding_engine_ops.cc).
 ENGINE_OP_NAMES = ("EngineHandle", "EngineLookup", "EngineApplyGradients", "EngineRecord",
