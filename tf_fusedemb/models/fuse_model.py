@@ -102,7 +102,7 @@ def fuse_functional(model: Any, dialect: KerasDialect, optimizer: OptimizerSpec,
                     dynamic: bool, name: str, **layer_kwargs: Any) -> Any:
     """``fuse_model`` for the Keras that ``dialect`` describes (arguments as there)."""
     config = _functional_config(model, dialect)
-    embeddings = [l for l in model.layers if isinstance(l, dialect.embedding_class)]
+    embeddings: List[Any] = [l for l in model.layers if isinstance(l, dialect.embedding_class)]
     _check_convertible(model, embeddings, name, dialect)
     features, calls = _features(config, embeddings, optimizer, dynamic, dialect)
     layer = dialect.fused_class(features, name=name, **layer_kwargs)
