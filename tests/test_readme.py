@@ -138,6 +138,10 @@ SHELL: Dict[str, tuple] = {
         "take minutes: tests/test_benchmark_lookup.py and tests/test_benchmark_pipeline.py "
         "run them with short settings (the pipeline one on emulated hosts where possible)"),
     ".venv/bin/python -m tf_fusedemb.testing.module_graph --local": ("run",),
+    "make test                 # the tf216 stack (default): the whole suite": (
+        "skip",
+        "the suite itself (CI runs `make test`) and the other stack's setup and suite (tens "
+        "of minutes: the TF 2.21 venv and its Horovod build)"),
     "python -m tf_fusedemb.benchmarks.lookup --json --variants fused,fused_bf16 --profile": (
         "skip",
         "a benchmark of minutes: tests/test_benchmark_lookup.py runs it with --profile 2 and "
