@@ -1,17 +1,21 @@
 """``ShardedCheckpoint``: Keras's ``BackupAndRestore`` for models with FusedEmbedding
 layers. Put it in ``fit``'s callbacks and ``fit`` saves the sharded state every
-``every_epochs`` epochs, and a ``fit`` started again (after a crash, or on another number
-of ranks) resumes from the last complete checkpoint at the epoch after it, as if it had
-not stopped.
+``every_epochs`` epochs (and, with ``every_steps``, every that many training steps), and a
+``fit`` started again (after a crash, or on another number of ranks) resumes from the last
+complete checkpoint, as Keras's own ``BackupAndRestore`` resumes:
 
     model.fit(data, epochs=10, callbacks=[ShardedCheckpoint("runs/ckpt")])
 
 What it saves is :class:`~tf_fusedemb.training.checkpoint.CheckpointManager`'s checkpoint
 (atomic, every rank's rows and the dense state and optimizer once): a collective, so every
-rank passes the callback. It resumes the way Keras's own ``BackupAndRestore`` does: Keras
-asks the model's ``_training_state`` for the epoch to start at, which this callback
-provides after restoring (Keras's protocol, not an attribute of ours).
+rank passes the callback. It resumes the way tf_keras's ``BackupAndRestore`` does: Keras
+asks the model's ``_training_state`` for the epoch and step to start at, which this
+callback provides after restoring (Keras's protocol, not an attribute of ours). After a
+checkpoint saved inside an epoch, ``fit`` runs that epoch's remaining steps, reading them
+from the epoch's data afresh (Keras's convention for ``BackupAndRestore(save_freq=N)``:
+the data iterator is not part of a checkpoint).
 """
+import dataclasses
 import os
 from typing import Any, Dict, Optional, Tuple
 
@@ -22,39 +26,68 @@ from tf_fusedemb.training.checkpoint import CheckpointManager
 __all__ = ["ShardedCheckpoint"]
 
 
+@dataclasses.dataclass(frozen=True)
+class FitPosition:
+    """Where ``fit`` stands: ``epoch`` (the one running, or the next after an epoch's end),
+    ``step`` (steps of that epoch done) and ``steps`` (training steps done in all)."""
+    epoch: int = 0
+    step: int = 0
+    steps: int = 0
+
+    @staticmethod
+    def of_state(state: Dict[str, Any]) -> "FitPosition":
+        return FitPosition(int(state.get("epoch", 0)), int(state.get("step", 0)),
+                           int(state.get("steps", 0)))
+
+
 class _ResumeAt:
     """What Keras's fit asks for the epoch and step to start at (``_training_state``)."""
 
-    def __init__(self, epoch: int):
-        self.epoch = epoch
+    def __init__(self, position: FitPosition):
+        self.position = position
 
     def maybe_load_initial_counters_from_ckpt(self, steps_per_epoch: Any, initial_epoch: int,
                                               mode: Any = None) -> Tuple[int, int]:
-        del steps_per_epoch, mode
-        return max(self.epoch, initial_epoch), 0
+        del mode
+        epoch, step = self.position.epoch, self.position.step
+        if steps_per_epoch is not None and step >= int(steps_per_epoch):
+            epoch, step = epoch + 1, 0  # saved at an epoch's last step
+        if epoch < initial_epoch:
+            return initial_epoch, 0
+        return epoch, step
 
 
 class ShardedCheckpoint(tf_keras.callbacks.Callback):
-    """Saves the model's sharded state every ``every_epochs`` epochs (and at the end of
-    ``fit``) into ``directory``, keeping ``max_to_keep``; resumes ``fit`` from the latest
-    complete checkpoint there.
+    """Saves the model's sharded state every ``every_epochs`` epochs, every ``every_steps``
+    training steps if given, and at the end of ``fit``, into ``directory``, keeping
+    ``max_to_keep``; resumes ``fit`` from the latest complete checkpoint there.
 
     Args:
       directory: shared by all ranks (one host, or a shared filesystem).
       every_epochs: save after every this many epochs (>= 1).
+      every_steps: also save after every this many training steps (>= 1; None: not
+        inside epochs). With ``steps_per_execution`` > 1 a save falls on the first
+        execution that reaches the count.
       max_to_keep: complete checkpoints kept.
     """
 
-    def __init__(self, directory: str, every_epochs: int = 1, max_to_keep: int = 3):
+    def __init__(self, directory: str, every_epochs: int = 1,
+                 every_steps: Optional[int] = None, max_to_keep: int = 3):
         super().__init__()
         if int(every_epochs) < 1:
             raise ValueError(f"ShardedCheckpoint: every_epochs must be >= 1, got {every_epochs}")
+        if every_steps is not None and int(every_steps) < 1:
+            raise ValueError(f"ShardedCheckpoint: every_steps must be >= 1 or None, "
+                             f"got {every_steps}")
         self.directory = directory
         self.every_epochs = int(every_epochs)
+        self.every_steps = None if every_steps is None else int(every_steps)
         self.max_to_keep = max_to_keep
         self._manager: Optional[CheckpointManager] = None
-        self._saved_epoch = -1
-        self._finished_epoch = 0
+        self._position = FitPosition()
+        self._saved_steps = 0
+        self._saves = 0  # numbers the checkpoints: ckpt-<saves>
+        self._epoch_step = 0  # steps of the running epoch done
 
     def _checkpoints(self) -> CheckpointManager:
         if self._manager is None:
@@ -65,23 +98,39 @@ class ShardedCheckpoint(tf_keras.callbacks.Callback):
     def on_train_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:
         os.makedirs(self.directory, exist_ok=True)
         meta = self._checkpoints().restore()
-        epoch = int(meta["state"].get("epoch", 0)) if meta is not None else 0
-        self._saved_epoch = self._finished_epoch = epoch
-        self.model._training_state = _ResumeAt(epoch)  # Keras's resume protocol (see module doc)
+        self._position = FitPosition.of_state(meta["state"]) if meta else FitPosition()
+        self._saves = int(meta["step"]) if meta else 0
+        self._saved_steps = self._position.steps
+        self.model._training_state = _ResumeAt(self._position)  # Keras's resume protocol
+
+    def on_epoch_begin(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        resumed = epoch == self._position.epoch  # a resumed epoch starts at its saved step
+        self._epoch_step = self._position.step if resumed else 0
+        self._position = FitPosition(epoch, self._epoch_step, self._position.steps)
+
+    def on_train_batch_end(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        # ``batch``: the epoch's last step done, 0-based (with steps_per_execution > 1, the
+        # last of the execution's steps).
+        steps = self._position.steps + batch + 1 - self._epoch_step
+        self._epoch_step = batch + 1
+        self._position = FitPosition(self._position.epoch, batch + 1, steps)
+        if self.every_steps and self._position.steps - self._saved_steps >= self.every_steps:
+            self._save()
 
     def on_epoch_end(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
-        self._finished_epoch = epoch + 1
+        self._position = FitPosition(epoch + 1, 0, self._position.steps)
         if (epoch + 1) % self.every_epochs == 0:
-            self._save(epoch + 1)
+            self._save()
 
     def on_train_end(self, logs: Optional[Dict[str, Any]] = None) -> None:
-        if self._finished_epoch > self._saved_epoch:
-            self._save(self._finished_epoch)
+        if self._position.steps > self._saved_steps:  # steps since the last save
+            self._save()
         self.model._training_state = None
 
-    def _save(self, epoch: int) -> None:
+    def _save(self) -> None:
         flush = getattr(self.model, "flush_pipeline", None)
-        if flush is not None:  # FusedModel's delayed row updates belong to this epoch
+        if flush is not None:  # FusedModel's delayed row updates belong to these steps
             flush()
-        self._checkpoints().save(epoch, {"epoch": epoch})
-        self._saved_epoch = epoch
+        self._saves += 1
+        self._checkpoints().save(self._saves, dataclasses.asdict(self._position))
+        self._saved_steps = self._position.steps
