@@ -59,6 +59,31 @@ def test_keras3_export_serves_the_same_predictions(tmp_path):
     np.testing.assert_allclose(served["probability"].numpy(), tf.sigmoid(want).numpy(), **TOL)
 
 
+def test_keras3_sharded_checkpoint_resumes_as_keras_backup_and_restore(tmp_path):
+    """Keras 3 fit saved every 4 steps, interrupted at step 7 of epoch 1 and resumed on a
+    freshly built model: tf_fusedemb.keras3.ShardedCheckpoint(every_steps=4) resumes where
+    Keras 3's BackupAndRestore(save_freq=4) resumes the same model with ordinary Embedding
+    layers (epoch 1 again, from the state after its step 4), and the two end equal."""
+    from tf_fusedemb.keras3 import ShardedCheckpoint
+    x, y = kpth.data(kpth.BATCH * 8)
+    ref_first = kpth.functional(keras, False)
+    initial = kpth.initial_weights(*ref_first)
+    fused_first = kpth.functional(keras, True, "sgd")
+    kpth.load_weights(*fused_first, initial)
+    fused, layer, got = kpth.interrupted_then_resumed(
+        keras, "sgd", x, y, fused_first, lambda: kpth.functional(keras, True, "sgd"),
+        lambda: ShardedCheckpoint(str(tmp_path / "fused"), every_steps=4))
+    ref, embeds, want = kpth.interrupted_then_resumed(
+        keras, "sgd", x, y, ref_first, lambda: kpth.functional(keras, False),
+        lambda: keras.callbacks.BackupAndRestore(str(tmp_path / "ref"), save_freq=4))
+    assert got.epoch == want.epoch == [1, 2]
+    np.testing.assert_allclose(got.history["loss"], want.history["loss"], **TOL)
+    np.testing.assert_allclose(fused.predict(x, verbose=0), ref.predict(x, verbose=0), **TOL)
+    tables, _ = kpth.fused_tables(layer)
+    for f, emb in embeds.items():
+        np.testing.assert_allclose(tables[f], emb.get_weights()[0], **TOL, err_msg=f)
+
+
 def test_keras3_fuse_model_trains_like_the_original():
     """fuse_model of a functional Keras 3 model: the same predictions before training, and
     Keras 3 fit of the fused model equals Keras 3 fit of the original (from a copy)."""

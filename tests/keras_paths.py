@@ -258,3 +258,46 @@ def keras3_on_ranks(weights):
     return {"tables": tables, "owned": owned, "losses": out["losses"],
             "dense": [v.numpy() for v in model.trainable_variables],
             "predictions": model.predict(x, batch_size=BATCH, verbose=0).reshape(-1)}
+
+
+class Interrupted(Exception):
+    """What ``stop_at``'s callback raises: a crash in the middle of an epoch."""
+
+
+def stop_at(k, epoch, batch):
+    """A ``k.callbacks.Callback`` that raises Interrupted after step ``batch`` (0-based)
+    of epoch ``epoch``."""
+
+    class StopAt(k.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.epoch = None
+
+        def on_epoch_begin(self, epoch_now, logs=None):
+            self.epoch = epoch_now
+
+        def on_train_batch_end(self, batch_now, logs=None):
+            if (self.epoch, batch_now) == (epoch, batch):
+                raise Interrupted((epoch, batch))
+
+    return StopAt()
+
+
+def interrupted_then_resumed(k, optimizer, x, y, first, build_again, checkpoint):
+    """``fit(epochs=3)`` of ``first`` (model, layer) with the callback ``checkpoint()``,
+    interrupted after step 6 of epoch 1; then ``fit`` again, with a new ``checkpoint()``,
+    of the model ``build_again()`` makes (its own initial weights: the restore decides).
+    Returns (that model, its layer, the resumed fit's History)."""
+    fit = dict(batch_size=BATCH, epochs=3, shuffle=False, verbose=0)
+    model, _ = first
+    model.compile(optimizer=keras_optimizer(k, optimizer),
+                  loss=k.losses.BinaryCrossentropy(from_logits=True))
+    try:
+        model.fit(x, y, **fit, callbacks=[checkpoint(), stop_at(k, 1, 6)])
+        raise AssertionError("fit was not interrupted")
+    except Interrupted:
+        pass
+    model, layer = build_again()
+    model.compile(optimizer=keras_optimizer(k, optimizer),
+                  loss=k.losses.BinaryCrossentropy(from_logits=True))
+    return model, layer, model.fit(x, y, **fit, callbacks=[checkpoint()])

@@ -214,25 +214,6 @@ def test_sharded_checkpoint_callback_resumes_fit(tmp_path, model_class):
         np.testing.assert_allclose(got_tables[f], want_tables[f], **TOL, err_msg=f)
 
 
-class Interrupted(Exception):
-    """What StopAt raises: a crash in the middle of an epoch."""
-
-
-class StopAt(tf_keras.callbacks.Callback):
-    """Raises Interrupted after step ``batch`` (0-based) of epoch ``epoch``."""
-
-    def __init__(self, epoch, batch):
-        super().__init__()
-        self.at, self.epoch = (epoch, batch), None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if (self.epoch, batch) == self.at:
-            raise Interrupted(self.at)
-
-
 def test_sharded_checkpoint_every_steps_resumes_as_keras_backup_and_restore(tmp_path):
     """Saved every 4 steps, interrupted at step 7 of epoch 1 (of 8 steps each) and resumed
     on a freshly built model: ShardedCheckpoint(every_steps=4) resumes where Keras's own
@@ -241,31 +222,16 @@ def test_sharded_checkpoint_every_steps_resumes_as_keras_backup_and_restore(tmp_
     and the two end equal: resumed losses, predictions and every row."""
     from tf_fusedemb.models import ShardedCheckpoint
     x, y = kpth.data(kpth.BATCH * 8)
-    fit = dict(batch_size=kpth.BATCH, epochs=3, shuffle=False, verbose=0)
-
-    def compiled(pair):
-        model, layer = pair
-        model.compile(optimizer=kpth.keras_optimizer(tf_keras, "adagrad"),
-                      loss=tf_keras.losses.BinaryCrossentropy(from_logits=True))
-        return model, layer
-
-    def run_twice(first, build_again, checkpoint):
-        """fit interrupted, then fit again on a new model (its own initial weights: the
-        restore decides)."""
-        with pytest.raises(Interrupted):
-            compiled(first)[0].fit(x, y, **fit, callbacks=[checkpoint(), StopAt(1, 6)])
-        model, layer = compiled(build_again())
-        return model, layer, model.fit(x, y, **fit, callbacks=[checkpoint()])
-
     ref_first = kpth.functional(tf_keras, False)
     initial = kpth.initial_weights(*ref_first)
     fused_first = kpth.functional(tf_keras, True, "adagrad")
     kpth.load_weights(*fused_first, initial)
-    fused, layer, got = run_twice(
-        fused_first, lambda: kpth.functional(tf_keras, True, "adagrad"),
+    fused, layer, got = kpth.interrupted_then_resumed(
+        tf_keras, "adagrad", x, y, fused_first,
+        lambda: kpth.functional(tf_keras, True, "adagrad"),
         lambda: ShardedCheckpoint(str(tmp_path / "fused"), every_steps=4))
-    ref, embeds, want = run_twice(
-        ref_first, lambda: kpth.functional(tf_keras, False),
+    ref, embeds, want = kpth.interrupted_then_resumed(
+        tf_keras, "adagrad", x, y, ref_first, lambda: kpth.functional(tf_keras, False),
         lambda: tf_keras.callbacks.BackupAndRestore(str(tmp_path / "ref"), save_freq=4))
     assert got.epoch == want.epoch == [1, 2]
     np.testing.assert_allclose(got.history["loss"], want.history["loss"], **TOL)

@@ -23,7 +23,7 @@ import tf_keras
 
 from tf_fusedemb.training.checkpoint import CheckpointManager
 
-__all__ = ["ShardedCheckpoint"]
+__all__ = ["CheckpointSchedule", "ShardedCheckpoint"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +57,12 @@ class _ResumeAt:
         return epoch, step
 
 
-class ShardedCheckpoint(tf_keras.callbacks.Callback):
-    """Saves the model's sharded state every ``every_epochs`` epochs, every ``every_steps``
+class CheckpointSchedule:
+    """When a ``fit`` callback saves and what it restores, for either Keras (mixed into
+    its ``Callback``): the Keras-specific part is :meth:`_resume_at`, how that Keras is
+    told where to start.
+
+    Saves the model's sharded state every ``every_epochs`` epochs, every ``every_steps``
     training steps if given, and at the end of ``fit``, into ``directory``, keeping
     ``max_to_keep``; resumes ``fit`` from the latest complete checkpoint there.
 
@@ -95,13 +99,19 @@ class ShardedCheckpoint(tf_keras.callbacks.Callback):
                                               self.max_to_keep)
         return self._manager
 
+    model: Any  # set by Keras (Callback.set_model)
+
+    def _resume_at(self, position: Optional[FitPosition]) -> None:
+        """Tells Keras where ``fit`` starts (None: at the end of ``fit``, forget it)."""
+        raise NotImplementedError
+
     def on_train_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:
         os.makedirs(self.directory, exist_ok=True)
         meta = self._checkpoints().restore()
         self._position = FitPosition.of_state(meta["state"]) if meta else FitPosition()
         self._saves = int(meta["step"]) if meta else 0
         self._saved_steps = self._position.steps
-        self.model._training_state = _ResumeAt(self._position)  # Keras's resume protocol
+        self._resume_at(self._position)
 
     def on_epoch_begin(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
         resumed = epoch == self._position.epoch  # a resumed epoch starts at its saved step
@@ -125,7 +135,7 @@ class ShardedCheckpoint(tf_keras.callbacks.Callback):
     def on_train_end(self, logs: Optional[Dict[str, Any]] = None) -> None:
         if self._position.steps > self._saved_steps:  # steps since the last save
             self._save()
-        self.model._training_state = None
+        self._resume_at(None)
 
     def _save(self) -> None:
         flush = getattr(self.model, "flush_pipeline", None)
@@ -134,3 +144,16 @@ class ShardedCheckpoint(tf_keras.callbacks.Callback):
         self._saves += 1
         self._checkpoints().save(self._saves, dataclasses.asdict(self._position))
         self._saved_steps = self._position.steps
+
+
+class ShardedCheckpoint(CheckpointSchedule, tf_keras.callbacks.Callback):
+    """tf_keras's ``fit`` callback: saves as :class:`CheckpointSchedule` says and resumes
+    where the checkpoint was saved, at its epoch and step (as tf_keras's
+    ``BackupAndRestore`` does). Keras 3: ``tf_fusedemb.keras3.ShardedCheckpoint``.
+
+        model.fit(data, epochs=10, callbacks=[ShardedCheckpoint("runs/ckpt", every_steps=500)])
+    """
+
+    def _resume_at(self, position: Optional[FitPosition]) -> None:
+        # tf_keras's resume protocol (see module doc): an epoch and a step.
+        self.model._training_state = None if position is None else _ResumeAt(position)

@@ -23,7 +23,7 @@ Restore onto M ranks: every rank reads all N shards and keeps the rows it owns u
 import json
 import os
 import shutil
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -36,6 +36,13 @@ from tf_fusedemb.training import faults
 from tf_fusedemb.training.replicas import dense_variables, replicas_of
 
 LATEST = "latest"
+
+
+def variable_record(variable: Any) -> List[Any]:
+    """[name, shape, dtype name] of a dense variable (tf_keras's or Keras 3's), as
+    meta.json records it to name the first difference of another model."""
+    return [variable.name, tf.TensorShape(variable.shape).as_list(),
+            tf.as_dtype(variable.dtype).name]
 
 
 class CheckpointManager:
@@ -93,7 +100,7 @@ class CheckpointManager:
                     "plans": [layer.plan.fingerprint(policies=False) for layer in self.layers],
                     "plan_specs": [layer.plan.to_dict(policies=False) for layer in self.layers],
                     "model": self._model_name,
-                    "dense": [[v.name, v.shape.as_list(), v.dtype.name] for v in self._dense_vars]}
+                    "dense": [variable_record(v) for v in self._dense_vars]}
             with open(os.path.join(tmp, "meta.json"), "w") as f:
                 json.dump(meta, f)
             shutil.rmtree(final, ignore_errors=True)
@@ -194,7 +201,7 @@ class CheckpointManager:
             while f"dense/{len(saved)}/.ATTRIBUTES/VARIABLE_VALUE" in shapes:
                 key = f"dense/{len(saved)}/.ATTRIBUTES/VARIABLE_VALUE"
                 saved.append([f"#{len(saved)}", shapes[key], None])
-        mine = [[v.name, v.shape.as_list(), v.dtype.name] for v in self._dense_vars]
+        mine = [variable_record(v) for v in self._dense_vars]
         # Positions are compared, not names (Keras numbers auto-named layers per process);
         # a longer list on either side is no error by itself: state that exists on one
         # side only (e.g. compile()'s loss tracker, last) stays as it is, as before.

@@ -60,8 +60,10 @@ class ReplicaMismatchError(ValueError):
 def dense_variables(model: tf_keras.Model) -> List[tf.Variable]:
     """The model's variables that are not state of its FusedEmbedding layers (those are
     per rank: shards, counters, statistics), in the model's order."""
-    own = {v.ref() for layer in fused_embedding_layers(model) for v in layer.variables}
-    return [v for v in model.variables if v.ref() not in own]
+    # By identity: a Keras 3 variable has no ``ref()``, and both Kerases hand out the
+    # same variable objects through the model and through its layers.
+    own = {id(v) for layer in fused_embedding_layers(model) for v in layer.variables}
+    return [v for v in model.variables if id(v) not in own]
 
 
 def _optimizer_variables(optimizer) -> List[tf.Variable]:
