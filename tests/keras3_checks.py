@@ -76,12 +76,7 @@ def test_keras3_sharded_checkpoint_resumes_as_keras_backup_and_restore(tmp_path)
     ref, embeds, want = kpth.interrupted_then_resumed(
         keras, "sgd", x, y, ref_first, lambda: kpth.functional(keras, False),
         lambda: keras.callbacks.BackupAndRestore(str(tmp_path / "ref"), save_freq=4))
-    assert got.epoch == want.epoch == [1, 2]
-    np.testing.assert_allclose(got.history["loss"], want.history["loss"], **TOL)
-    np.testing.assert_allclose(fused.predict(x, verbose=0), ref.predict(x, verbose=0), **TOL)
-    tables, _ = kpth.fused_tables(layer)
-    for f, emb in embeds.items():
-        np.testing.assert_allclose(tables[f], emb.get_weights()[0], **TOL, err_msg=f)
+    kpth.assert_same_resumed(got, want, (fused, layer), (ref, embeds), x, TOL)
 
 
 def test_keras3_fuse_model_trains_like_the_original():

@@ -301,3 +301,16 @@ def interrupted_then_resumed(k, optimizer, x, y, first, build_again, checkpoint)
     model.compile(optimizer=keras_optimizer(k, optimizer),
                   loss=k.losses.BinaryCrossentropy(from_logits=True))
     return model, layer, model.fit(x, y, **fit, callbacks=[checkpoint()])
+
+
+def assert_same_resumed(got, want, fused, ref, x, tol):
+    """The resumed fits' Histories ``got``/``want`` and models ``fused`` (model, layer) and
+    ``ref`` (model, {feature: Embedding}) agree to ``tol``: resumed epochs and losses,
+    predictions and every row."""
+    assert got.epoch == want.epoch == [1, 2], (got.epoch, want.epoch)
+    np.testing.assert_allclose(got.history["loss"], want.history["loss"], **tol)
+    np.testing.assert_allclose(fused[0].predict(x, verbose=0), ref[0].predict(x, verbose=0),
+                               **tol)
+    tables, _ = fused_tables(fused[1])
+    for f, emb in ref[1].items():
+        np.testing.assert_allclose(tables[f], emb.get_weights()[0], **tol, err_msg=f)

@@ -233,12 +233,7 @@ def test_sharded_checkpoint_every_steps_resumes_as_keras_backup_and_restore(tmp_
     ref, embeds, want = kpth.interrupted_then_resumed(
         tf_keras, "adagrad", x, y, ref_first, lambda: kpth.functional(tf_keras, False),
         lambda: tf_keras.callbacks.BackupAndRestore(str(tmp_path / "ref"), save_freq=4))
-    assert got.epoch == want.epoch == [1, 2]
-    np.testing.assert_allclose(got.history["loss"], want.history["loss"], **TOL)
-    np.testing.assert_allclose(fused.predict(x, verbose=0), ref.predict(x, verbose=0), **TOL)
-    tables, _ = kpth.fused_tables(layer)
-    for f, emb in embeds.items():
-        np.testing.assert_allclose(tables[f], emb.get_weights()[0], **TOL, err_msg=f)
+    kpth.assert_same_resumed(got, want, (fused, layer), (ref, embeds), x, TOL)
 
 
 def test_eviction_outside_fused_model_is_refused():
