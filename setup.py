@@ -82,7 +82,7 @@ setup(
     package_data={"tf_fusedemb": ["_fusedemb_ops-tf*.so"], "tf_fusedemb.data": ["*.json"]},
     ext_modules=[Extension(LIB_NAME, sources=SOURCES)],
     cmdclass={"build_ext": BuildTfOps},
-    # The two stacks of docs/guide/stacks.md (requirements.txt, requirements-tf221.txt).
+    # The two stacks of docs/guide/stacks.md (requirements.txt, requirements-tf216.txt).
     install_requires=["tensorflow>=2.16.2,<2.22", "tf_keras>=2.16,<2.22", "numpy>=1.26,<2"],
     extras_require={"tfra": ["tensorflow-recommenders-addons==0.8.1"],
                     "test": ["pytest>=7", "pytest-timeout>=2.1"]},

@@ -34,9 +34,10 @@ def _stack():
 
 
 STACK = _stack()
+DEFAULT_STACK = "tf221"  # the Makefile's default STACK
 # That stack's venv and main-job run directory (the Makefile's VENV and RUN_DIR).
-STACK_VENV = ".venv" if STACK == "tf216" else f".venv-{STACK}"
-STACK_RUN_DIR = "runs/main" if STACK == "tf216" else f"runs/main-{STACK}"
+STACK_VENV = ".venv" if STACK == DEFAULT_STACK else f".venv-{STACK}"
+STACK_RUN_DIR = "runs/main" if STACK == DEFAULT_STACK else f"runs/main-{STACK}"
 TFRA_NAMES = ("tfra", "dynamic")  # the TFRA backend: its storage name, its table's kind
 
 

@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Tuple
 
 import pytest
 
-from conftest import REPO_ROOT, SHARED_DATA, STACK, STACK_RUN_DIR, STACK_VENV
+from conftest import DEFAULT_STACK, REPO_ROOT, SHARED_DATA, STACK, STACK_RUN_DIR, STACK_VENV
 
 README = REPO_ROOT / "README.md"
 DOCS = REPO_ROOT / "docs"
@@ -138,10 +138,11 @@ SHELL: Dict[str, tuple] = {
         "take minutes: tests/test_benchmark_lookup.py and tests/test_benchmark_pipeline.py "
         "run them with short settings (the pipeline one on emulated hosts where possible)"),
     ".venv/bin/python -m tf_fusedemb.testing.module_graph --local": ("run",),
-    "make test                 # the tf216 stack (default): the whole suite": (
+    "make test                 # TF 2.21: the whole suite less the tests marked `tfra`, then "
+    "make test-tf216": (
         "skip",
         "the suite itself (CI runs `make test`) and the other stack's setup and suite (tens "
-        "of minutes: the TF 2.21 venv and its Horovod build)"),
+        "of minutes: the TF 2.16 venv and its Horovod build)"),
     "python -m tf_fusedemb.benchmarks.lookup --json --variants fused,fused_bf16 --profile": (
         "skip",
         "a benchmark of minutes: tests/test_benchmark_lookup.py runs it with --profile 2 and "
@@ -151,7 +152,7 @@ SHELL: Dict[str, tuple] = {
         "skip",
         "train_it.py is the reader's own script (the README's complete example runs above in "
         "one process); the MovieLens block runs the same horovodrun launcher on 2 ranks"),
-    "python3 -m venv .venv && .venv/bin/pip install -r requirements.txt": (
+    "python3.12 -m venv .venv && .venv/bin/pip install -r requirements.txt cmake": (
         "skip",
         "`make setup` performs these steps (CI runs it before the suite); building Horovod "
         "from source takes minutes"),
@@ -214,10 +215,10 @@ def python_source(block: Block, blocks: List[Block]) -> str:
 
 
 def on_this_stack(command: str) -> str:
-    """The README's shell command, written for the default stack (tf216: .venv, runs/main),
-    as it reads on the stack running the tests (docs/guide/stacks.md): its venv, `make` with
-    its STACK, its run directory. Unchanged on tf216."""
-    if STACK == "tf216":
+    """The README's shell command, written for the default stack (.venv, runs/main), as it
+    reads on the stack running the tests (docs/guide/stacks.md): its venv, `make` with its
+    STACK, its run directory. Unchanged on the default stack."""
+    if STACK == DEFAULT_STACK:
         return command
     command = re.sub(r"(?<![\w.-])\.venv/", STACK_VENV + "/", command)
     command = re.sub(r"\bmake ", f"make STACK={STACK} ", command)
