@@ -147,9 +147,14 @@ docs: $(DOCS_STAMP)
 # without them (deselected by the marker, not skipped), then `make test-tf216`, which sets
 # up the tf216 stack and runs exactly them there. `make test STACK=tf216` runs the whole
 # suite on tf216.
+# Two pytest-xdist workers: most tests spend their time in one Python thread (tracing,
+# process start-up, waiting on ranks), so two at once use two cores; the tests that need
+# the machine alone run one after another on one worker (tests/conftest.py: SERIAL_FILES).
 TEST_SELECT := $(if $(filter tf216,$(STACK)),,-m "not tfra")
+TEST_WORKERS ?= 2
+PYTEST_RUN = $(PY) -m pytest -q -rs --timeout=900 -n $(TEST_WORKERS) --dist loadgroup --durations=25
 test: typecheck $(DOCS_STAMP) setup
-	$(PY) -m pytest -q -rs --timeout=900 $(TEST_SELECT) tests
+	$(PYTEST_RUN) $(TEST_SELECT) tests
 	$(if $(filter tf216,$(STACK)),,$(MAKE) test-tf216)
 
 # The TF 2.16 stack's share of CI: the tests marked `tfra` (the TFRA backend, the
@@ -161,7 +166,7 @@ test-tf216:
 	$(MAKE) STACK=tf216 setup
 	$(MAKE) STACK=tf216 pytest-tfra
 pytest-tfra:
-	$(PY) -m pytest -q -rs --timeout=900 -m tfra tests
+	$(PYTEST_RUN) -m tfra tests
 
 # The main job: DLRM on Criteo-profile synthetic data (teacher labels), NP workers;
 # trains, evaluates, checkpoints and exports under runs/main. Rerunning it resumes from

@@ -20,8 +20,27 @@ TFRA_MARKER = ("tfra: needs TensorFlow Recommenders-Addons, installed on the tf2
                "(docs/guide/stacks.md); the other stacks run `-m 'not tfra'`")
 
 
+# `make test` runs the suite on 2 pytest-xdist workers (`-n 2 --dist loadgroup`). The tests
+# of these files run one after another on one worker: they build emulated hosts (network
+# namespaces and their subnets), run `make` in the checkout, pin ranks to cores, or assert
+# how long a wait took, so two of them at once would share what they need alone.
+SERIAL_FILES = frozenset({
+    "test_benchmark_inference.py", "test_benchmark_pipeline.py", "test_cluster.py",
+    "test_distributed_inference_serve.py", "test_hierarchical_exchange.py",
+    "test_horovod_smoke.py", "test_killed_workers.py", "test_make_train_resume.py",
+    "test_multihost.py", "test_pinned_launch.py", "test_pipeline_timeline.py",
+    "test_readme.py", "test_tiered_storage.py", "test_watchdog_end.py", "test_bls_alltoallv.py",
+    "test_distributed_test_case.py"})
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", TFRA_MARKER)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SERIAL_FILES:
+            item.add_marker(pytest.mark.xdist_group("serial"))
 
 
 
