@@ -37,6 +37,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", TFRA_MARKER)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the group markers
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in SERIAL_FILES:

@@ -40,6 +40,7 @@ from tf_fusedemb.layers.fused_embedding import fused_embedding_layers, use_conte
 from tf_fusedemb.layers.inputs import flatten_feature
 from tf_fusedemb.layers.lookup_context import LookupContext
 from tf_fusedemb.ops import hashing
+from tf_fusedemb.ops.recovery import finish_pooling
 from tf_fusedemb.training.checkpoint import CheckpointManager
 
 
@@ -378,13 +379,8 @@ class ShardedPredictor:
             total[index] += values  # unique indices per sender
             count[index] += cnt
         _check_complete(spec, count, np.diff(row_splits))
-        pooled = total.astype(np.float32)
-        denominator = np.maximum(count, 1).astype(np.float32)[:, None]
-        if spec.combiner == "mean":  # as ServingGroup: float32 division by max(count, 1)
-            pooled = pooled / denominator
-        elif spec.combiner == "sqrtn":
-            pooled = pooled / np.sqrt(denominator)
-        return tf.constant(pooled)
+        # float32 sums, then the pooling of the one-host path (ServingGroup)
+        return finish_pooling(total.astype(np.float32), count.astype(np.float32), spec.combiner)
 
     def _dense_part(self, features, embeddings):
         for injected, embs in zip(self._injected, embeddings):

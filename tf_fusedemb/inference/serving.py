@@ -14,6 +14,7 @@ from tf_fusedemb.layers.group_interface import Combiners
 from tf_fusedemb.layers.group_lookup import GroupLookup
 from tf_fusedemb.layers.inputs import FlatFeature
 from tf_fusedemb.ops import hashing
+from tf_fusedemb.ops.recovery import finish_pooling
 from tf_fusedemb.storage.initializers import init_rows
 
 
@@ -77,11 +78,6 @@ class ServingGroup(tf.Module):
                 outputs.append(rows)
                 continue
             ragged = tf.RaggedTensor.from_row_splits(rows, flat.row_splits, validate=False)
-            total = tf.reduce_sum(ragged, axis=1)
-            count = tf.cast(ragged.row_lengths(), tf.float32)[:, None]
-            if combiner == "mean":
-                total = total / tf.maximum(count, 1.0)
-            elif combiner == "sqrtn":
-                total = total / tf.sqrt(tf.maximum(count, 1.0))
-            outputs.append(total)
+            outputs.append(finish_pooling(tf.reduce_sum(ragged, axis=1),
+                                          tf.cast(ragged.row_lengths(), tf.float32), combiner))
         return outputs

@@ -20,7 +20,8 @@ import tf_keras
 
 from tf_fusedemb.comm import Communicator, get_communicator
 from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
-from tf_fusedemb.pipeline import AutoPipeline, NestedPipeline, PipelineOptions, make_pipeline
+from tf_fusedemb.pipeline import (AutoPipeline, NestedPipeline, PipelineOptions, make_pipeline,
+                                  refuse_policies_when_looking_ahead)
 from tf_fusedemb.training import step as steps
 from tf_fusedemb.training.loop import TrainLoop
 from tf_fusedemb.training.loss import KerasLoss, LossLike
@@ -167,11 +168,9 @@ class SparseTrainingMixin(_KerasModel):
         layers = fused_embedding_layers(self)
         evicting = [layer for layer in layers if layer.has_eviction]
         pipelined = getattr(self, "_fused_compile", {}).get("pipeline") is not None
-        if pipelined and any(g.policy is not None for layer in layers for g in layer.groups):
-            # The prefetch routes (and counts) batch t+1 before batch t's update, and
-            # delayed updates would rewrite evicted rows: not the synchronous semantics.
-            raise ValueError("admission/eviction policies need the synchronous step; "
-                             "compile without pipeline=")
+        if pipelined:  # every pipelined fit looks one batch ahead (TrainLoop)
+            refuse_policies_when_looking_ahead([g for layer in layers for g in layer.groups],
+                                               "FusedModel.fit", "compile without pipeline=")
         step = self._pipelined_step if pipelined else self._synchronous_step
         batches = RankBatches(self.communicator, "shortest", "fit")
 

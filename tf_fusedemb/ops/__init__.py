@@ -11,7 +11,8 @@ from tf_fusedemb.ops.category_hash import (CategoryHashResult, category_hash,
 from tf_fusedemb.ops.key_messages import (KeyMessages, hashed_unified_keys, pack_key_messages,
                                           unpack_key_messages)
 from tf_fusedemb.ops.rankwise_sort import RankwiseSortResult, owner_rank, rankwise_sort
-from tf_fusedemb.ops.recovery import recover_features, recovery_gather, recovery_pool
+from tf_fusedemb.ops.recovery import (finish_pooling, recover_features, recovery_gather,
+                                      recovery_pool)
 from tf_fusedemb.ops.segment_unique import SegmentUniqueResult, segment_unique
 
 
@@ -25,6 +26,6 @@ __all__ = [
     "CategoryHashResult", "KeyMessages", "RankwiseSortResult", "SegmentUniqueResult",
     "category_hash", "category_key_strings", "collision_partner", "hashed_unified_keys",
     "is_loaded", "load_library", "owner_rank", "pack_key_messages", "rankwise_sort",
-    "recover_features", "recovery_gather", "recovery_pool", "register_ops", "segment_unique",
+    "finish_pooling", "recover_features", "recovery_gather", "recovery_pool", "register_ops", "segment_unique",
     "unpack_key_messages",
 ]

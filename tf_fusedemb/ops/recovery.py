@@ -61,6 +61,22 @@ def recovery_pool(rows: TensorLike, recover_indices: TensorLike, pool_splits: Te
         return _loader.raw_op("RecoveryPool")(rows, rec, splits, fsplits, combiners=combiners)
 
 
+def finish_pooling(total: TensorLike, count: TensorLike, combiner: str) -> tf.Tensor:
+    """Pooled rows float32[B, dim] from each sample's row sum ``total`` float32[B, dim] and
+    ID count ``count`` float32[B]: ``sum`` as is, ``mean`` divided by max(count, 1),
+    ``sqrtn`` by its square root (an empty sample pools to zeros). The serving paths (one
+    host, and sharded across ranks) pool with it, so both give the same floats."""
+    if combiner not in COMBINERS:
+        raise ValueError(f"unknown combiner {combiner!r}; choose from {COMBINERS}")
+    total = tf.convert_to_tensor(total, tf.float32)
+    denominator = tf.maximum(tf.convert_to_tensor(count, tf.float32), 1.0)[:, None]
+    if combiner == "mean":
+        return total / denominator
+    if combiner == "sqrtn":
+        return total / tf.sqrt(denominator)
+    return total
+
+
 def recover_features(rows: TensorLike, sort_indices: TensorLike, unique_inverse: TensorLike,
                      feature_row_splits: Sequence[tf.Tensor],
                      combiners: Sequence[Optional[str]]) -> List[tf.Tensor]:

@@ -44,6 +44,7 @@ import tf_keras
 from tf_fusedemb.comm import Communicator, get_communicator
 from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
 from tf_fusedemb.layers.group_interface import DistributedGroupLookup
+from tf_fusedemb.layers.group_lookup import GroupLookup
 from tf_fusedemb.pipeline.options import PipelineOptions
 from tf_fusedemb.training import keysets
 from tf_fusedemb.training.loop import TrainLoop
@@ -53,6 +54,18 @@ from tf_fusedemb.training.loss import LossLike
 from tf_fusedemb.training.step import (DENSE_GRADS, Schedule, StepResult, after, as_keras_loss,
                                        top_layers_split, train_step)
 from tf_fusedemb.training.tracing import RankInvariantFunction
+
+
+def refuse_policies_when_looking_ahead(lookups: Iterable[GroupLookup], who: str,
+                                       fix: str) -> None:
+    """Raises ValueError naming the groups of ``lookups`` with an admission or eviction
+    policy: a schedule that looks one batch ahead routes (and counts) batch t+1 before
+    batch t's update, and its delayed updates could rewrite evicted rows, which is not the
+    synchronous semantics. ``who`` and ``fix`` go into the message."""
+    named = [g.group.name for g in lookups if g.policy is not None]
+    if named:
+        raise ValueError(f"{who}: admission/eviction policies need the synchronous step; "
+                         f"{fix} (groups {named})")
 
 
 class NestedPipeline:
@@ -96,12 +109,9 @@ class NestedPipeline:
         self.lookups = [g for layer in self.layers for g in layer.groups]
         # Where each layer finds its features in x (by layer name: names are unique).
         self._sources = {layer.name: feature_sources(model, layer) for layer in self.layers}
-        if self.options.prefetch and any(g.policy is not None for g in self.lookups):
-            # The prefetch counts batch t+1's accesses before batch t's update, and delayed
-            # updates could rewrite evicted rows: not the synchronous semantics.
-            raise ValueError("NestedPipeline: admission/eviction policies need the synchronous "
-                             "step; prefetch (dbp) cannot be combined with them (groups "
-                             f"{[g.group.name for g in self.lookups if g.policy is not None]})")
+        if self.options.prefetch:
+            refuse_policies_when_looking_ahead(
+                self.lookups, "NestedPipeline", "prefetch (dbp) cannot be combined with them")
         self._prepared = None  # prefetch buffer of the next step
         self._pending = None  # delayed row updates of the last step
         self._dense_pending = None  # the last step's dense gradients, not yet applied
