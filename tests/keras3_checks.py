@@ -65,18 +65,9 @@ def test_keras3_sharded_checkpoint_resumes_as_keras_backup_and_restore(tmp_path)
     Keras 3's BackupAndRestore(save_freq=4) resumes the same model with ordinary Embedding
     layers (epoch 1 again, from the state after its step 4), and the two end equal."""
     from tf_fusedemb.keras3 import ShardedCheckpoint
-    x, y = kpth.data(kpth.BATCH * 8)
-    ref_first = kpth.functional(keras, False)
-    initial = kpth.initial_weights(*ref_first)
-    fused_first = kpth.functional(keras, True, "sgd")
-    kpth.load_weights(*fused_first, initial)
-    fused, layer, got = kpth.interrupted_then_resumed(
-        keras, "sgd", x, y, fused_first, lambda: kpth.functional(keras, True, "sgd"),
-        lambda: ShardedCheckpoint(str(tmp_path / "fused"), every_steps=4))
-    ref, embeds, want = kpth.interrupted_then_resumed(
-        keras, "sgd", x, y, ref_first, lambda: kpth.functional(keras, False),
-        lambda: keras.callbacks.BackupAndRestore(str(tmp_path / "ref"), save_freq=4))
-    kpth.assert_same_resumed(got, want, (fused, layer), (ref, embeds), x, TOL)
+    kpth.resume_like_backup_and_restore(
+        keras, "sgd", lambda d: ShardedCheckpoint(d, every_steps=4),
+        lambda d: keras.callbacks.BackupAndRestore(d, save_freq=4), tmp_path, TOL)
 
 
 def test_keras3_fuse_model_trains_like_the_original():

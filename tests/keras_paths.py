@@ -314,3 +314,22 @@ def assert_same_resumed(got, want, fused, ref, x, tol):
     tables, _ = fused_tables(fused[1])
     for f, emb in ref[1].items():
         np.testing.assert_allclose(tables[f], emb.get_weights()[0], **tol, err_msg=f)
+
+
+def resume_like_backup_and_restore(k, optimizer, ours, theirs, tmp_path, tol):
+    """Trains a fused model with our checkpoint callback ``ours(directory)`` and the same
+    model with ordinary Embedding layers with Keras's ``theirs(directory)`` (its
+    BackupAndRestore), each fit interrupted and resumed on a freshly built model
+    (``interrupted_then_resumed``, 8 steps per epoch), from the same initial weights; the
+    two must end equal (``assert_same_resumed``)."""
+    x, y = data(BATCH * 8)
+    ref_first = functional(k, False)
+    fused_first = functional(k, True, optimizer)
+    load_weights(*fused_first, initial_weights(*ref_first))
+    fused, layer, got = interrupted_then_resumed(
+        k, optimizer, x, y, fused_first, lambda: functional(k, True, optimizer),
+        lambda: ours(str(tmp_path / "fused")))
+    ref, embeds, want = interrupted_then_resumed(
+        k, optimizer, x, y, ref_first, lambda: functional(k, False),
+        lambda: theirs(str(tmp_path / "ref")))
+    assert_same_resumed(got, want, (fused, layer), (ref, embeds), x, tol)

@@ -221,19 +221,9 @@ def test_sharded_checkpoint_every_steps_resumes_as_keras_backup_and_restore(tmp_
     (epoch 1, step 4; the epoch's remaining steps on its data afresh, Keras's convention),
     and the two end equal: resumed losses, predictions and every row."""
     from tf_fusedemb.models import ShardedCheckpoint
-    x, y = kpth.data(kpth.BATCH * 8)
-    ref_first = kpth.functional(tf_keras, False)
-    initial = kpth.initial_weights(*ref_first)
-    fused_first = kpth.functional(tf_keras, True, "adagrad")
-    kpth.load_weights(*fused_first, initial)
-    fused, layer, got = kpth.interrupted_then_resumed(
-        tf_keras, "adagrad", x, y, fused_first,
-        lambda: kpth.functional(tf_keras, True, "adagrad"),
-        lambda: ShardedCheckpoint(str(tmp_path / "fused"), every_steps=4))
-    ref, embeds, want = kpth.interrupted_then_resumed(
-        tf_keras, "adagrad", x, y, ref_first, lambda: kpth.functional(tf_keras, False),
-        lambda: tf_keras.callbacks.BackupAndRestore(str(tmp_path / "ref"), save_freq=4))
-    kpth.assert_same_resumed(got, want, (fused, layer), (ref, embeds), x, TOL)
+    kpth.resume_like_backup_and_restore(
+        tf_keras, "adagrad", lambda d: ShardedCheckpoint(d, every_steps=4),
+        lambda d: tf_keras.callbacks.BackupAndRestore(d, save_freq=4), tmp_path, TOL)
 
 
 def test_eviction_outside_fused_model_is_refused():

@@ -91,7 +91,6 @@ class CheckpointSchedule:
         self._position = FitPosition()
         self._saved_steps = 0
         self._saves = 0  # numbers the checkpoints: ckpt-<saves>
-        self._epoch_step = 0  # steps of the running epoch done
 
     def _checkpoints(self) -> CheckpointManager:
         if self._manager is None:
@@ -115,15 +114,14 @@ class CheckpointSchedule:
 
     def on_epoch_begin(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
         resumed = epoch == self._position.epoch  # a resumed epoch starts at its saved step
-        self._epoch_step = self._position.step if resumed else 0
-        self._position = FitPosition(epoch, self._epoch_step, self._position.steps)
+        self._position = FitPosition(epoch, self._position.step if resumed else 0,
+                                     self._position.steps)
 
     def on_train_batch_end(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
         # ``batch``: the epoch's last step done, 0-based (with steps_per_execution > 1, the
         # last of the execution's steps).
-        steps = self._position.steps + batch + 1 - self._epoch_step
-        self._epoch_step = batch + 1
-        self._position = FitPosition(self._position.epoch, batch + 1, steps)
+        done = batch + 1 - self._position.step  # steps since the last call
+        self._position = FitPosition(self._position.epoch, batch + 1, self._position.steps + done)
         if self.every_steps and self._position.steps - self._saved_steps >= self.every_steps:
             self._save()
 
