@@ -13,7 +13,8 @@ namespace tensorflow {
 namespace fusedemb {
 
 namespace {
-// The layout of a key message's second word (tf_fusedemb.ops.key_messages mirrors it).
+// The layout of a key message's second word, its one definition (Python reads it through
+// FusedEmb>KeyMessageCategoryBits).
 constexpr int kCategoryBits = 16;
 constexpr int64_t kTableMask = (int64_t{1} << kCategoryBits) - 1;
 // The table field of a bad-input report (tf_fusedemb.layers.exchange.BAD_INPUT): no table's.
@@ -198,6 +199,21 @@ REGISTER_HASH(int64_t, int32_t);
 REGISTER_HASH(int64_t, int64_t);
 #undef REGISTER_PACK
 #undef REGISTER_HASH
+
+// The wire format's one definition, for Python (tf_fusedemb.ops.key_messages).
+class KeyMessageCategoryBitsOp : public OpKernel {
+ public:
+  explicit KeyMessageCategoryBitsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int32>()() = kCategoryBits;
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("FusedEmb>KeyMessageCategoryBits").Device(DEVICE_CPU),
+                        KeyMessageCategoryBitsOp);
 
 REGISTER_KERNEL_BUILDER(Name("FusedEmb>UnpackKeyMessages").Device(DEVICE_CPU),
                         UnpackKeyMessagesOp);

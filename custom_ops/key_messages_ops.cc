@@ -36,6 +36,17 @@ Status SameLengthVectors(InferenceContext* c, std::initializer_list<int> indices
 }
 }  // namespace
 
+REGISTER_OP("FusedEmb>KeyMessageCategoryBits")
+    .Output("category_bits: int32")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Scalar());
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+The bits of a key message's table field (messages[:, 1] = count << bits | table): the one
+definition of the wire format, read by tf_fusedemb.ops.key_messages.category_bits().
+)doc");
+
 REGISTER_OP("FusedEmb>PackKeyMessages")
     .Input("sorted_keys: T")
     .Input("sorted_segment_ids: int32")

@@ -12,7 +12,12 @@ import np_reference
 from tf_fusedemb import ops
 from tf_fusedemb.layers import exchange
 from tf_fusedemb.ops import hashing
-from tf_fusedemb.ops.key_messages import CATEGORY_BITS, MAX_COUNT
+from tf_fusedemb.ops.key_messages import category_bits, max_count
+
+# The documented wire format (docs/guide/ops.md), the reference the library must match.
+CATEGORY_BITS = 16
+MAX_COUNT = (1 << (63 - CATEGORY_BITS)) - 1
+BAD_INPUT = (1 << CATEGORY_BITS) - 1
 
 I64 = np.iinfo(np.int64)
 ERRORS = (tf.errors.InvalidArgumentError, ValueError)  # kernel errors; shape functions' in graphs
@@ -145,7 +150,7 @@ def pack_args(n=3, **changes):
     (dict(counts=np.array([1, MAX_COUNT + 1, 1], np.int64)), "counts[1] = 140737488355328"),
     (dict(counts=np.array([1, 1, -1], np.int64)), "counts[2] = -1"),
     (dict(counts=np.array([1, -5, 1], np.int32)), "counts[1] = -5"),
-    (dict(segment_table=np.array([exchange.BAD_INPUT], np.int64)), "segment_table[0] = 65535"),
+    (dict(segment_table=np.array([BAD_INPUT], np.int64)), "segment_table[0] = 65535"),
     (dict(segment_table=np.array([-1], np.int64)), "segment_table[0] = -1"),
     (dict(sorted_segment_ids=np.array([0, 1, 0], np.int32)), "sorted_segment_ids[1] = 1"),
     (dict(sorted_segment_ids=np.array([0, 0, -2], np.int32)), "sorted_segment_ids[2] = -2"),
@@ -184,7 +189,7 @@ def test_unpack_equals_reference(fn_mode):
     rng = np.random.default_rng(3)
     messages = rng.integers(I64.min, I64.max, [3000, 2], endpoint=True)
     messages[:6, 1] = [I64.min, I64.max, -1, 0, (MAX_COUNT << CATEGORY_BITS) | 65534,
-                       (5 << 32) | (3 << CATEGORY_BITS) | exchange.BAD_INPUT]
+                       (5 << 32) | (3 << CATEGORY_BITS) | BAD_INPUT]
     f = ops.unpack_key_messages
     if fn_mode == "function":
         f = function(f, ([0, 0], tf.int64))
@@ -233,8 +238,8 @@ def test_bad_input_report_survives_packing():
     assert bool(failed) and (rank, bad_id) == (3, keys[150])
     assert feature == int(np.searchsorted(splits, 150, side="right") - 1)
     fields = ops.unpack_key_messages(received)
-    assert int(fields.tables[5]) == exchange.BAD_INPUT
-    assert (fields.tables.numpy() != exchange.BAD_INPUT).sum() == len(packed)
+    assert int(fields.tables[5]) == BAD_INPUT
+    assert (fields.tables.numpy() != BAD_INPUT).sum() == len(packed)
 
 
 # ----------------------------------------------------------------------------- hashed keys
@@ -346,3 +351,10 @@ def test_routes_use_one_op_each():
     u, splits, _, _ = np_reference.segment_unique(ids, [0, 3, 5])
     names = np.where(np.repeat([0, 1], np.diff(splits)) == 0, "b", "a")
     assert sorted(keys.tolist()) == sorted(hashing.hashed_unified_keys(u, names).tolist())
+
+
+def test_the_op_library_defines_the_documented_format():
+    """Python reads the layout from the op library (its one definition)."""
+    assert category_bits() == CATEGORY_BITS
+    assert max_count() == MAX_COUNT
+    assert exchange.bad_input() == BAD_INPUT

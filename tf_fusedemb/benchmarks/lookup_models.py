@@ -12,6 +12,7 @@ import tf_keras
 
 from tf_fusedemb.benchmarks.lookup_data import CATEGORICAL, DENSE
 from tf_fusedemb.ops import hashing
+from tf_fusedemb.ops.key_messages import category_bits
 from tf_fusedemb.specs import FeatureSpec, InitializerSpec, OptimizerSpec, TableSpec
 from tf_fusedemb.training.replicas import replicas_of
 
@@ -19,7 +20,6 @@ DIM = 16
 HIDDEN = (256, 128)
 # Categories ride in the low bits of the extra exchange, access counts above them (the
 # same packing as FusedEmbedding's key exchange, tf_fusedemb.layers.group_lookup).
-CATEGORY_BITS = 16
 
 
 def feature_specs(learning_rate, dim=DIM, storage=None):
@@ -167,11 +167,11 @@ class TfraFusedEmbedding(tf_keras.layers.Layer):
                 unique_category = tf.math.unsorted_segment_min(category, inverse,
                                                                tf.size(unique_keys))
                 info = tf.bitwise.bitwise_or(
-                    tf.bitwise.left_shift(tf.cast(counts, tf.int64), CATEGORY_BITS),
+                    tf.bitwise.left_shift(tf.cast(counts, tf.int64), category_bits()),
                     unique_category)
                 received = self._send_categories(table, unique_keys, info, g.name)
-                recv_category = tf.bitwise.bitwise_and(received, (1 << CATEGORY_BITS) - 1)
-                recv_count = tf.bitwise.right_shift(received, CATEGORY_BITS)
+                recv_category = tf.bitwise.bitwise_and(received, (1 << category_bits()) - 1)
+                recv_count = tf.bitwise.right_shift(received, category_bits())
                 deps.append(stats.assign_add(tf.math.unsorted_segment_sum(
                     recv_count, recv_category, g.num_features)))
             rows = table(unique_keys)  # [u, dim]

@@ -9,14 +9,14 @@ the owners' rows back in the requester's order. Two exchanges:
 * ``hierarchical_exchange.HierarchicalExchange`` (TawPipe): two stages, inside the node
   then along the rail, with node-level dedup and gradient reduction.
 
-Both carry a key as an int64 pair ``(ID, count << CATEGORY_BITS | table)``: the owner
+Both carry a key as an int64 pair ``(ID, count << category_bits() | table)``: the owner
 learns each key's table (lossless lookup) and how often the requester(s) saw it (exact
 access statistics) without a second exchange. One op packs them from the rank-sorted keys
 (``ops.pack_key_messages``), one unpacks them (``ops.unpack_key_messages``).
 
 Bad input is reported through the same exchange, at no extra round: a requester with an
 ID out of its feature's range (``InputReport``) sends every peer one message ``(ID, rank
-<< 32 | feature << CATEGORY_BITS | BAD_INPUT)`` instead of its keys, so every rank receives
+<< 32 | feature << category_bits() | bad_input())`` instead of its keys, so every rank receives
 it from the key exchange and fails with the same error (``GroupLookup.route``), instead of
 the bad rank failing alone while the others wait for it.
 """
@@ -26,7 +26,7 @@ import tensorflow as tf
 
 from tf_fusedemb import ops
 from tf_fusedemb.comm.counters import CommCounters
-from tf_fusedemb.ops.key_messages import CATEGORY_BITS
+from tf_fusedemb.ops.key_messages import category_bits
 
 if TYPE_CHECKING:  # a type only: the communicator module starts Horovod's watchdog machinery
     from tf_fusedemb.comm.communicator import Communicator
@@ -35,7 +35,11 @@ if TYPE_CHECKING:  # a type only: the communicator module starts Horovod's watch
 ExchangeState = Dict[str, Any]
 
 EXCHANGES = ("flat", "hierarchical")
-BAD_INPUT = (1 << CATEGORY_BITS) - 1  # the table field of a bad-input report (no table's)
+
+
+def bad_input() -> int:
+    """The table field of a bad-input report: the largest, which no table has."""
+    return (1 << category_bits()) - 1
 
 
 class InputReport(NamedTuple):
@@ -54,7 +58,7 @@ def input_report(ids: tf.Tensor, invalid: tf.Tensor, segment_splits: tf.Tensor,
     feature = tf.searchsorted(segment_splits, [first], side="right", out_type=tf.int64)[0] - 1
     tag = tf.bitwise.bitwise_or(
         tf.bitwise.left_shift(tf.constant(rank, tf.int64), 32),
-        tf.bitwise.bitwise_or(tf.bitwise.left_shift(feature, CATEGORY_BITS), BAD_INPUT))
+        tf.bitwise.bitwise_or(tf.bitwise.left_shift(feature, category_bits()), bad_input()))
     return InputReport(tf.reduce_any(invalid), tf.reshape(tf.stack([bad_id, tag]), [1, 2]))
 
 
@@ -73,7 +77,7 @@ def with_report(messages: tf.Tensor, splits: tf.Tensor,
 def received_report(messages: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
     """(bool[]: some of the key ``messages`` int64[m, 2] is a bad-input report, the first
     one int64[1, 2] (zeros when none)."""
-    bad = tf.equal(tf.bitwise.bitwise_and(messages[:, 1], (1 << CATEGORY_BITS) - 1), BAD_INPUT)
+    bad = tf.equal(tf.bitwise.bitwise_and(messages[:, 1], bad_input()), bad_input())
     first = tf.argmax(tf.concat([tf.cast(bad, tf.int32), [1]], 0), output_type=tf.int32)
     return tf.reduce_any(bad), tf.concat([messages, tf.zeros([1, 2], tf.int64)], 0)[first:first + 1]
 
@@ -82,7 +86,9 @@ def decode_report(message: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """(rank int64[], feature index int64[], bad ID int64[]) of a report int64[1, 2]."""
     tag = message[0, 1]
     return (tf.bitwise.right_shift(tag, 32),
-            tf.bitwise.bitwise_and(tf.bitwise.right_shift(tag, CATEGORY_BITS), 0xFFFF),
+            # the feature field: the bits between the table field and the rank (bit 32)
+            tf.bitwise.bitwise_and(tf.bitwise.right_shift(tag, category_bits()),
+                                   (1 << (32 - category_bits())) - 1),
             message[0, 0])
 
 

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tf_fusedemb import ops
 from tf_fusedemb.comm import CommCounters, Communicator
-from tf_fusedemb.layers.exchange import (CATEGORY_BITS, EXCHANGES, FlatExchange, decode_report,
+from tf_fusedemb.layers.exchange import (EXCHANGES, FlatExchange, bad_input, decode_report,
                                          input_report, received_report)
 from tf_fusedemb.layers.group_interface import Combiners, GroupState, KeyExchange
 from tf_fusedemb.layers.hierarchical_exchange import HierarchicalExchange
@@ -63,9 +63,9 @@ class GroupLookup(tf.Module):
         self.wire_dtype = tf.as_dtype(wire_dtype)  # rows' and row gradients' AlltoAll dtype
         self.key_mode = "packed" if group.is_static else key_mode
         self.table_names = [t.name for t in group.tables]
-        if len(self.table_names) >= 1 << CATEGORY_BITS:
+        if len(self.table_names) >= bad_input():
             raise ValueError(f"group '{group.name}' has {len(self.table_names)} tables; at most "
-                             f"{(1 << CATEGORY_BITS) - 1} fit the key exchange")
+                             f"{bad_input()} fit the key exchange")
         # Category of each feature = its table, so features sharing a table share rows.
         self._feature_table = tf.constant(group.table_index, tf.int64)
         # Each feature's valid ID range in words ("" where any ID is valid); where some

@@ -24,7 +24,7 @@ ENGINE_OP_NAMES = ("EngineHandle", "EngineLookup", "EngineApplyGradients", "Engi
                    "EngineForget", "EngineExport", "EngineSize", "EnginePin", "EngineUnpin",
                    "EnginePrefetch")
 OP_NAMES = ("SegmentUnique", "RankwiseSort", "OwnerRank", "CategoryHash",
-            "PackKeyMessages", "UnpackKeyMessages", "HashedUnifiedKeys",
+            "PackKeyMessages", "UnpackKeyMessages", "HashedUnifiedKeys", "KeyMessageCategoryBits",
             "RecoveryGather", "RecoveryPool", "RecoveryPoolGrad") + ENGINE_OP_NAMES
 
 _lock = threading.Lock()

@@ -1,6 +1,6 @@
 """The key exchange's wire format and the plan-independent unified key, one op each.
 
-A key travels to its owner as the int64 pair ``(ID, count << CATEGORY_BITS | table)``
+A key travels to its owner as the int64 pair ``(ID, count << category_bits() | table)``
 (``tf_fusedemb.layers.exchange``): the owner learns the key's table and how often the
 requester saw it without a second exchange.
 
@@ -10,6 +10,7 @@ requester saw it without a second exchange.
   row's initial values and the hashed storage key; ``tf_fusedemb.ops.hashing`` mirrors it).
 """
 import collections
+import functools
 from typing import Optional
 
 import tensorflow as tf
@@ -17,8 +18,20 @@ import tensorflow as tf
 from tf_fusedemb.ops import _loader, _validate
 from tf_fusedemb.ops._validate import TensorLike
 
-CATEGORY_BITS = 16  # bits of a message's table field (custom_ops/key_messages_kernels.cc)
-MAX_COUNT = (1 << (63 - CATEGORY_BITS)) - 1  # the largest count a message carries
+
+
+@functools.lru_cache(maxsize=None)
+def category_bits() -> int:
+    """The bits of a message's table field, as the op library defines them (its one
+    definition, custom_ops/key_messages_kernels.cc); loads the library on first use."""
+    with tf.init_scope():  # a constant, read eagerly even while a step is traced
+        return int(_loader.raw_op("KeyMessageCategoryBits")())
+
+
+def max_count() -> int:
+    """The largest count a message carries: ``count << category_bits()`` stays a
+    non-negative int64."""
+    return (1 << (63 - category_bits())) - 1
 
 KeyMessages = collections.namedtuple("KeyMessages", ["ids", "counts", "tables"])
 
@@ -29,7 +42,7 @@ def pack_key_messages(sorted_keys: TensorLike, sorted_segment_ids: TensorLike,
     """Key messages of rank-sorted keys, in one op.
 
     For unique key ``u`` at sorted position ``p = indices[u]``, ``messages[p] =
-    (sorted_keys[p], counts[u] << CATEGORY_BITS | segment_table[sorted_segment_ids[p]])``:
+    (sorted_keys[p], counts[u] << category_bits() | segment_table[sorted_segment_ids[p]])``:
     what ``gather(counts, invert_permutation(indices))``, ``gather(segment_table,
     sorted_segment_ids)``, the shifts and a stack compute.
 
@@ -38,8 +51,8 @@ def pack_key_messages(sorted_keys: TensorLike, sorted_segment_ids: TensorLike,
       sorted_segment_ids: int32[n], its ``sorted_segment_ids`` (in ``[0, M)``).
       indices: int32[n], its ``indices`` (I_s, a permutation of ``[0, n)``).
       counts: int32/int64[n] occurrences of each key in unique (pre-sort) order, in
-        ``[0, MAX_COUNT]``.
-      segment_table: int64[M] table index of each segment, in ``[0, 2^CATEGORY_BITS - 1)``
+        ``[0, max_count()]``.
+      segment_table: int64[M] table index of each segment, in ``[0, 2^category_bits() - 1)``
         (the last value marks a bad-input report).
       name: optional name scope.
 
@@ -62,9 +75,9 @@ def unpack_key_messages(messages: TensorLike, name: Optional[str] = None) -> Key
 
     Returns:
       KeyMessages with ``ids`` int64[n] (``messages[:, 0]``), ``counts`` int64[n]
-      (``messages[:, 1] >> CATEGORY_BITS``, arithmetic) and ``tables`` int32[n] (the low
-      CATEGORY_BITS bits). Any message decodes, a bad-input report's too (its table field
-      is ``exchange.BAD_INPUT``).
+      (``messages[:, 1] >> category_bits()``, arithmetic) and ``tables`` int32[n] (the low
+      category_bits() bits). Any message decodes, a bad-input report's too (its table field
+      is ``exchange.bad_input()``).
     """
     with tf.name_scope(name or "unpack_key_messages"):
         messages = _validate.int_tensor(messages, tf.int64, "messages")
