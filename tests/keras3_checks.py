@@ -109,7 +109,7 @@ def test_keras3_fuse_model_refuses_what_it_cannot_rewire():
 
 class TwoRankKeras3Test(DistributedTestCase):
     """Keras 3 fit on 2 ranks (each half of every global batch) equals Keras 3 on the global
-    batch in one process."""
+    batch in one process; a bare optimizer fails the first step on every rank."""
     timeout = 400
 
     @pytest.mark.timeout(700)
@@ -125,3 +125,12 @@ class TwoRankKeras3Test(DistributedTestCase):
             rows = sum(r["tables"][f] for r in ranks)
             assert np.abs(emb.get_weights()[0] - initial["tables"][f]).max() > 1e-4
             np.testing.assert_allclose(rows, emb.get_weights()[0], **TOL, err_msg=f)
+
+    @pytest.mark.timeout(700)
+    def test_keras3_bare_optimizer_fails_first_step(self):
+        ref, embeds = kpth.functional(keras, False)
+        ranks = self.run_ranks(kpth.keras3_on_ranks, 2, (kpth.initial_weights(ref, embeds),
+                                                         False))
+        for r in ranks:
+            assert "DistributedOptimizer" in r.get("error", ""), r.keys()
+            assert r["steps_done"] == 0  # refused inside the first step

@@ -144,30 +144,32 @@ def fused_tables(layer, prefix="t_"):
 class BatchLosses:
     """A Keras callback (either Keras) recording every training batch's ``loss`` log."""
 
-    def __new__(cls, k):
+    def __new__(cls, k, losses=None):
         class Recorder(k.callbacks.Callback):
             def __init__(self):
                 super().__init__()
-                self.losses = []
+                self.losses = [] if losses is None else losses
 
             def on_train_batch_end(self, batch, logs=None):
                 self.losses.append(float(logs["loss"]))
         return Recorder()
 
 
-def fit(k, model, optimizer, x, y, batch_size, epochs=2):
-    """compile + fit (per-batch losses) + predict, the ordinary way."""
+def fit(k, model, optimizer, x, y, batch_size, epochs=2, losses=None):
+    """compile + fit (per-batch losses, appended to ``losses`` as they come) + predict,
+    the ordinary way."""
     model.compile(optimizer=optimizer, loss=k.losses.BinaryCrossentropy(from_logits=True))
-    losses = BatchLosses(k)
+    losses = BatchLosses(k, losses)
     model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0,
               callbacks=[losses])
     return {"losses": losses.losses,
             "predictions": model.predict(x, batch_size=batch_size, verbose=0).reshape(-1)}
 
 
-def custom_loop(k, model, optimizer, x, y, batch_size, epochs=2):
+def custom_loop(k, model, optimizer, x, y, batch_size, epochs=2, losses=None):
     """A user's own loop: tf.GradientTape in a tf.function, the Keras optimizer applied to
-    ``model.trainable_variables``; per-step losses and predictions."""
+    ``model.trainable_variables``; per-step losses (appended to ``losses`` as they come)
+    and predictions."""
     loss_fn = k.losses.BinaryCrossentropy(from_logits=True)
 
     @tf.function
@@ -178,7 +180,7 @@ def custom_loop(k, model, optimizer, x, y, batch_size, epochs=2):
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
-    losses = []
+    losses = [] if losses is None else losses
     n = len(y)
     for _ in range(epochs):
         for lo in range(0, n, batch_size):
@@ -200,7 +202,7 @@ def plain_on_ranks(weights, path, optimizer="sgd", wrap=True, policy=None):
     """One rank: the fused functional tf_keras model from ``weights`` (layers under the
     dtype ``policy``), trained on this rank's shares by ``path`` ("fit" or "loop") with
     the wrapped (or, ``wrap=False``, the bare) optimizer. Returns tables, dense weights
-    and global predictions, or the error's message."""
+    and global predictions, or the error's message and the steps completed before it."""
     from tf_fusedemb.comm import get_communicator  # pylint: disable=import-outside-toplevel
     from tf_fusedemb.training import DistributedOptimizer  # pylint: disable=import-outside-toplevel
     comm = get_communicator()
@@ -210,10 +212,12 @@ def plain_on_ranks(weights, path, optimizer="sgd", wrap=True, policy=None):
     load_weights(model, layer, weights)
     opt = keras_optimizer(tf_keras, optimizer)
     run = fit if path == "fit" else custom_loop
+    done = []
     try:
-        out = run(tf_keras, model, DistributedOptimizer(opt) if wrap else opt, xr, yr, BATCH)
+        out = run(tf_keras, model, DistributedOptimizer(opt) if wrap else opt, xr, yr, BATCH,
+                  losses=done)
     except tf.errors.InvalidArgumentError as e:
-        return {"error": e.message}
+        return {"error": e.message, "steps_done": len(done)}
     tables, owned = fused_tables(layer)
     return {"tables": tables, "owned": owned, "losses": out["losses"],
             "dense": [v.numpy() for v in model.trainable_variables],
@@ -242,9 +246,10 @@ def fit_multi_output(model, optimizer, x, y):
     return history.history, predictions
 
 
-def keras3_on_ranks(weights):
+def keras3_on_ranks(weights, wrap=True):
     """One rank: the fused functional Keras 3 model from ``weights`` (SGD), fit on this
-    rank's shares with DistributedOptimizer; tables, dense weights, global predictions."""
+    rank's shares with DistributedOptimizer (``wrap=False``: the bare optimizer); tables,
+    dense weights, global predictions, or the error's message and the steps before it."""
     import keras  # pylint: disable=import-outside-toplevel  # Keras 3: this rank's choice
     from tf_fusedemb.comm import get_communicator  # pylint: disable=import-outside-toplevel
     from tf_fusedemb.keras3 import DistributedOptimizer  # pylint: disable=import-outside-toplevel
@@ -253,7 +258,12 @@ def keras3_on_ranks(weights):
     xr, yr = rank_slices(x, y, comm.rank, comm.size, BATCH)
     model, layer = functional(keras, True, "sgd")
     load_weights(model, layer, weights)
-    out = fit(keras, model, DistributedOptimizer(keras_optimizer(keras, "sgd")), xr, yr, BATCH)
+    opt, done = keras_optimizer(keras, "sgd"), []
+    try:
+        out = fit(keras, model, DistributedOptimizer(opt) if wrap else opt, xr, yr, BATCH,
+                  losses=done)
+    except tf.errors.InvalidArgumentError as e:
+        return {"error": e.message, "steps_done": len(done)}
     tables, owned = fused_tables(layer)
     return {"tables": tables, "owned": owned, "losses": out["losses"],
             "dense": [v.numpy() for v in model.trainable_variables],

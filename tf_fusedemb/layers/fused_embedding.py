@@ -12,7 +12,7 @@ from tf_fusedemb.comm.cost_model import TrafficHints, estimate
 from tf_fusedemb.layers.group_lookup import GroupLookup
 from tf_fusedemb.layers.lookup_context import NO_CONTEXT, LookupContext
 from tf_fusedemb.layers.inputs import flatten_feature, to_tensor
-from tf_fusedemb.layers.row_update import MARKER_NAME, check_marker
+from tf_fusedemb.layers.row_update import MARKER_NAME, MarkerAtZero, check_marker
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FeatureSpec, FusionPlan, describe_plan_difference, plan_fusion
 from tf_fusedemb.storage.backend import StatisticsStorage
@@ -68,8 +68,10 @@ class FusedEmbeddingMixin(_KerasLayer):
         # The row-update marker (see tf_fusedemb.layers.row_update): always 0, trainable,
         # so differentiating the layer's variables differentiates its lookups. Made with
         # the layer, so code that builds an optimizer's slots before the first call sees it.
-        self.row_update_marker = self.add_weight(name=MARKER_NAME, shape=(), dtype="float32",
-                                                 initializer="zeros", trainable=True)
+        # On several ranks its constraint refuses a bare optimizer inside the first step.
+        self.row_update_marker = self.add_weight(
+            name=MARKER_NAME, shape=(), dtype="float32", initializer="zeros", trainable=True,
+            constraint=MarkerAtZero(self._comm.size) if self._comm.size > 1 else None)
 
     def agree_across_ranks(self) -> None:
         """Checks (once) that every rank built this layer with the same features, specs and

@@ -24,8 +24,10 @@ Consequences a user sees (the guides say them too):
   Horovod-style dense averaging gives (``1 / ranks``); the dense gradients must be
   averaged by ``tf_fusedemb.training.DistributedOptimizer``, which is checked: there the
   marker's gradient is 1, the wrapper applies 0 instead, and a bare optimizer moves the
-  marker off 0, which the next forward pass refuses on every rank (the marker moves
-  alike everywhere) with the fix named.
+  marker off 0. The marker's Keras constraint (:class:`MarkerAtZero`, which both Kerases'
+  optimizers apply right after their update) then fails the first step on every rank
+  (the marker moves alike everywhere) with the fix named; a loop that assigns the
+  variables itself, without an optimizer, is stopped by the next forward pass's check.
 """
 import dataclasses
 from typing import Any, Union
@@ -99,6 +101,25 @@ def through_row_update(marker: tf.Tensor, rows: tf.Tensor, lookup: Any, keys: tf
         return tf.identity(owner_rows), grad
 
     return identity(marker, rows)
+
+
+class MarkerAtZero:
+    """The row-update marker's Keras constraint on several ranks: Keras optimizers call
+    it with the marker right after applying its gradient (tf_keras and Keras 3 alike),
+    so a bare optimizer fails inside the first step's ``apply_gradients``.
+
+    ranks: the layer's world size, named in the error."""
+
+    def __init__(self, ranks: int):
+        self.ranks = ranks
+
+    def __call__(self, marker: Any) -> tf.Tensor:
+        value = tf.convert_to_tensor(marker)
+        with tf.control_dependencies([check_marker(value, self.ranks)]):
+            return tf.identity(value)
+
+    def get_config(self) -> dict:
+        return {"ranks": self.ranks}
 
 
 def check_marker(marker: tf.Tensor, ranks: int) -> tf.Operation:
