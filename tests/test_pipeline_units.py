@@ -182,7 +182,7 @@ def test_vertical_rows_pending_until_flush():
     net = _Net()
     pipe = NestedPipeline(net, _loss, tf_keras.optimizers.SGD(0.1), PipelineOptions(prefetch=True))
     pipe.step(*data[0], next_x=data[1][0])
-    pending = sum(int(tf.size(p["keys"])) for p in pipe._pending)
+    pending = sum(int(tf.size(p.keys)) for p in pipe._pending)
     assert pending > 0  # keys of batch 0 that batch 1 does not use wait for the flush
     before = sum(int(g.table.size()) for g in net.emb.groups)
     pipe.flush()

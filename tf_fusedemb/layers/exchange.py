@@ -20,7 +20,7 @@ ID out of its feature's range (``InputReport``) sends every peer one message ``(
 it from the key exchange and fails with the same error (``GroupLookup.route``), instead of
 the bad rank failing alone while the others wait for it.
 """
-from typing import TYPE_CHECKING, Any, Dict, Mapping, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, NamedTuple, Optional, Tuple
 
 import tensorflow as tf
 
@@ -31,8 +31,14 @@ from tf_fusedemb.ops.key_messages import category_bits
 if TYPE_CHECKING:  # a type only: the communicator module starts Horovod's watchdog machinery
     from tf_fusedemb.comm.communicator import Communicator
 
-# What send_keys hands to send_rows and the gradient exchange (sort indices, splits, ...).
-ExchangeState = Dict[str, Any]
+
+class FlatRoute(NamedTuple):
+    """What :meth:`FlatExchange.send_keys` sent, for ``send_rows``: ``sort_indices``
+    int32[u] (I_s, the order of the rows that come back) and ``recv_splits`` int32[N]
+    (the key messages received from each rank)."""
+    sort_indices: tf.Tensor
+    recv_splits: tf.Tensor
+
 
 EXCHANGES = ("flat", "hierarchical")
 
@@ -107,7 +113,7 @@ class FlatExchange:
         self._prefix = f"fusedemb/{group_name}"
 
     def send_keys(self, uniq: ops.SegmentUniqueResult, feature_table: tf.Tensor, suffix: str,
-                  report: Optional[InputReport] = None) -> Tuple[tf.Tensor, ExchangeState]:
+                  report: Optional[InputReport] = None) -> Tuple[tf.Tensor, FlatRoute]:
         """Sends the requester's unique keys to their owners.
 
         Args:
@@ -117,9 +123,8 @@ class FlatExchange:
           report: this requester's InputReport (None: its IDs need no range check); a
             failed one is sent instead of the keys.
         Returns:
-          (key messages received by this owner int64[m, 2], state): state holds
-          ``sort_indices`` int32[u] (I_s, the order of the rows ``send_rows`` returns) and
-          what ``send_rows`` needs.
+          (key messages received by this owner int64[m, 2], the FlatRoute that
+          ``send_rows`` takes).
         """
         srt = ops.rankwise_sort(uniq.unique_keys, uniq.unique_segment_splits, self.comm.size)
         send, splits = with_report(ops.pack_key_messages(srt.sorted_keys, srt.sorted_segment_ids,
@@ -127,11 +132,11 @@ class FlatExchange:
                                    srt.rank_splits, report)
         recv, recv_splits = self.comm.alltoall(send, splits, f"{self._prefix}/keys{suffix}",
                                                self.counters)
-        return recv, {"sort_indices": srt.indices, "recv_splits": recv_splits}
+        return recv, FlatRoute(srt.indices, recv_splits)
 
-    def send_rows(self, rows: tf.Tensor, state: Mapping[str, Any], suffix: str) -> tf.Tensor:
+    def send_rows(self, rows: tf.Tensor, route: FlatRoute, suffix: str) -> tf.Tensor:
         """The owner's ``rows`` float32[m, dim] (one per received key message) back to the
-        requesters: float32[u, dim] in rank-sorted order (``state["sort_indices"]``)."""
-        back, _ = self.comm.alltoall(rows, state["recv_splits"], f"{self._prefix}/rows{suffix}",
+        requesters: float32[u, dim] in rank-sorted order (``route.sort_indices``)."""
+        back, _ = self.comm.alltoall(rows, route.recv_splits, f"{self._prefix}/rows{suffix}",
                                      self.counters)
         return back

@@ -11,6 +11,7 @@ from tf_fusedemb.comm import Communicator, get_communicator
 from tf_fusedemb.comm.cost_model import TrafficHints, estimate
 from tf_fusedemb.layers.group_lookup import GroupLookup
 from tf_fusedemb.layers.lookup_context import NO_CONTEXT, LookupContext
+from tf_fusedemb.layers.routed_lookup import RoutedLookup
 from tf_fusedemb.layers.inputs import flatten_feature, to_tensor
 from tf_fusedemb.layers.row_update import MARKER_NAME, MarkerAtZero, check_marker
 from tf_fusedemb.ops import hashing
@@ -156,10 +157,10 @@ class FusedEmbeddingMixin(_KerasLayer):
                 for f in lookup.group.features]
 
     def route(self, inputs: Mapping[str, tf.Tensor],
-              context: LookupContext = NO_CONTEXT) -> List[Dict[str, tf.Tensor]]:
+              context: LookupContext = NO_CONTEXT) -> List[RoutedLookup]:
         """Key routing of ``inputs`` ahead of the forward pass (used by pipelines): one
-        ``GroupLookup.route`` dict per group, in ``self.groups`` order; collective names
-        take ``context.suffix``."""
+        RoutedLookup per group, in ``self.groups`` order; collective names take
+        ``context.suffix``."""
         self._check_inputs(inputs)
         self.agree_across_ranks()
         return [lookup.route(self._flat_features(lookup, inputs), context)

@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_fusedemb.layers.lookup_context import LookupContext
+from tf_fusedemb.layers.routed_lookup import RoutedLookup
 from tf_fusedemb.specs import FusedGroup
 
 Combiners = Sequence[Optional[str]]
@@ -57,15 +58,14 @@ class DistributedGroupLookup(GroupEmbeddings, Protocol):
     """One group's lookup over the ranks (FusedRec Algorithm 1) and its state."""
 
     def route(self, flats: Sequence[Any], context: LookupContext,
-              record_statistics: bool = True) -> Dict[str, tf.Tensor]:
-        """Keys to their owners: a dict of tensors (requester side ``ids`` int64[n],
-        owner side ``keys``/``init_keys`` int64[u_l], ``inverse`` int32[m], and the
-        exchange's state), what :meth:`retrieve` and :meth:`serve` take."""
+              record_statistics: bool = True) -> RoutedLookup:
+        """Keys to their owners: the RoutedLookup that :meth:`retrieve` and :meth:`serve`
+        take."""
 
-    def retrieve(self, routed: Mapping[str, tf.Tensor]) -> tf.Tensor:
-        """The owner's rows of ``routed["keys"]``: float32[u_l, dim]."""
+    def retrieve(self, routed: RoutedLookup) -> tf.Tensor:
+        """The owner's rows of ``routed.keys``: float32[u_l, dim]."""
 
-    def serve(self, routed: Mapping[str, tf.Tensor], rows: tf.Tensor, flats: Sequence[Any],
+    def serve(self, routed: RoutedLookup, rows: tf.Tensor, flats: Sequence[Any],
               combiners: Combiners, context: LookupContext,
               marker: Optional[Any] = None) -> List[tf.Tensor]:
         """The owner's ``rows`` back to the requesters, recovered per feature; with the
@@ -116,10 +116,10 @@ class KeyExchange(Protocol):
     rounds_per_step: int
 
     def send_keys(self, uniq: Any, feature_table: tf.Tensor, suffix: str,
-                  report: Any = None) -> Tuple[tf.Tensor, Dict[str, tf.Tensor]]:
-        """Key messages int64[m, 2] received by this owner, and the state
-        :meth:`send_rows` needs (``sort_indices`` int32[u] among it)."""
+                  report: Any = None) -> Tuple[tf.Tensor, Any]:
+        """Key messages int64[m, 2] received by this owner, and the exchange's record of
+        what it sent, which :meth:`send_rows` takes (a NamedTuple with ``sort_indices``
+        int32[u] among its fields)."""
 
-    def send_rows(self, rows: tf.Tensor, state: Mapping[str, tf.Tensor],
-                  suffix: str) -> tf.Tensor:
+    def send_rows(self, rows: tf.Tensor, route: Any, suffix: str) -> tf.Tensor:
         """The owner's ``rows`` float32[m, dim] back: float32[u, dim] in rank-sorted order."""

@@ -7,7 +7,7 @@ along the same path -> recovery. Backward is the tape's: recovery gradient (loca
 accumulation by I_r) -> the gradient AlltoAll(s) -> gather gradient (accumulation by I_l on
 the owner). Three AlltoAll rounds per step (flat), six (hierarchical).
 """
-from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Sequence, Tuple, Union, cast
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import numpy as np
 import tensorflow as tf
@@ -20,6 +20,7 @@ from tf_fusedemb.layers.group_interface import Combiners, GroupState, KeyExchang
 from tf_fusedemb.layers.hierarchical_exchange import HierarchicalExchange
 from tf_fusedemb.layers.inputs import FlatFeature, id_ranges, out_of_range_message
 from tf_fusedemb.layers.lookup_context import NO_CONTEXT, LookupContext
+from tf_fusedemb.layers.routed_lookup import RoutedLookup
 from tf_fusedemb.layers.row_update import RowUpdate, through_row_update
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FusedGroup
@@ -348,14 +349,10 @@ class GroupLookup(tf.Module):
         return ops.hashed_unified_keys(ids, segment_ids, self._tags)
 
     def route(self, flats: Sequence[FlatFeature], context: LookupContext = NO_CONTEXT,
-              record_statistics: bool = True) -> Dict[str, tf.Tensor]:
+              record_statistics: bool = True) -> RoutedLookup:
         """Steps 1-5 of the lookup for ``flats``: fuse, segment unique, rankwise sort, the
         key AlltoAll and category hashing on the owner (access statistics recorded).
-
-        Returns a dict of tensors: requester side ``ids`` int64[n] (the fused IDs),
-        ``sort_indices`` int32[u] (I_s), ``unique_inverse`` int32[n] (I_u), the
-        exchange's state (e.g. ``recv_splits`` int32[N]); owner side ``keys`` int64[u_l]
-        storage keys, ``init_keys`` int64[u_l] and ``inverse`` int32[m] (I_l, received order)."""
+        Returns the RoutedLookup (no rows yet)."""
         lengths = tf.stack([tf.size(f.ids, out_type=tf.int64) for f in flats])
         splits = tf.concat([tf.zeros([1], tf.int64), tf.cumsum(lengths)], 0)
         ids = tf.concat([f.ids for f in flats], 0)
@@ -365,7 +362,7 @@ class GroupLookup(tf.Module):
             invalid = tf.concat([tf.zeros_like(f.ids, tf.bool) if f.invalid is None
                                  else f.invalid for f in flats], 0)
             report = input_report(ids, invalid, splits, self.comm.rank)
-        recv, state = self.exchange_for(context).send_keys(uniq, self._feature_table,
+        recv, route = self.exchange_for(context).send_keys(uniq, self._feature_table,
                                                            context.suffix, report)
         if report is not None:
             recv = self._fail_on_reported_input(recv)
@@ -380,8 +377,7 @@ class GroupLookup(tf.Module):
         if record_statistics:  # training accesses only: not evaluation or prediction
             # The step these accesses belong to: the one the next update takes (TTL clock).
             self.stats.record(hashed, accesses, self.table.step + 1)  # stateful; gates nothing
-        return dict(state, ids=ids, unique_inverse=uniq.inverse, keys=keys,
-                    init_keys=init_keys, inverse=hashed.inverse)
+        return RoutedLookup(ids, uniq.inverse, keys, init_keys, hashed.inverse, route)
 
     def _fail_on_reported_input(self, recv):
         """``recv`` once it holds no bad-input report; else an InvalidArgumentError on
@@ -408,13 +404,13 @@ class GroupLookup(tf.Module):
                              f"({self.comm.topology.describe()}) allows {sorted(self.exchanges)}")
         return self.exchanges[context.exchange]
 
-    def retrieve(self, routed: Mapping[str, tf.Tensor]) -> tf.Tensor:
-        """Step 6: the owner's rows of ``routed["keys"]``: float32[u_l, dim]."""
-        rows = self.table.lookup(routed["keys"], routed["init_keys"])
+    def retrieve(self, routed: RoutedLookup) -> tf.Tensor:
+        """Step 6: the owner's rows of ``routed.keys``: float32[u_l, dim]."""
+        rows = self.table.lookup(routed.keys, routed.init_keys)
         rows.set_shape([None, self.group.dim])  # collectives and tables lose the static dim
         return rows
 
-    def serve(self, routed: Mapping[str, tf.Tensor], rows: tf.Tensor, flats: Sequence[FlatFeature],
+    def serve(self, routed: RoutedLookup, rows: tf.Tensor, flats: Sequence[FlatFeature],
               combiners: Combiners, context: LookupContext = NO_CONTEXT,
               marker: Optional[tf.Tensor] = None) -> List[tf.Tensor]:
         """Steps 7-8: rows back to the requesters (AlltoAll) and recovery per feature.
@@ -422,18 +418,18 @@ class GroupLookup(tf.Module):
         given the layer's row-update ``marker``, they pass through it
         (``row_update.through_row_update``): differentiating the marker updates them."""
         if context.tape is not None:
-            context.record(rows, routed["keys"], routed["init_keys"], self, self.group.name)
+            context.record(rows, routed.keys, routed.init_keys, self, self.group.name)
         elif marker is not None:
-            rows = through_row_update(marker, rows, self, routed["keys"], routed["init_keys"],
+            rows = through_row_update(marker, rows, self, routed.keys, routed.init_keys,
                                       context.row_update or RowUpdate.for_ranks(self.comm.size))
-        served = tf.gather(rows, routed["inverse"])
+        served = tf.gather(rows, routed.inverse)
         # In wire_dtype both ways: the AlltoAll's gradient travels in its input's dtype.
         # (A cast to the same dtype adds no op: float32 graphs are unchanged.)
         back = self.exchange_for(context).send_rows(
-            tf.cast(served, self.wire_dtype), routed, context.suffix)
+            tf.cast(served, self.wire_dtype), routed.route, context.suffix)
         back = tf.cast(back, tf.float32)
         back.set_shape([None, self.group.dim])
-        return ops.recover_features(back, routed["sort_indices"], routed["unique_inverse"],
+        return ops.recover_features(back, routed.route.sort_indices, routed.unique_inverse,
                                     [f.row_splits for f in flats], combiners)
 
     def __call__(self, flats: Sequence[FlatFeature], combiners: Combiners,
@@ -457,12 +453,13 @@ class GroupLookup(tf.Module):
             return self.serve(routed, self.retrieve(routed), flats, combiners, context,
                               marker)
         ids = tf.concat([f.ids for f in flats], 0)
-        return self.serve(prepared, self._check_prepared(prepared, ids)["rows"], flats,
+        return self.serve(prepared, self._checked_rows(prepared, ids), flats,
                           combiners, context, marker)
 
-    def _check_prepared(self, prepared, ids):
-        """Fails clearly when the layer is called with other IDs than were prefetched."""
-        expected = prepared["ids"]
+    def _checked_rows(self, prepared: RoutedLookup, ids: tf.Tensor) -> tf.Tensor:
+        """The prepared rows; fails clearly when the layer is called with other IDs than
+        were prefetched."""
+        expected = prepared.ids
         same = tf.cond(tf.equal(tf.size(ids), tf.size(expected)),
                        lambda: tf.reduce_all(tf.equal(ids, expected)),
                        lambda: tf.constant(False))
@@ -471,4 +468,4 @@ class GroupLookup(tf.Module):
             "pipeline prefetched for it; pipelining needs each feature x[name] passed to "
             "the layer unchanged"])
         with tf.control_dependencies([check]):
-            return dict(prepared, rows=tf.identity(prepared["rows"]))
+            return tf.identity(prepared.rows)

@@ -17,18 +17,30 @@ Backward mirrors it through the tape: the fan-out's gradient sums the node mates
 gradients of a key (TawPipe's group-local reduction) before the rail AlltoAll carries one
 gradient row per node and key to the owner.
 """
-from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, NamedTuple, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
 
 from tf_fusedemb import ops
 from tf_fusedemb.comm.counters import CommCounters
-from tf_fusedemb.layers.exchange import (ExchangeState, InputReport, received_report,
-                                         with_report)
+from tf_fusedemb.layers.exchange import InputReport, received_report, with_report
 
 if TYPE_CHECKING:  # a type only, as in layers/exchange.py
     from tf_fusedemb.comm.communicator import Communicator
+
+
+class HierarchicalRoute(NamedTuple):
+    """What :meth:`HierarchicalExchange.send_keys` sent, for ``send_rows``:
+    ``sort_indices`` int32[u] (I_s), ``recv_splits`` int32[L] (the node stage's received
+    splits), the node stage's fan-out ``node_sort_indices`` int32[u1] and
+    ``node_inverse`` int32[m1], and ``rail_splits`` int32[C] (the rail stage's received
+    splits)."""
+    sort_indices: tf.Tensor
+    recv_splits: tf.Tensor
+    node_sort_indices: tf.Tensor
+    node_inverse: tf.Tensor
+    rail_splits: tf.Tensor
 
 
 class HierarchicalExchange:
@@ -53,10 +65,8 @@ class HierarchicalExchange:
         self._prefix = f"fusedemb/{group_name}"
 
     def send_keys(self, uniq: ops.SegmentUniqueResult, feature_table: tf.Tensor, suffix: str,
-                  report: Optional[InputReport] = None) -> Tuple[tf.Tensor, ExchangeState]:
-        """Same contract as ``FlatExchange.send_keys``; the state also holds the node
-        stage's fan-out (``node_sort_indices`` int32[u1], ``node_inverse`` int32[m1]) and
-        the rail stage's received splits. A bad-input report received in the node stage
+                  report: Optional[InputReport] = None) -> Tuple[tf.Tensor, HierarchicalRoute]:
+        """Same contract as ``FlatExchange.send_keys``, with a HierarchicalRoute. A bad-input report received in the node stage
         is passed on to the whole rail instead of the node's keys, so it reaches every
         rank."""
         comm = self.comm
@@ -79,9 +89,8 @@ class HierarchicalExchange:
                 lambda: self._rail_messages(got))
         recv, rail_splits = comm.alltoall(send, rail_send, f"{self._prefix}/keys_rail{suffix}",
                                           self.counters, self._rail)
-        return recv, {"sort_indices": srt.indices, "recv_splits": node_splits,
-                      "node_sort_indices": node_sort, "node_inverse": node_inverse,
-                      "rail_splits": rail_splits}
+        return recv, HierarchicalRoute(srt.indices, node_splits, node_sort, node_inverse,
+                                       rail_splits)
 
     def _rail_messages(self, got):
         """(2) node-level dedup per table of the node stage's key messages ``got``, (3)
@@ -116,16 +125,16 @@ class HierarchicalExchange:
                                                    tf.size(node_uniq.unique_keys))
         return node_uniq, node_counts, order
 
-    def send_rows(self, rows: tf.Tensor, state: Mapping[str, Any], suffix: str) -> tf.Tensor:
+    def send_rows(self, rows: tf.Tensor, route: HierarchicalRoute, suffix: str) -> tf.Tensor:
         """Same contract as ``FlatExchange.send_rows``."""
         comm = self.comm
-        node_rows, _ = comm.alltoall(rows, state["rail_splits"],
+        node_rows, _ = comm.alltoall(rows, route.rail_splits,
                                      f"{self._prefix}/rows_rail{suffix}", self.counters,
                                      self._rail)
         node_rows.set_shape([None, rows.shape[1]])  # collectives lose the static dim
         # Fan-out to every node mate's request; its gradient is the node-level reduction.
-        fanned, _ = ops.recovery_gather(node_rows, state["node_sort_indices"],
-                                        state["node_inverse"])
-        back, _ = comm.alltoall(fanned, state["recv_splits"],
+        fanned, _ = ops.recovery_gather(node_rows, route.node_sort_indices,
+                                        route.node_inverse)
+        back, _ = comm.alltoall(fanned, route.recv_splits,
                                 f"{self._prefix}/rows_node{suffix}", self.counters, self._node)
         return back

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional
 
 import tensorflow as tf
 
+from tf_fusedemb.layers.routed_lookup import RoutedLookup
 from tf_fusedemb.layers.row_update import RowUpdate
 
 
@@ -49,8 +50,8 @@ class LookupContext:
 
     Attributes:
       tape: the step's GradientTape (None: record nothing).
-      prepared: {id(GroupLookup): dict of ``GroupLookup.route`` tensors + "rows"
-        float32[u_l, dim]}, lookups done ahead of the forward pass.
+      prepared: {id(GroupLookup): its RoutedLookup with ``rows``}, lookups done ahead
+        of the forward pass.
       suffix: appended to collective names, e.g. "/mb2" for micro-batch 2.
       records: filled with one LookupRecord per group lookup when ``tape`` is set.
       exchange: "flat" or "hierarchical" for every group lookup; None: each group's own
@@ -63,7 +64,7 @@ class LookupContext:
         None: the plain-Keras update of the layer's ranks (``RowUpdate.for_ranks``).
     """
     tape: Optional[tf.GradientTape] = None
-    prepared: Dict[int, dict] = dataclasses.field(default_factory=dict)
+    prepared: Dict[int, RoutedLookup] = dataclasses.field(default_factory=dict)
     suffix: str = ""
     records: List[LookupRecord] = dataclasses.field(default_factory=list)
     exchange: Optional[str] = None
@@ -74,7 +75,7 @@ class LookupContext:
         """What gives ``lookup``'s embeddings in this pass: its substitute, or itself."""
         return self.substitutes.get(id(lookup), lookup)
 
-    def prepared_for(self, lookup: Any) -> Optional[dict]:
+    def prepared_for(self, lookup: Any) -> Optional[RoutedLookup]:
         """The prepared lookup of ``lookup``, or None."""
         return self.prepared.get(id(lookup))
 

@@ -36,7 +36,8 @@ Table ops on one resource are ordered by ``tf.function``'s automatic control
 dependencies in program order, so the step emits them in the order the schedule needs:
 delayed writes of t-1, retrieval of t+1, updates of t.
 """
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Protocol, Tuple
+from typing import (Any, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional,
+                    Protocol, Tuple)
 
 import tensorflow as tf
 import tf_keras
@@ -45,6 +46,7 @@ from tf_fusedemb.comm import Communicator, get_communicator
 from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
 from tf_fusedemb.layers.group_interface import DistributedGroupLookup
 from tf_fusedemb.layers.group_lookup import GroupLookup
+from tf_fusedemb.layers.routed_lookup import RoutedLookup
 from tf_fusedemb.pipeline.options import PipelineOptions
 from tf_fusedemb.training import keysets
 from tf_fusedemb.training.loop import TrainLoop
@@ -54,6 +56,29 @@ from tf_fusedemb.training.loss import LossLike
 from tf_fusedemb.training.step import (DENSE_GRADS, Schedule, StepResult, after, as_keras_loss,
                                        top_layers_split, train_step)
 from tf_fusedemb.training.tracing import RankInvariantFunction
+
+
+# One batch's prepared lookups: per micro-batch, one RoutedLookup per group lookup (in the
+# pipeline's ``lookups`` order).
+Prepared = List[List[RoutedLookup]]
+
+
+class PendingUpdate(NamedTuple):
+    """One group's delayed row update (vertical scheduling): unique ``keys`` int64[u],
+    their summed ``grads`` float32[u, dim], ``init_keys`` int64[u] and the optimizer
+    ``step`` int64[] of the batch they belong to."""
+    keys: tf.Tensor
+    grads: tf.Tensor
+    init_keys: tf.Tensor
+    step: tf.Tensor
+
+
+class DensePending(NamedTuple):
+    """A step's dense update left for the next step: the ``bottom`` layers' local
+    gradients (summed over ranks when applied) and the ``top`` layers' gradients,
+    already summed over ranks (EmbRace's priority order)."""
+    bottom: List[tf.Tensor]
+    top: List[tf.Tensor]
 
 
 def refuse_policies_when_looking_ahead(lookups: Iterable[GroupLookup], who: str,
@@ -165,22 +190,21 @@ class NestedPipeline:
         for done in TrainLoop(self).run(batches, steps):
             yield done.result.loss, done.result.predictions
 
-    def prefetch(self, x: Mapping[str, tf.Tensor]) -> List[List[Dict[str, Any]]]:
+    def prefetch(self, x: Mapping[str, tf.Tensor]) -> Prepared:
         """DBP stages 3 and 4 of one batch alone (traced): per micro-batch, per lookup,
-        the routed lookup with its retrieved ``rows``, as a step prefetches them for the
+        the RoutedLookup with its retrieved ``rows``, as a step prefetches them for the
         next batch (the benchmarks time it)."""
         return self._prefetch_fn(x)
 
     # ------------------------------------------------------------------ traced parts
-    def _empty_pending(self):
-        return [{"keys": tf.zeros([0], tf.int64), "grads": tf.zeros([0, g.group.dim]),
-                 "init_keys": tf.zeros([0], tf.int64), "step": tf.constant(0, tf.int64)}
+    def _empty_pending(self) -> List[PendingUpdate]:
+        return [PendingUpdate(tf.zeros([0], tf.int64), tf.zeros([0, g.group.dim]),
+                              tf.zeros([0], tf.int64), tf.constant(0, tf.int64))
                 for g in self.lookups]
 
-    def apply_pending(self, pending: List[Dict[str, tf.Tensor]]) -> list:
-        """Applies a step's delayed row updates (one dict of ``keys``, ``grads``,
-        ``init_keys`` and the optimizer ``step`` per lookup), in the traced step."""
-        return [g.apply_gradients(p["keys"], p["grads"], p["init_keys"], step=p["step"])
+    def apply_pending(self, pending: List[PendingUpdate]) -> list:
+        """Applies a step's delayed row updates (one per lookup), in the traced step."""
+        return [g.apply_gradients(p.keys, p.grads, p.init_keys, step=p.step)
                 for g, p in zip(self.lookups, pending)]
 
     def _flush(self, pending, dense_pending):
@@ -192,12 +216,13 @@ class NestedPipeline:
     def _apply_dense(self, dense_pending):
         """The previous step's dense update: its bottom layers' gradients summed over
         ranks now, with the top layers' (summed during that step), applied once."""
-        bottom = list(self.comm.allreduce_sum_list(dense_pending["bottom"], DENSE_GRADS))
-        self.optimizer.apply_gradients(zip(bottom + list(dense_pending["top"]),
+        bottom = list(self.comm.allreduce_sum_list(dense_pending.bottom, DENSE_GRADS))
+        self.optimizer.apply_gradients(zip(bottom + list(dense_pending.top),
                                            self.model.trainable_variables))
 
-    def route(self, x: Mapping[str, tf.Tensor]) -> List[List[Dict[str, Any]]]:
-        """Per micro-batch, per lookup: the route() dict of ``x``'s slice (DBP stage 3)."""
+    def route(self, x: Mapping[str, tf.Tensor]) -> Prepared:
+        """Per micro-batch, per lookup: the RoutedLookup of ``x``'s slice, no rows yet
+        (DBP stage 3)."""
         routed = []
         schedule = Schedule(self.options.num_micro_batches, self.options.exchange)
         first = self.layers[0]
@@ -213,14 +238,14 @@ class NestedPipeline:
                                                  for f in layer.features}, context)])
         return routed
 
-    def retrieve(self, routed: List[List[Dict[str, Any]]]) -> List[List[Dict[str, Any]]]:
+    def retrieve(self, routed: Prepared) -> Prepared:
         """Rows of every routed lookup from the tables (DBP stage 4). A group with an SSD
         tier first pins the batch's keys in DRAM (one prefetch per batch, all its
         micro-batches), so neither this retrieval nor the batch's updates wait on disk."""
-        pins = [g.prefetch(tf.concat([mb[j]["keys"] for mb in routed], 0))
+        pins = [g.prefetch(tf.concat([mb[j].keys for mb in routed], 0))
                 for j, g in enumerate(self.lookups) if g.tiered]
         with tf.control_dependencies([p for p in pins if p is not None]):
-            return [[dict(r, rows=g.retrieve(r)) for g, r in zip(self.lookups, mb)]
+            return [[r.with_rows(g.retrieve(r)) for g, r in zip(self.lookups, mb)]
                     for mb in routed]
 
     def _prefetch(self, x):
@@ -239,19 +264,19 @@ class PrefetchStages(Protocol):
     """What a :class:`PrefetchSchedule` calls on its pipeline (NestedPipeline implements
     it), inside the traced step: the lookups' order, the options, DBP's stages 3 and 4
     for the next batch and the delayed updates of the previous one. A routed or prepared
-    batch is a list per micro-batch of one dict per lookup (in ``lookups`` order), as
-    ``FusedEmbedding.route`` returns them (plus ``rows`` once retrieved)."""
+    batch is a list per micro-batch of one RoutedLookup per lookup (in ``lookups`` order), as
+    ``FusedEmbedding.route`` returns them (with ``rows`` once retrieved)."""
     options: PipelineOptions
     lookups: list  # the model's GroupLookups, layer by layer
 
-    def route(self, x: Mapping[str, tf.Tensor]) -> List[List[Dict[str, Any]]]:
+    def route(self, x: Mapping[str, tf.Tensor]) -> Prepared:
         """Key routing of ``x``'s micro-batches (DBP stage 3)."""
 
-    def retrieve(self, routed: List[List[Dict[str, Any]]]) -> List[List[Dict[str, Any]]]:
+    def retrieve(self, routed: Prepared) -> Prepared:
         """``routed`` with each lookup's retrieved ``rows`` (DBP stage 4)."""
 
-    def apply_pending(self, pending: List[Dict[str, tf.Tensor]]) -> list:
-        """The delayed row updates of the previous step, one dict per lookup."""
+    def apply_pending(self, pending: List[PendingUpdate]) -> list:
+        """The delayed row updates of the previous step, one per lookup."""
 
 
 class PrefetchSchedule(Schedule):
@@ -265,17 +290,17 @@ class PrefetchSchedule(Schedule):
     t+1. Results after tracing: ``synced`` (t+1's prepared lookups per micro-batch) and
     ``new_pending`` (the delayed updates)."""
 
-    def __init__(self, pipeline: PrefetchStages, prepared: List[List[Dict[str, Any]]],
-                 pending: List[Dict[str, tf.Tensor]], next_x: Optional[Mapping[str, tf.Tensor]]):
+    def __init__(self, pipeline: PrefetchStages, prepared: Optional[Prepared],
+                 pending: List[PendingUpdate], next_x: Optional[Mapping[str, tf.Tensor]]):
         super().__init__(pipeline.options.num_micro_batches, pipeline.options.exchange)
         self.pipeline, self.options = pipeline, pipeline.options
         self._prepared, self._pending, self._next_x = prepared, pending, next_x
-        self._routed_next: Optional[List[List[Dict[str, Any]]]] = None  # t+1's routed
-        self._next: Optional[List[List[Dict[str, Any]]]] = None  # ... and retrieved lookups
-        self.synced: List[List[Dict[str, Any]]] = [
+        self._routed_next: Optional[Prepared] = None  # t+1's routed
+        self._next: Optional[Prepared] = None  # ... and retrieved lookups
+        self.synced: Prepared = [
             [] for _ in range(self.micro_batches if next_x is not None else 0)]
-        self.new_pending: List[Dict[str, tf.Tensor]] = []
-        self.dense_pending: Optional[Dict[str, list]] = None
+        self.new_pending: List[PendingUpdate] = []
+        self.dense_pending: Optional[DensePending] = None
 
     @property
     def records_rows(self) -> bool:
@@ -316,7 +341,7 @@ class PrefetchSchedule(Schedule):
         split = top_layers_split(variables)
         reduced = list(comm.allreduce_sum_list(grads[split:] + extras, DENSE_GRADS + "/top"))
         top = len(variables) - split
-        self.dense_pending = {"bottom": grads[:split], "top": reduced[:top]}
+        self.dense_pending = DensePending(grads[:split], reduced[:top])
         return reduced[top:]
 
     def apply_rows(self, lookup: DistributedGroupLookup, keys: tf.Tensor, grads: tf.Tensor,
@@ -329,32 +354,32 @@ class PrefetchSchedule(Schedule):
         pending, rows = self._apply_prior(lookup, keys, grads, init_keys, nxt_j)
         self.new_pending.append(pending)
         for i, r in enumerate(rows):
-            self.synced[i].append(dict(nxt_j[i], rows=r))
+            self.synced[i].append(nxt_j[i].with_rows(r))
 
     def _apply_prior(self, g, keys, grads, init, nxt_j):
         """Updates prior rows of one group now; returns (pending delayed part,
         synchronised prefetch rows per micro-batch of t+1)."""
-        next_keys = tf.concat([p["keys"] for p in nxt_j], 0)
+        next_keys = tf.concat([p.keys for p in nxt_j], 0)
         step = g.advance_step()
         if self.options.uses_vertical:
             prior, _ = keysets.find_keys(keys, next_keys)
         else:
             prior = tf.ones_like(keys, tf.bool)
         delayed = tf.logical_not(prior)
-        pending = {"keys": tf.boolean_mask(keys, delayed), "grads": tf.boolean_mask(grads, delayed),
-                   "init_keys": tf.boolean_mask(init, delayed), "step": step}
+        pending = PendingUpdate(tf.boolean_mask(keys, delayed), tf.boolean_mask(grads, delayed),
+                                tf.boolean_mask(init, delayed), step)
         pk, pg, pi = (tf.boolean_mask(t, prior) for t in (keys, grads, init))
         if not self.options.sync_buffers:  # the stale variant: t+1 keeps pre-update rows
-            with tf.control_dependencies([p["rows"] for p in nxt_j]):
+            with tf.control_dependencies([p.rows for p in nxt_j]):
                 g.apply_gradients(pk, pg, pi, step=step)
-            return pending, [p["rows"] for p in nxt_j]
+            return pending, [p.rows for p in nxt_j]
         _, new_rows = g.apply_gradients(pk, pg, pi, step=step, return_rows=True)
         padded = tf.concat([new_rows, tf.zeros([1, g.group.dim])], 0)
         rows = []
         for p in nxt_j:  # dual-buffer synchronisation: fresh values of K(B_t) ∩ K(B_t+1)
-            found, index = keysets.find_keys(p["keys"], pk)
+            found, index = keysets.find_keys(p.keys, pk)
             index = tf.where(found, index, tf.size(pk))
-            rows.append(tf.where(found[:, None], tf.gather(padded, index), p["rows"]))
+            rows.append(tf.where(found[:, None], tf.gather(padded, index), p.rows))
         return pending, rows
 
 
