@@ -130,7 +130,8 @@ def _hashed(rng, n):
 
 
 def _admitted_by(stats, table, min_counts):
-    """GroupLookup._admitted's rule, for the reference table."""
+    """The admission rule (TableSpec.admission's documented semantics), written here for
+    the reference table."""
     def admitted(keys):
         cats, _ = stats.key_metadata(keys)
         need = tf.where(cats >= 0, tf.gather(min_counts, tf.maximum(cats, 0)), 0)
@@ -175,7 +176,7 @@ def test_same_sequence_as_dynamic_table_and_access_statistics(opt_name, admissio
     min_counts = tf.constant([1, 3, 5], tf.int64)
     if admission:
         eng.set_admission(min_counts)
-        ref.admission = _admitted_by(ref_stats, ref, min_counts)
+        ref.set_admission_filter(_admitted_by(ref_stats, ref, min_counts))
     rng = np.random.default_rng(3)
     direct_keys = tf.constant([11, 12, 13], tf.int64)  # never recorded: never filtered
     for step in range(1, 26):

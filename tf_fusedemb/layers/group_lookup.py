@@ -98,9 +98,8 @@ class GroupLookup(tf.Module):
         self.policy = GroupPolicy(group.tables) if any(t.has_policy for t in group.tables) \
             else None
         if self.policy is not None and self.policy.admits:
-            self._min_counts = tf.constant(self.policy.min_counts)
             self._backend.install_admission(GroupStorage(self.table, self.stats),
-                                            self.policy.min_counts, self._admitted)
+                                            self.policy.min_counts)
 
     def _static_table(self) -> "StaticGroupTable":
         """A static group's table (the static backend made it; callers check is_static)."""
@@ -300,15 +299,6 @@ class GroupLookup(tf.Module):
         for keys never stored, not inserted): float32[u, dim]. Sharded inference's
         owner-side read."""
         return self.table.lookup(keys, init_keys)
-
-    def _admitted(self, keys):
-        """bool[u]: which of the owner's unique ``keys`` int64[u] an update may store: a
-        stored key, or one whose access count (this step's accesses included: they were
-        recorded during the forward pass) reached its table's ``min_count``."""
-        cats, _ = self.stats.key_metadata(keys)
-        known = cats >= 0  # a key never recorded (a direct table call) is not filtered
-        need = tf.where(known, tf.gather(self._min_counts, tf.maximum(cats, 0)), 0)
-        return tf.logical_or(self.stats.counts_of(keys) >= need, self.table.contains(keys))
 
     def enforce_policy(self) -> int:
         """Evicts the keys the tables' EvictionPolicies select after the step the

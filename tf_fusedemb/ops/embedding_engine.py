@@ -157,9 +157,9 @@ class EmbeddingEngine(tf.saved_model.experimental.TrackableResource):
             keys: int64[u] UNIQUE storage keys. init_keys: int64[u].
             grads: float32[u, dim], summed per key.
             step: int64 scalar, the optimizer step (1 on the first update).
-            min_counts: optional int64[T]: admission per table (see GroupLookup._admitted:
-                a key with no row whose statistics are tracked with table t and a count
-                below min_counts[t] is not stored).
+            min_counts: optional int64[T]: admission per table (the rule of
+                ``storage.policy.admission_filter``: a key with no row whose statistics
+                are tracked with table t and a count below min_counts[t] is not stored).
 
         Returns:
             float32[u, dim], the rows after the step (a key not admitted: its initial row).

@@ -43,6 +43,7 @@ import tensorflow as tf
 from tf_fusedemb.specs import FusedGroup, STORAGES
 from tf_fusedemb.storage.dynamic_table import DynamicGroupTable  # TFRA loads on first table
 from tf_fusedemb.storage.engine_table import EngineGroupTable, EngineStatistics
+from tf_fusedemb.storage.policy import admission_filter
 from tf_fusedemb.storage.spill_dir import make_spill_path
 from tf_fusedemb.storage.static_table import StaticGroupTable
 from tf_fusedemb.storage.statistics import AccessStatistics
@@ -65,6 +66,11 @@ class TableStorage(Protocol):
     # Optional admission filter, keys int64[u] -> bool[u]: only admitted keys are written
     # (StorageBackend.install_admission sets it where the update does not decide itself).
     admission: Optional[Callable[[tf.Tensor], tf.Tensor]]
+
+    def set_admission_filter(self, admitted: Optional[Callable[[tf.Tensor], tf.Tensor]]
+                             ) -> None:
+        """Stores only the keys ``admitted`` (keys int64[u] -> bool[u]) lets through in
+        every update; None: all."""
 
     @property
     def slot_names(self) -> tuple: ...
@@ -176,13 +182,12 @@ class StorageBackend(abc.ABC):
         """The table (named ``table_name``) and statistics of ``group`` on this rank;
         ``static`` is required by, and only by, the static backend."""
 
-    def install_admission(self, storage: GroupStorage, min_counts: np.ndarray,
-                          admitted: Callable[[tf.Tensor], tf.Tensor]) -> None:
+    def install_admission(self, storage: GroupStorage, min_counts: np.ndarray) -> None:
         """Makes updates store only admitted keys: per table t a key without a row needs
-        an access count >= ``min_counts[t]`` (int64[T]); ``admitted`` (keys int64[u] ->
-        bool[u]) is that rule written with the storage's public calls, for backends that
-        filter outside the update."""
-        storage.table.admission = admitted
+        an access count >= ``min_counts[t]`` (int64[T]). Default: the rule
+        (``policy.admission_filter``) as a filter in the table's update."""
+        storage.table.set_admission_filter(
+            admission_filter(min_counts, storage.table, storage.stats))
 
     def memory_bytes(self, storage: GroupStorage, dim: int) -> int:
         """Bytes this rank holds for the group (eager). Default: the payload, per row the
@@ -232,8 +237,7 @@ class EngineBackend(StorageBackend):
         return GroupStorage(table, EngineStatistics(group.name, [t.name for t in group.tables],
                                                     table.engine))
 
-    def install_admission(self, storage: GroupStorage, min_counts: np.ndarray,
-                          admitted: Callable[[tf.Tensor], tf.Tensor]) -> None:
+    def install_admission(self, storage: GroupStorage, min_counts: np.ndarray) -> None:
         # Decided inside the update kernel from the block's count and table: the same rule.
         _engine_table(storage).set_admission(min_counts)
 
@@ -264,8 +268,7 @@ class StaticBackend(StorageBackend):
                                  num_ranks=static.num_ranks, owner_ids=static.owner_ids)
         return GroupStorage(table, AccessStatistics(group.name, [t.name for t in group.tables]))
 
-    def install_admission(self, storage: GroupStorage, min_counts: np.ndarray,
-                          admitted: Callable[[tf.Tensor], tf.Tensor]) -> None:
+    def install_admission(self, storage: GroupStorage, min_counts: np.ndarray) -> None:
         raise ValueError("static tables have no admission (their memory is fixed)")
 
 

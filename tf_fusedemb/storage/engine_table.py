@@ -60,8 +60,8 @@ class EngineGroupTable(GroupTable):
     # ---------------------------------------------------------------- admission
     def set_admission(self, min_counts: Optional[Union[Sequence[int], np.ndarray]]) -> None:
         """Admission inside the update: ``min_counts`` int64[T], the count a key of table t
-        needs before its row is stored (GroupLookup._admitted's rule: a stored key or a key
-        never recorded is always admitted); None turns admission off."""
+        needs before its row is stored (``policy.admission_filter``'s rule: a stored key or a
+        key never recorded is always admitted); None turns admission off."""
         if min_counts is None:
             self._min_counts = None
             return

@@ -74,8 +74,8 @@ class GroupTable(tf.Module):
         self.optimizer_spec = optimizer
         self.optimizer = RowOptimizer.from_spec(optimizer)
         self.validate_unique = validate_unique
-        # Optional admission filter, keys int64[u] -> bool[u] (set by the group's lookup
-        # when a table has an AdmissionPolicy): apply_gradients stores only admitted keys.
+        # Optional admission filter, keys int64[u] -> bool[u] (set_admission_filter, when
+        # a table has an AdmissionPolicy): apply_gradients stores only admitted keys.
         self.admission: Optional[Callable[[tf.Tensor], tf.Tensor]] = None
         with tf.init_scope():  # state is created once, even if the first call is traced
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False,
@@ -90,6 +90,13 @@ class GroupTable(tf.Module):
         return self.optimizer.slot_names
 
     # ---------------------------------------------------------------- public API
+    def set_admission_filter(self, admitted: Optional[Callable[[tf.Tensor], tf.Tensor]]
+                             ) -> None:
+        """Every later update stores only the keys ``admitted`` (keys int64[u] ->
+        bool[u], e.g. ``policy.admission_filter``) lets through; the others keep no row
+        and no slots. None: all keys are stored."""
+        self.admission = admitted
+
     def lookup(self, keys: tf.Tensor, init_keys: Optional[tf.Tensor] = None) -> tf.Tensor:
         """Rows of ``keys``; a never-updated key gets its initial row and is NOT inserted.
 

@@ -16,13 +16,32 @@ them, and every rank evicts its own keys up to the global ``excess``-th smallest
 from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
+import tensorflow as tf
 
 from tf_fusedemb.specs import EvictionPolicy, TableSpec
 
 # Communicator.allgather_object: one picklable object from each rank, in rank order.
 Allgather = Callable[[Any], List[Any]]
 
-__all__ = ["GroupPolicy", "ttl_expired", "cap_order"]
+__all__ = ["GroupPolicy", "admission_filter", "ttl_expired", "cap_order"]
+
+
+def admission_filter(min_counts: np.ndarray, table: Any, stats: Any
+                     ) -> Callable[[tf.Tensor], tf.Tensor]:
+    """The admission rule as a filter for a table whose update does not decide it itself:
+    keys int64[u] -> bool[u], which of an owner's unique keys an update may store. A key
+    is admitted when ``table`` already stores it, when ``stats`` never recorded it (a
+    direct table call), or when its access count (this step's accesses included: they
+    are recorded during the forward pass) reached its table's ``min_counts[t]``
+    (int64[T]). The engine decides the same rule inside its update kernel."""
+    thresholds = tf.constant(np.asarray(min_counts, np.int64))
+
+    def admitted(keys: tf.Tensor) -> tf.Tensor:
+        cats, _ = stats.key_metadata(keys)
+        known = cats >= 0
+        need = tf.where(known, tf.gather(thresholds, tf.maximum(cats, 0)), 0)
+        return tf.logical_or(stats.counts_of(keys) >= need, table.contains(keys))
+    return admitted
 
 
 def ttl_expired(last_steps: np.ndarray, step: int, ttl_steps: int) -> np.ndarray:
