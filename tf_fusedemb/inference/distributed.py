@@ -171,18 +171,18 @@ def _resident_rows(lookups):
 
 
 class _PushedEmbeddings:
-    """A ``GroupEmbeddings`` substitute for one group inside the model's forward pass
-    (``LookupContext.substitutes``): the embeddings the owner assembled from the pushed
-    partials, set just before the dense part runs."""
+    """A ``GroupEmbeddings`` substitute for one group in one forward pass
+    (``LookupContext.substitutes``): ``embeddings``, the group's per-feature embeddings
+    the owner assembled from the pushed partials."""
 
-    def __init__(self, lookup):
+    def __init__(self, lookup, embeddings):
         self.group, self.key_mode, self.table_names = (lookup.group, lookup.key_mode,
                                                        lookup.table_names)
-        self.pending = None
+        self.embeddings = list(embeddings)
 
     def __call__(self, flats, combiners, context=None, record_statistics=False):
         del flats, combiners, context, record_statistics
-        return self.pending
+        return self.embeddings
 
 
 class PushExchange(Protocol):
@@ -217,10 +217,6 @@ class ShardedPredictor:
         check_sharded(model, rank, size)
         self.model, self.rank, self.size, self.exchange = model, rank, size, exchange
         self._lookups = _lookups(model)
-        self._injected = [_PushedEmbeddings(lookup) for lookup in self._lookups]
-        # The model's dense part runs on the pushed embeddings; its layers are unchanged.
-        self._context = LookupContext(substitutes={
-            id(lookup): pushed for lookup, pushed in zip(self._lookups, self._injected)})
         self.features = [f for g in self._lookups for f in g.group.features]
         self.dims = [f.dim for f in self.features]
         # batch j -> (this rank's rows of its features, their row splits per pooled feature)
@@ -383,9 +379,12 @@ class ShardedPredictor:
         return finish_pooling(total.astype(np.float32), count.astype(np.float32), spec.combiner)
 
     def _dense_part(self, features, embeddings):
-        for injected, embs in zip(self._injected, embeddings):
-            injected.pending = list(embs)
-        with use_context(self.model, self._context):
+        """The model's dense part on the pushed ``embeddings`` (per group, per feature),
+        given to its lookups through this pass's LookupContext; its layers are unchanged."""
+        context = LookupContext(substitutes={
+            id(lookup): _PushedEmbeddings(lookup, embs)
+            for lookup, embs in zip(self._lookups, embeddings)})
+        with use_context(self.model, context):
             return self.model(features, training=False)
 
 
