@@ -126,7 +126,7 @@ def test_checkpoint_and_export_do_not_trust_the_hash_table_iteration(tmp_path, m
     # The failure of the issue, reproduced: identities of the iterated keys.
     raw_keys = group.table.values.export()[0].numpy()
     with np.testing.assert_raises_regex(ValueError, "have no recorded \\(table, ID\\)"):
-        group.key_metadata(raw_keys)
+        group.key_codec.decode(raw_keys, group.stats)
     # The stored rows come from lookups of the known keys: complete and exact.
     rows = group.stored_rows()
     np.testing.assert_array_equal(rows["keys"], keys_before)

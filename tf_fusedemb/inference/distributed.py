@@ -317,7 +317,7 @@ class ShardedPredictor:
         ids = np.concatenate([f[0][f[2]] for f in flats])
         tables = np.concatenate([np.full(int(f[2].sum()), group.table_index[i], np.int64)
                                  for i, f in enumerate(flats)])
-        keys, init_keys = lookup.storage_keys(ids, tables)
+        keys, init_keys = lookup.key_codec.storage_keys(ids, tables)
         rows = lookup.lookup_rows(tf.constant(keys), tf.constant(init_keys)).numpy()
         ends = np.cumsum([int(f[2].sum()) for f in flats])
         return np.split(rows, ends[:-1])

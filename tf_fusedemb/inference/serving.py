@@ -13,7 +13,6 @@ import tensorflow as tf
 from tf_fusedemb.layers.group_interface import Combiners
 from tf_fusedemb.layers.group_lookup import GroupLookup
 from tf_fusedemb.layers.inputs import FlatFeature
-from tf_fusedemb.ops import hashing
 from tf_fusedemb.ops.recovery import finish_pooling
 from tf_fusedemb.storage.initializers import init_rows
 
@@ -29,17 +28,15 @@ class ServingGroup(tf.Module):
         super().__init__(name=f"serving_{lookup.group.name}")
         self.group = lookup.group
         self.key_mode, self.table_names = lookup.key_mode, lookup.table_names  # input checks
-        self._feature_table = tf.constant(self.group.table_index, tf.int64)
-        self._tags = tf.constant(hashing.category_tags(lookup.table_names))
+        self._key_codec = lookup.key_codec
         if self.group.is_static:  # every row is defined: keep the dense table as it is
-            self._offsets = tf.constant(lookup.table_offsets.numpy())
+            self._offsets = lookup.key_codec.table_offsets
             self.rows = tf.Variable(lookup.dense_rows(), trainable=False, name="rows")
             self.index = None
             return
         stored = lookup.stored_rows()
         values = stored["values"]
-        names = np.array(lookup.table_names)[stored["tables"]] if len(values) else np.array([], str)
-        hashed = hashing.hashed_unified_keys(stored["ids"], names)
+        _, hashed = lookup.key_codec.storage_keys(stored["ids"], stored["tables"])  # init keys
         if not len(hashed):
             # A group that never trained stores no row: every key reads its initial row.
             # (A lookup table cannot be initialised from empty tensors, so one row whose
@@ -54,10 +51,9 @@ class ServingGroup(tf.Module):
     def _rows(self, ids, table):
         if self.index is None:
             return tf.gather(self.rows, tf.gather(self._offsets, table) + ids)
-        # In core TF (not ops.hashed_unified_keys, its kernel): the SavedModel carries no
-        # FusedEmb op, so it loads without the op library.
-        mixed = tf.bitwise.bitwise_xor(ids, tf.gather(self._tags, table))
-        keys = tf.bitcast(hashing.tf_mix64(mixed), tf.int64)
+        # In core TF (not the op's kernel): the SavedModel carries no FusedEmb op, so it
+        # loads without the op library.
+        keys = self._key_codec.serving_keys(ids, table)
         pos = self.index.lookup(keys)
         if getattr(self, "_empty", False):
             pos = tf.fill(tf.shape(pos), tf.constant(-1, tf.int64))
@@ -72,7 +68,7 @@ class ServingGroup(tf.Module):
         serving neither trains, prefetches nor counts."""
         outputs = []
         for f, flat, combiner in zip(range(len(flats)), flats, combiners):
-            table = tf.fill(tf.shape(flat.ids), self._feature_table[f])
+            table = tf.fill(tf.shape(flat.ids), self._key_codec.feature_table[f])
             rows = self._rows(flat.ids, table)
             if combiner is None:
                 outputs.append(rows)

@@ -55,7 +55,13 @@ class GroupEmbeddings(Protocol):
 
 @runtime_checkable
 class DistributedGroupLookup(GroupEmbeddings, Protocol):
-    """One group's lookup over the ranks (FusedRec Algorithm 1) and its state."""
+    """One group's lookup over the ranks (FusedRec Algorithm 1) and its state.
+
+    Attributes:
+      key_codec: the group's ``group_keys.GroupKeys`` (storage and init keys of
+        (table, ID) pairs, both ways).
+    """
+    key_codec: Any
 
     def route(self, flats: Sequence[Any], context: LookupContext,
               record_statistics: bool = True) -> RoutedLookup:

@@ -17,6 +17,7 @@ from tf_fusedemb.comm import CommCounters, Communicator
 from tf_fusedemb.layers.exchange import (EXCHANGES, FlatExchange, bad_input, decode_report,
                                          input_report, received_report)
 from tf_fusedemb.layers.group_interface import Combiners, GroupState, KeyExchange
+from tf_fusedemb.layers.group_keys import GroupKeys
 from tf_fusedemb.layers.hierarchical_exchange import HierarchicalExchange
 from tf_fusedemb.layers.inputs import FlatFeature, id_ranges, out_of_range_message
 from tf_fusedemb.layers.lookup_context import NO_CONTEXT, LookupContext
@@ -67,17 +68,14 @@ class GroupLookup(tf.Module):
         if len(self.table_names) >= bad_input():
             raise ValueError(f"group '{group.name}' has {len(self.table_names)} tables; at most "
                              f"{bad_input()} fit the key exchange")
-        # Category of each feature = its table, so features sharing a table share rows.
-        self._feature_table = tf.constant(group.table_index, tf.int64)
+        # How (table, ID) pairs become storage and init keys, both ways.
+        self.key_codec = GroupKeys(group, self.key_mode)
         # Each feature's valid ID range in words ("" where any ID is valid); where some
         # feature has one, an ID out of range is reported to every rank (``route``).
         id_bits = hashing.default_id_bits(len(self.table_names)) \
             if self.key_mode == "packed" and not group.is_static else None
         self._ranges = [" and ".join(words for _, _, words in id_ranges(f, id_bits))
                         for f in group.features]
-        # The tables' tags: uint64 bits for host-side keys (storage_keys), int64 in graphs.
-        self._tag_bits = hashing.category_tags(self.table_names).view(np.uint64)
-        self._tags = tf.constant(self._tag_bits.view(np.int64))
         self.counters = CommCounters(group.name,
                                      link_classes=communicator.topology.cross_size > 1)
         # Both exchanges where the topology allows (same tables and owners: a step may
@@ -106,44 +104,16 @@ class GroupLookup(tf.Module):
         return cast("StaticGroupTable", self.table)
 
     def _static_layout(self) -> StaticLayout:
-        g = self.group
-        sizes = [t.vocabulary_size for t in g.tables]
-        self._offsets = tf.constant(np.concatenate([[0], np.cumsum(sizes)[:-1]]), tf.int64)
+        codec = self.key_codec
 
-        def init_keys(keys):  # plan-independent, as the dynamic tables' (hashed_keys)
-            tables, ids = self.key_metadata(keys)
-            return self.storage_keys(ids, tables)[1]
+        def init_keys(keys):  # plan-independent, as the dynamic tables' (hashed keys)
+            tables, ids = codec.decode(keys)
+            return codec.storage_keys(ids, tables)[1]
 
         # The exchange routes by instance ID, so a row lives on the owner of its ID.
-        return StaticLayout(int(sum(sizes)), init_keys,
-                            lambda keys: self.key_metadata(keys)[1], self.comm.rank,
+        return StaticLayout(int(sum(t.vocabulary_size for t in self.group.tables)), init_keys,
+                            lambda keys: codec.decode(keys)[1], self.comm.rank,
                             self.comm.size)
-
-    @property
-    def table_offsets(self) -> tf.Tensor:
-        """Static groups: int64[T], the first key of each table (key = offset[table] + ID)."""
-        if not self.group.is_static:
-            raise ValueError(f"group '{self.group.name}' is dynamic: its keys have no offsets")
-        return self._offsets
-
-    def key_metadata(self, keys: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        """(table index int64[u], instance ID int64[u]) of stored keys: decoded for static
-        and packed keys, from the access statistics for hashed keys (eager)."""
-        keys = np.asarray(keys, np.int64)
-        if self.group.is_static:
-            offsets = self._offsets.numpy()
-            tables = np.searchsorted(offsets, keys, side="right") - 1
-            return tables, keys - offsets[tables]
-        if self.key_mode == "packed":
-            bits = hashing.default_id_bits(len(self.table_names))
-            return keys >> bits, keys & ((1 << bits) - 1)
-        tables, ids = (t.numpy() for t in self.stats.key_metadata(keys))
-        if (tables < 0).any():
-            raise ValueError(f"group '{self.group.name}': {int((tables < 0).sum())} of "
-                             f"{len(keys)} stored keys have no recorded (table, ID), e.g. "
-                             f"{keys[tables < 0][:3].tolist()}; every path that stores a row "
-                             "records its identity, so the table holds a key none of them wrote")
-        return tables, ids
 
     def stored_rows(self) -> dict:
         """The rows this rank stores and their identities: the unit a checkpoint or an
@@ -162,7 +132,7 @@ class GroupLookup(tf.Module):
             raise ValueError(f"group '{self.group.name}': the table stores {stored} rows but "
                              f"{len(rows['keys'])} of them have a recorded (table, ID); every "
                              "path that stores a row records its identity")
-        rows["tables"], rows["ids"] = self.key_metadata(rows["keys"])
+        rows["tables"], rows["ids"] = self.key_codec.decode(rows["keys"], self.stats)
         return rows
 
     def load_rows(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
@@ -187,23 +157,9 @@ class GroupLookup(tf.Module):
         mine = hashing.owner_rank(ids, self.comm.size) == self.comm.rank
         ids, rows = ids[mine], rows[mine]
         segment = np.full(len(ids), self.table_names.index(table), np.int64)
-        keys, _ = self.storage_keys(ids, segment)
+        keys, _ = self.key_codec.storage_keys(ids, segment)
         self.table.load({"keys": keys, "values": rows})
         self.stats.register(keys, segment, ids, step=int(self.table.step.numpy()))
-
-    def storage_keys(self, ids: np.ndarray, tables: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        """(storage keys int64[n], plan-independent init keys int64[n]) of instance ``ids``
-        int64[n] of the group's tables ``tables`` int64[n] (indices into
-        ``table_names``), as numpy arrays (eager): ``offset[table] + ID`` for static
-        tables, ``(table << id_bits) | ID`` packed (IDs must fit), else the hashed key
-        ``mix64(ID ^ tag(table))``, which is also every key's init key."""
-        ids, tables = np.asarray(ids, np.int64), np.asarray(tables, np.int64)
-        hashed = hashing.mix64(ids.view(np.uint64) ^ self._tag_bits[tables]).view(np.int64)
-        if self.group.is_static:
-            return self._offsets.numpy()[tables] + ids, hashed
-        if self.key_mode == "packed":
-            return hashing.packed_unified_keys(ids, tables, len(self.table_names)), hashed
-        return hashed, hashed
 
     def save_state(self) -> dict:
         """This rank's state of the group (eager), a checkpoint shard's part: the
@@ -333,11 +289,6 @@ class GroupLookup(tf.Module):
                 "bytes": self._backend.memory_bytes(storage, self.group.dim),
                 "ssd_bytes": self._backend.ssd_bytes(storage)}
 
-    def hashed_keys(self, ids: tf.Tensor, segment_ids: tf.Tensor) -> tf.Tensor:
-        """Plan-independent unified keys mix64(id ^ tag(table)) of ``ids`` int[n] of the
-        tables ``segment_ids`` int[n]: int64[n]."""
-        return ops.hashed_unified_keys(ids, segment_ids, self._tags)
-
     def route(self, flats: Sequence[FlatFeature], context: LookupContext = NO_CONTEXT,
               record_statistics: bool = True) -> RoutedLookup:
         """Steps 1-5 of the lookup for ``flats``: fuse, segment unique, rankwise sort, the
@@ -352,18 +303,13 @@ class GroupLookup(tf.Module):
             invalid = tf.concat([tf.zeros_like(f.ids, tf.bool) if f.invalid is None
                                  else f.invalid for f in flats], 0)
             report = input_report(ids, invalid, splits, self.comm.rank)
-        recv, route = self.exchange_for(context).send_keys(uniq, self._feature_table,
+        recv, route = self.exchange_for(context).send_keys(uniq, self.key_codec.feature_table,
                                                            context.suffix, report)
         if report is not None:
             recv = self._fail_on_reported_input(recv)
         recv_ids, accesses, category = ops.unpack_key_messages(recv)
         hashed = ops.category_hash(recv_ids, category, self.table_names, mode=self.key_mode)
-        if self.group.is_static:
-            keys = tf.gather(self._offsets, hashed.lookup_segment_ids) + hashed.lookup_ids
-        else:
-            keys = hashed.lookup_keys
-        init_keys = (hashed.lookup_keys if self.key_mode == "hashed"
-                     else self.hashed_keys(hashed.lookup_ids, hashed.lookup_segment_ids))
+        keys, init_keys = self.key_codec.owner_keys(hashed)
         if record_statistics:  # training accesses only: not evaluation or prediction
             # The step these accesses belong to: the one the next update takes (TTL clock).
             self.stats.record(hashed, accesses, self.table.step + 1)  # stateful; gates nothing
