@@ -18,6 +18,7 @@ from tf_fusedemb.layers.exchange import (EXCHANGES, FlatExchange, bad_input, dec
                                          input_report, received_report)
 from tf_fusedemb.layers.group_interface import Combiners, GroupState, KeyExchange
 from tf_fusedemb.layers.group_keys import GroupKeys
+from tf_fusedemb.layers.group_snapshot import GroupSnapshot
 from tf_fusedemb.layers.hierarchical_exchange import HierarchicalExchange
 from tf_fusedemb.layers.inputs import FlatFeature, id_ranges, out_of_range_message
 from tf_fusedemb.layers.lookup_context import NO_CONTEXT, LookupContext
@@ -98,6 +99,9 @@ class GroupLookup(tf.Module):
         if self.policy is not None and self.policy.admits:
             self._backend.install_admission(GroupStorage(self.table, self.stats),
                                             self.policy.min_counts)
+        # The storage's contents as numpy arrays (checkpoints, export, loaded weights).
+        self._snapshot = GroupSnapshot(group, GroupStorage(self.table, self.stats),
+                                       self.key_codec)
 
     def _static_table(self) -> "StaticGroupTable":
         """A static group's table (the static backend made it; callers check is_static)."""
@@ -116,84 +120,23 @@ class GroupLookup(tf.Module):
                             self.comm.size)
 
     def stored_rows(self) -> dict:
-        """The rows this rank stores and their identities: the unit a checkpoint or an
-        export reads (eager). A dynamic table's rows are read by lookups of the keys
-        whose identity is recorded, never by iterating the hash table (see
-        ``DynamicGroupTable.export``), and must account for every stored row.
-
-        Returns:
-          dict of numpy arrays: ``keys`` int64[s] (sorted), ``values`` float32[s, dim], one
-          float32[s, dim] per optimizer slot, ``tables`` int64[s], ``ids`` int64[s].
-        """
-        known = None if self.group.is_static else self.stats.known_keys()
-        rows = {k: v.numpy() for k, v in self.table.export(known).items()}
-        stored = int(self.table.size().numpy())
-        if len(rows["keys"]) != stored:
-            raise ValueError(f"group '{self.group.name}': the table stores {stored} rows but "
-                             f"{len(rows['keys'])} of them have a recorded (table, ID); every "
-                             "path that stores a row records its identity")
-        rows["tables"], rows["ids"] = self.key_codec.decode(rows["keys"], self.stats)
-        return rows
+        """The rows this rank stores and their identities (``GroupSnapshot.stored_rows``)."""
+        return self._snapshot.stored_rows()
 
     def load_rows(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
-        """Writes ``rows`` as the values of ``ids`` of ``table`` (e.g. weights of a Keras
-        Embedding being converted), keeping only the IDs this rank owns. The rows become
-        stored keys with optimizer slots at their initial values, and their (table, ID)
-        is recorded in the statistics (with no access), so checkpoints and export see the
-        table and its statistics as one unit (eager).
-
-        Args:
-          table: one of the group's table names.
-          ids: int64[n] instance IDs. rows: float32[n, dim].
-        """
-        if table not in self.table_names:
-            raise ValueError(f"group '{self.group.name}' has no table {table!r}; its tables "
-                             f"are {self.table_names}")
-        ids = np.asarray(ids, np.int64).reshape(-1)
-        rows = np.asarray(rows, np.float32)
-        if rows.shape != (len(ids), self.group.dim):
-            raise ValueError(f"table {table!r}: rows must be float32[{len(ids)}, "
-                             f"{self.group.dim}], got shape {rows.shape}")
-        mine = hashing.owner_rank(ids, self.comm.size) == self.comm.rank
-        ids, rows = ids[mine], rows[mine]
-        segment = np.full(len(ids), self.table_names.index(table), np.int64)
-        keys, _ = self.key_codec.storage_keys(ids, segment)
-        self.table.load({"keys": keys, "values": rows})
-        self.stats.register(keys, segment, ids, step=int(self.table.step.numpy()))
+        """Writes ``rows`` float32[n, dim] as the values of ``ids`` int64[n] of ``table``,
+        keeping the IDs this rank owns (``GroupSnapshot.load_rows``). Eager."""
+        self._snapshot.load_rows(table, ids, rows, self.comm.rank, self.comm.size)
 
     def save_state(self) -> dict:
-        """This rank's state of the group (eager), a checkpoint shard's part: the
-        ``stored_rows`` arrays, ``step`` (int64 scalar) and the access statistics under
-        ``stats/`` (keys, counts, categories, ids, last_steps)."""
-        state = self.stored_rows()
-        state["step"] = np.array(self.table.step.numpy())
-        state.update({"stats/" + k: v for k, v in self.stats.export().items()})
-        return state
+        """This rank's state of the group, a checkpoint shard's part
+        (``GroupSnapshot.save``). Eager."""
+        return self._snapshot.save()
 
     def restore_state(self, shards: Sequence[GroupState], rank: int, size: int) -> None:
-        """Loads, out of ``shards`` (the ``save_state`` dicts of every rank of the run
-        that saved, any number), the rows and statistics that rank ``rank`` of ``size``
-        owns (owner = mix64(raw ID) mod size), with their optimizer slots, and the
-        largest saved step. Eager."""
-        def merged(key):
-            return np.concatenate([s[key] for s in shards])
-        ids = merged("ids")
-        mine = hashing.owner_rank(ids, size) == rank
-        rows = {"keys": merged("keys")[mine], "values": merged("values")[mine]}
-        for slot in self.table.slot_names:
-            rows[slot] = merged(slot)[mine]
-        self.table.load(rows)
-        self.table.step.assign(max(int(s["step"]) for s in shards))
-        fields = ["keys", "counts", "categories", "ids"]
-        if all("stats/last_steps" in s for s in shards):  # absent before eviction
-            fields.append("last_steps")
-        stats = {k: merged("stats/" + k) for k in fields}
-        owned = hashing.owner_rank(stats["ids"], size) == rank
-        self.stats.load(*(stats[k][owned] for k in fields))
-        # The rows' (table, ID) come from the rows' own arrays, last: a restored row can
-        # never lack (or get another) identity, whatever the access statistics hold.
-        self.stats.register(rows["keys"], merged("tables")[mine], ids[mine],
-                            step=int(self.table.step.numpy()))
+        """Loads what rank ``rank`` of ``size`` owns out of every saving rank's
+        ``save_state`` (``GroupSnapshot.restore``). Eager."""
+        self._snapshot.restore(shards, rank, size)
 
     def dense_rows(self) -> np.ndarray:
         """A static group's every row on this rank, float32[V_local, dim] (one host: all

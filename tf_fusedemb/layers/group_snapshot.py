@@ -1,0 +1,113 @@
+"""GroupSnapshot: what one fused group's storage holds on this rank, read and written as
+numpy arrays (eager).
+
+Checkpoints save and restore it (any number of saving ranks onto any number of restoring
+ranks: a row goes to the owner of its instance ID), the export and serving read its
+stored rows, and ``FusedEmbedding.set_embedding_weights`` loads a Keras Embedding's
+weights through it. Rows keep their identity, (table, instance ID), next to their
+storage key in every array set, so a key is never trusted alone.
+"""
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from tf_fusedemb.layers.group_keys import GroupKeys
+from tf_fusedemb.ops import hashing
+from tf_fusedemb.specs import FusedGroup
+from tf_fusedemb.storage.backend import GroupStorage
+
+
+class GroupSnapshot:
+    """Numpy access to one group's table and statistics on this rank.
+
+    Args:
+      group: the FusedGroup.  storage: its table and statistics on this rank.
+      key_codec: the group's GroupKeys.
+    """
+
+    def __init__(self, group: FusedGroup, storage: GroupStorage, key_codec: GroupKeys):
+        self.group, self.storage, self.key_codec = group, storage, key_codec
+
+    def stored_rows(self) -> dict:
+        """The rows this rank stores and their identities: the unit a checkpoint or an
+        export reads (eager). A dynamic table's rows are read by lookups of the keys
+        whose identity is recorded, never by iterating the hash table (see
+        ``DynamicGroupTable.export``), and must account for every stored row.
+
+        Returns:
+          dict of numpy arrays: ``keys`` int64[s] (sorted), ``values`` float32[s, dim], one
+          float32[s, dim] per optimizer slot, ``tables`` int64[s], ``ids`` int64[s].
+        """
+        known = None if self.group.is_static else self.storage.stats.known_keys()
+        rows = {k: v.numpy() for k, v in self.storage.table.export(known).items()}
+        stored = int(self.storage.table.size().numpy())
+        if len(rows["keys"]) != stored:
+            raise ValueError(f"group '{self.group.name}': the table stores {stored} rows but "
+                             f"{len(rows['keys'])} of them have a recorded (table, ID); every "
+                             "path that stores a row records its identity")
+        rows["tables"], rows["ids"] = self.key_codec.decode(rows["keys"], self.storage.stats)
+        return rows
+
+    def load_rows(self, table: str, ids: np.ndarray, rows: np.ndarray, rank: int,
+                  size: int) -> None:
+        """Writes ``rows`` as the values of ``ids`` of ``table`` (e.g. weights of a Keras
+        Embedding being converted), keeping only the IDs this rank owns. The rows become
+        stored keys with optimizer slots at their initial values, and their (table, ID)
+        is recorded in the statistics (with no access), so checkpoints and export see the
+        table and its statistics as one unit (eager).
+
+        Args:
+          table: one of the group's table names.
+          ids: int64[n] instance IDs. rows: float32[n, dim].
+          rank, size: this rank and the number of ranks (owner = mix64(ID) mod size).
+        """
+        names = self.key_codec.table_names
+        if table not in names:
+            raise ValueError(f"group '{self.group.name}' has no table {table!r}; its tables "
+                             f"are {names}")
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        rows = np.asarray(rows, np.float32)
+        if rows.shape != (len(ids), self.group.dim):
+            raise ValueError(f"table {table!r}: rows must be float32[{len(ids)}, "
+                             f"{self.group.dim}], got shape {rows.shape}")
+        mine = hashing.owner_rank(ids, size) == rank
+        ids, rows = ids[mine], rows[mine]
+        segment = np.full(len(ids), names.index(table), np.int64)
+        keys, _ = self.key_codec.storage_keys(ids, segment)
+        self.storage.table.load({"keys": keys, "values": rows})
+        self.storage.stats.register(keys, segment, ids,
+                                    step=int(self.storage.table.step.numpy()))
+
+    def save(self) -> dict:
+        """This rank's state of the group (eager), a checkpoint shard's part: the
+        ``stored_rows`` arrays, ``step`` (int64 scalar) and the access statistics under
+        ``stats/`` (keys, counts, categories, ids, last_steps)."""
+        state = self.stored_rows()
+        state["step"] = np.array(self.storage.table.step.numpy())
+        state.update({"stats/" + k: v for k, v in self.storage.stats.export().items()})
+        return state
+
+    def restore(self, shards: Sequence[Mapping[str, np.ndarray]], rank: int, size: int) -> None:
+        """Loads, out of ``shards`` (the ``save`` dicts of every rank of the run
+        that saved, any number), the rows and statistics that rank ``rank`` of ``size``
+        owns (owner = mix64(raw ID) mod size), with their optimizer slots, and the
+        largest saved step. Eager."""
+        def merged(key):
+            return np.concatenate([s[key] for s in shards])
+        ids = merged("ids")
+        mine = hashing.owner_rank(ids, size) == rank
+        rows = {"keys": merged("keys")[mine], "values": merged("values")[mine]}
+        for slot in self.storage.table.slot_names:
+            rows[slot] = merged(slot)[mine]
+        self.storage.table.load(rows)
+        self.storage.table.step.assign(max(int(s["step"]) for s in shards))
+        fields = ["keys", "counts", "categories", "ids"]
+        if all("stats/last_steps" in s for s in shards):  # absent before eviction
+            fields.append("last_steps")
+        stats = {k: merged("stats/" + k) for k in fields}
+        owned = hashing.owner_rank(stats["ids"], size) == rank
+        self.storage.stats.load(*(stats[k][owned] for k in fields))
+        # The rows' (table, ID) come from the rows' own arrays, last: a restored row can
+        # never lack (or get another) identity, whatever the access statistics hold.
+        self.storage.stats.register(rows["keys"], merged("tables")[mine], ids[mine],
+                                    step=int(self.storage.table.step.numpy()))
