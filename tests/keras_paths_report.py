@@ -105,13 +105,14 @@ def two_rank_rows():
         fused, layer = kpth.functional(k, True, optimizer)
         kpth.load_weights(fused, layer, initial)
         xr, yr = kpth.rank_slices(x, y, comm.rank, comm.size, kpth.BATCH)
-        opt = kpth.keras_optimizer(k, optimizer)
+        opt, done = kpth.keras_optimizer(k, optimizer), []
         try:
             got = runner(k, fused, DistributedOptimizer(opt) if wrap else opt, xr, yr,
-                         kpth.BATCH)
+                         kpth.BATCH, losses=done)
         except tf.errors.InvalidArgumentError as e:
             message = [line for line in e.message.splitlines() if "tf_fusedemb: " in line]
-            rows.append((name, "error", (message or [e.message])[0].strip()[:160]))
+            rows.append((name, f"error after {len(done)} completed steps",
+                         (message or [e.message])[0].strip()[:160]))
             return
         losses = comm.allgather_object(got["losses"])
         tables = table_diff(layer, embeds, comm)  # a collective: every rank
@@ -128,6 +129,10 @@ def two_rank_rows():
     run(f"Keras {keras.__version__} functional fit, DistributedOptimizer (sgd)", keras,
         kpth.fit, "sgd")
     run("tf_keras Model.fit, bare optimizer (sgd)", tf_keras, kpth.fit, "sgd", wrap=False)
+    run("GradientTape loop, bare optimizer (sgd)", tf_keras, kpth.custom_loop, "sgd",
+        wrap=False)
+    run(f"Keras {keras.__version__} functional fit, bare optimizer (sgd)", keras, kpth.fit,
+        "sgd", wrap=False)
     return rows
 
 
