@@ -98,3 +98,21 @@ def test_pipelined_main_job_equals_synchronous(tmp_path):
     assert piped["final_loss"] == pytest.approx(sync["final_loss"], rel=1e-5)
     assert piped["eval_logloss"] == pytest.approx(sync["eval_logloss"], rel=1e-5)
     assert piped["eval_auc"] == pytest.approx(sync["eval_auc"], abs=1e-5)
+
+
+@pytest.mark.timeout(900)
+def test_main_job_with_a_memory_budget_equals_the_untiered_job(tmp_path):
+    """``--memory-budget-mb`` far below the table (2 workers, the synthetic main job): the
+    blocks beyond the budget are on the SSD tier, and the loss and evaluation are
+    bit-identical to the same job with every row in DRAM."""
+    base = ["-m", "tf_fusedemb.train", "--steps", "12", "--batch-size", "128", "--rows", "8000"]
+    dram = parse(horovodrun(base, 2, timeout=800))
+    tiered = parse(horovodrun(base + ["--memory-budget-mb", "0.05", "--spill-dir",
+                                      str(tmp_path / "spill")], 2, timeout=800))
+    for key in ("final_loss", "train_auc", "eval_auc", "eval_logloss"):
+        assert tiered[key] == dram[key], key
+    assert "embedding_memory_by_rank" not in dram
+    for rank in tiered["embedding_memory_by_rank"]:
+        group = rank["g0_d16_adagrad"]
+        assert group["ssd_bytes"] > 10 * 0.05 * 2**20, group  # most blocks spilled
+        assert group["bytes"] < group["ssd_bytes"] / 2, group  # DRAM stays the smaller tier

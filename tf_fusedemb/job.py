@@ -6,6 +6,7 @@ tf.data datasets of ``(features dict, label float32[B, 1])`` sharded by rank (tr
 repeats; eval is finite), ``feature_kinds`` says which FusedEmbedding inputs are scalars
 or lists (for the serving signature).
 """
+import dataclasses
 import os
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -21,7 +22,7 @@ from tf_fusedemb.data.teacher import teacher_labels
 from tf_fusedemb.models.blocks import criteo_feature_specs
 from tf_fusedemb.models.fused_model import FusedModel
 from tf_fusedemb.models.sequence import SequenceModel, movielens_feature_specs
-from tf_fusedemb.specs import OptimizerSpec
+from tf_fusedemb.specs import FeatureSpec, OptimizerSpec
 
 DATASETS = ("synthetic", "criteo", "movielens", "avazu")
 MODELS = ("dlrm", "dcn", "sequence")
@@ -86,13 +87,32 @@ def make_data(name: str, path: Optional[str], batch_size: int, rank: int, size: 
     raise ValueError(f"--data must be one of {DATASETS}, got {name!r}")
 
 
+def with_memory_budget(specs: Sequence[FeatureSpec], budget_bytes: Optional[int],
+                       spill_dir: Optional[str] = None) -> List[FeatureSpec]:
+    """``specs`` whose tables keep at most ``budget_bytes`` of blocks in DRAM on each rank
+    altogether (split evenly over the distinct tables, whose fused group's budget is the
+    sum), the rest on the SSD tier under ``spill_dir``; None: unchanged."""
+    if budget_bytes is None:
+        return list(specs)
+    tables = sorted({f.table.name for f in specs})
+    share = budget_bytes // len(tables)
+    return [dataclasses.replace(f, table=dataclasses.replace(
+        f.table, memory_budget_bytes=share, spill_dir=spill_dir)) for f in specs]
+
+
 def make_model(model: str, feature_kinds: Mapping[str, str], dense_names: Sequence[str],
-               dim: int = 16, lr: float = 0.05) -> FusedModel:
-    """A FusedModel by name over the data's features."""
+               dim: int = 16, lr: float = 0.05, memory_budget_bytes: Optional[int] = None,
+               spill_dir: Optional[str] = None) -> FusedModel:
+    """A FusedModel by name over the data's features; with ``memory_budget_bytes`` its
+    tables are tiered (see :func:`with_memory_budget`)."""
     optimizer = OptimizerSpec.adagrad(lr)
     if model == "sequence":
-        return SequenceModel(movielens_feature_specs(dim=dim, optimizer=optimizer))
-    specs = criteo_feature_specs(dim=dim, optimizer=optimizer, names=tuple(feature_kinds))
+        return SequenceModel(with_memory_budget(
+            movielens_feature_specs(dim=dim, optimizer=optimizer), memory_budget_bytes,
+            spill_dir))
+    specs = with_memory_budget(
+        criteo_feature_specs(dim=dim, optimizer=optimizer, names=tuple(feature_kinds)),
+        memory_budget_bytes, spill_dir)
     if model == "dlrm":
         return models.DLRM(specs, list(dense_names), bottom_mlp=(64, dim), top_mlp=(128, 64))
     if model == "dcn":

@@ -55,6 +55,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=200_000, help="synthetic training rows")
     p.add_argument("--eval-rows", type=int, default=20_000, help="synthetic held-out rows")
     p.add_argument("--dim", type=int, default=16)
+    p.add_argument("--memory-budget-mb", type=float, default=None, metavar="MB",
+                   help="DRAM for the embedding tables' blocks per rank (all tables "
+                        "together); the rest spills to an SSD tier (RocksDB), results "
+                        "unchanged (default: every row in DRAM)")
+    p.add_argument("--spill-dir", default=None,
+                   help="where the SSD tier's stores go (default: the system temporary "
+                        "directory); only with --memory-budget-mb")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-dir", default=None)
@@ -89,6 +96,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                  not isinstance(args.pipeline.micro_batches, int) or
                                  args.pipeline.micro_batches == 1):
         p.error("--cluster-samples needs --pipeline with micro-batches, e.g. --pipeline dbp,fwp=4")
+    if args.memory_budget_mb is not None and args.memory_budget_mb < 0:
+        p.error(f"--memory-budget-mb must be >= 0, got {args.memory_budget_mb}")
+    if args.spill_dir is not None and args.memory_budget_mb is None:
+        p.error("--spill-dir needs --memory-budget-mb (without a budget nothing spills)")
     if args.epochs is not None:
         args.steps = max(1, int(args.epochs * args.rows / (args.batch_size * max(
             1, int(os.environ.get("HOROVOD_SIZE", "1"))))))
@@ -104,7 +115,9 @@ def build(args: argparse.Namespace, comm: Communicator) -> Tuple[
     if args.cluster_samples:  # reorders samples inside each batch only (NestPipe V-C)
         train = cluster_dataset(train, sorted(kinds), args.pipeline.micro_batches)
     model = _with_policy(args.dtype_policy, lambda: job.make_model(
-        args.model, kinds, dense, dim=args.dim, lr=args.lr))
+        args.model, kinds, dense, dim=args.dim, lr=args.lr,
+        memory_budget_bytes=None if args.memory_budget_mb is None
+        else int(args.memory_budget_mb * 2**20), spill_dir=args.spill_dir))
     x0, _ = next(iter(evaluation))
     model(tf.nest.map_structure(lambda t: t[:0], x0))  # build variables, record no key
     return model, train, evaluation, kinds, dense
@@ -248,6 +261,9 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
               "alltoall_rounds_per_step": {
                   g: (c[g]["rounds"] - b[g]["rounds"]) / max(1, args.steps - start)
                   for b, c in zip(counters_before, counters) for g in c}}
+    if args.memory_budget_mb is not None:  # the tiers' contents, every rank's (a collective)
+        result["embedding_memory_by_rank"] = comm.allgather_object(
+            {g: m for layer in layers for g, m in layer.memory().items()})
     if args.profile_steps:  # every rank's, gathered (a collective)
         mine = profiler.summary(layers[0].name)._asdict()
         result["profile_by_rank"] = comm.allgather_object(mine)
