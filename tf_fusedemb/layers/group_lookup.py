@@ -26,7 +26,7 @@ from tf_fusedemb.layers.routed_lookup import RoutedLookup
 from tf_fusedemb.layers.row_update import RowUpdate, through_row_update
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FusedGroup
-from tf_fusedemb.storage.backend import GroupStorage, StaticLayout, backend_for
+from tf_fusedemb.storage.backend import StaticLayout, backend_for
 from tf_fusedemb.storage.policy import GroupPolicy
 
 if TYPE_CHECKING:  # a type only: the static backend makes this table
@@ -65,12 +65,12 @@ class GroupLookup(tf.Module):
             raise ValueError(f"wire_dtype must be one of {WIRE_DTYPES}, got {wire_dtype!r}")
         self.wire_dtype = tf.as_dtype(wire_dtype)  # rows' and row gradients' AlltoAll dtype
         self.key_mode = "packed" if group.is_static else key_mode
-        self.table_names = [t.name for t in group.tables]
+        # How (table, ID) pairs become storage and init keys, both ways.
+        self.key_codec = GroupKeys(group, self.key_mode)
+        self.table_names = self.key_codec.table_names
         if len(self.table_names) >= bad_input():
             raise ValueError(f"group '{group.name}' has {len(self.table_names)} tables; at most "
                              f"{bad_input()} fit the key exchange")
-        # How (table, ID) pairs become storage and init keys, both ways.
-        self.key_codec = GroupKeys(group, self.key_mode)
         # Each feature's valid ID range in words ("" where any ID is valid); where some
         # feature has one, an ID out of range is reported to every rank (``route``).
         id_bits = hashing.default_id_bits(len(self.table_names)) \
@@ -90,18 +90,17 @@ class GroupLookup(tf.Module):
         # The group's storage (TableSpec.storage: the engine, TFRA or static variables),
         # one interface whichever it is (tf_fusedemb.storage.backend).
         self._backend = backend_for(group)
-        self.table, self.stats = self._backend.create(
+        self._storage = self._backend.create(
             group, f"fusedemb_{group.name}", self._static_layout() if group.is_static else None)
+        self.table, self.stats = self._storage
         # Admission and eviction per table (TableSpec.admission / .eviction), decided on
         # the owner from the statistics; static tables cannot have policies (specs.py).
         self.policy = GroupPolicy(group.tables) if any(t.has_policy for t in group.tables) \
             else None
         if self.policy is not None and self.policy.admits:
-            self._backend.install_admission(GroupStorage(self.table, self.stats),
-                                            self.policy.min_counts)
+            self._backend.install_admission(self._storage, self.policy.min_counts)
         # The storage's contents as numpy arrays (checkpoints, export, loaded weights).
-        self._snapshot = GroupSnapshot(group, GroupStorage(self.table, self.stats),
-                                       self.key_codec)
+        self._snapshot = GroupSnapshot(group, self._storage, self.key_codec)
 
     def _static_table(self) -> "StaticGroupTable":
         """A static group's table (the static backend made it; callers check is_static)."""
@@ -172,7 +171,7 @@ class GroupLookup(tf.Module):
         into DRAM now and keeps them there while that batch is updated (a pipeline's
         prefetch calls it once per batch, before retrieving the batch's rows); None
         without a tier."""
-        return self._backend.prefetch(GroupStorage(self.table, self.stats), keys)
+        return self._backend.prefetch(self._storage, keys)
 
     def num_stored_rows(self) -> int:
         """Rows this rank stores for the group: written (trained or restored) rows (eager)."""
@@ -227,10 +226,9 @@ class GroupLookup(tf.Module):
         hash-table overhead not counted); ``ssd_bytes``, the bytes of its blocks in the
         SSD tier (TableSpec.memory_budget_bytes; 0 without one)."""
         rows, tracked = int(self.table.size().numpy()), int(self.stats.size().numpy())
-        storage = GroupStorage(self.table, self.stats)
         return {"rows": rows, "tracked_keys": tracked,
-                "bytes": self._backend.memory_bytes(storage, self.group.dim),
-                "ssd_bytes": self._backend.ssd_bytes(storage)}
+                "bytes": self._backend.memory_bytes(self._storage, self.group.dim),
+                "ssd_bytes": self._backend.ssd_bytes(self._storage)}
 
     def route(self, flats: Sequence[FlatFeature], context: LookupContext = NO_CONTEXT,
               record_statistics: bool = True) -> RoutedLookup:

@@ -66,9 +66,9 @@ class HierarchicalExchange:
 
     def send_keys(self, uniq: ops.SegmentUniqueResult, feature_table: tf.Tensor, suffix: str,
                   report: Optional[InputReport] = None) -> Tuple[tf.Tensor, HierarchicalRoute]:
-        """Same contract as ``FlatExchange.send_keys``, with a HierarchicalRoute. A bad-input report received in the node stage
-        is passed on to the whole rail instead of the node's keys, so it reaches every
-        rank."""
+        """Same contract as ``FlatExchange.send_keys``, with a HierarchicalRoute. A
+        bad-input report received in the node stage is passed on to the whole rail
+        instead of the node's keys, so it reaches every rank."""
         comm = self.comm
         # (1) by the owner's local rank: mix64(id) mod L (N = C * L, so (h mod N) mod L).
         srt = ops.rankwise_sort(uniq.unique_keys, uniq.unique_segment_splits,
