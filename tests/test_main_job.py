@@ -103,14 +103,16 @@ def test_pipelined_main_job_equals_synchronous(tmp_path):
 @pytest.mark.timeout(900)
 def test_main_job_with_a_memory_budget_equals_the_untiered_job(tmp_path):
     """``--memory-budget-mb`` far below the table (2 workers, the synthetic main job): the
-    blocks beyond the budget are on the SSD tier, and the loss and evaluation are
-    bit-identical to the same job with every row in DRAM."""
+    blocks beyond the budget are on the SSD tier, the loss and evaluation are
+    bit-identical to the same job with every row in DRAM, and no store outlives the job."""
     base = ["-m", "tf_fusedemb.train", "--steps", "12", "--batch-size", "128", "--rows", "8000"]
     dram = parse(horovodrun(base, 2, timeout=800))
     tiered = parse(horovodrun(base + ["--memory-budget-mb", "0.05", "--spill-dir",
                                       str(tmp_path / "spill")], 2, timeout=800))
     for key in ("final_loss", "train_auc", "eval_auc", "eval_logloss"):
         assert tiered[key] == dram[key], key
+    # The workers exit with their tables alive: their stores are removed all the same.
+    assert os.listdir(tmp_path / "spill") == []
     assert "embedding_memory_by_rank" not in dram
     for rank in tiered["embedding_memory_by_rank"]:
         group = rank["g0_d16_adagrad"]

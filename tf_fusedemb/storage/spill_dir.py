@@ -4,13 +4,16 @@
 because tables are made before any run or checkpoint directory is known); each engine
 gets its own ``fusedemb_<group>_XXXXXXXX`` directory in it, fresh because ranks on one
 host and groups in one process share the parent. The engine empties it when made and
-removes it when destroyed: nothing in it outlives the process, since checkpoints hold
-every block of both tiers (a SIGKILLed run's leftovers may be deleted).
+removes it when destroyed; a process that ends with its tables alive (TensorFlow does not
+destroy resources at exit) removes it at interpreter exit. Nothing in it outlives the
+process, since checkpoints hold every block of both tiers (a SIGKILLed run's leftovers may
+be deleted).
 
 Example::
 
     path = make_spill_path("g0", ("user", "item"), "/mnt/ssd")   # /mnt/ssd/fusedemb_g0_k2x9...
 """
+import atexit
 import os
 import re
 import shutil
@@ -46,4 +49,6 @@ def make_spill_path(group: str, tables: Sequence[str], spill_dir: Optional[str])
         os.rmdir(path)
         raise ValueError(f"{owner}: spill_dir {parent!r} has {free} bytes free, under the "
                          f"{MIN_FREE_SPILL_BYTES} the SSD tier needs to start")
+    # The engine's destructor removes it too; at exit TensorFlow destroys no resource.
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
     return path
