@@ -196,8 +196,7 @@ class FusedEmbeddingMixin(_KerasLayer):
         if not training or not self.trainable:
             return None
         value = tf.convert_to_tensor(self.row_update_marker)
-        context = self.lookup_context
-        outside_our_step = context.tape is None and context.row_update is None
+        outside_our_step = not self.lookup_context.in_our_step
         if outside_our_step and refuse_eviction and self.has_eviction:
             # Eviction runs between steps (enforce_policies), which only FusedModel.fit
             # calls: trained elsewhere, the tables would never evict.

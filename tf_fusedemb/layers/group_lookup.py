@@ -291,12 +291,9 @@ class GroupLookup(tf.Module):
               combiners: Combiners, context: LookupContext = NO_CONTEXT,
               marker: Optional[tf.Tensor] = None) -> List[tf.Tensor]:
         """Steps 7-8: rows back to the requesters (AlltoAll) and recovery per feature.
-        With a tape in ``context`` the owner's ``rows`` are watched and recorded; else,
-        given the layer's row-update ``marker``, they pass through it
+        Given the layer's row-update ``marker``, the owner's ``rows`` pass through it
         (``row_update.through_row_update``): differentiating the marker updates them."""
-        if context.tape is not None:
-            context.record(rows, routed.keys, routed.init_keys, self, self.group.name)
-        elif marker is not None:
+        if marker is not None:
             rows = through_row_update(marker, rows, self, routed.keys, routed.init_keys,
                                       context.row_update or RowUpdate.for_ranks(self.comm.size))
         served = tf.gather(rows, routed.inverse)
@@ -318,9 +315,10 @@ class GroupLookup(tf.Module):
         Args:
           flats: one ``FlatFeature`` per feature of the group, in group order.
           combiners: per feature 'sum' | 'mean' | 'sqrtn', or None for one row per ID.
-          context: the step's LookupContext (prepared lookups, names, recording).
+          context: the step's LookupContext (prepared lookups, names, row update).
           record_statistics: count these accesses (False for evaluation/prediction).
-          marker: the layer's row-update marker (training), see ``serve``.
+          marker: the layer's row-update marker (training), see ``serve``; unused for a
+            prepared lookup, whose rows the step that prepared them differentiates.
         Returns:
           per feature float32[B_f, dim] (pooled) or float32[n_f, dim] (one row per ID).
         """
@@ -331,11 +329,12 @@ class GroupLookup(tf.Module):
                               marker)
         ids = tf.concat([f.ids for f in flats], 0)
         return self.serve(prepared, self._checked_rows(prepared, ids), flats,
-                          combiners, context, marker)
+                          combiners, context)
 
     def _checked_rows(self, prepared: RoutedLookup, ids: tf.Tensor) -> tf.Tensor:
         """The prepared rows; fails clearly when the layer is called with other IDs than
-        were prefetched."""
+        were prefetched, or inside another graph than the step's."""
+        _check_same_graph(prepared.rows)
         expected = prepared.ids
         same = tf.cond(tf.equal(tf.size(ids), tf.size(expected)),
                        lambda: tf.reduce_all(tf.equal(ids, expected)),
@@ -346,3 +345,14 @@ class GroupLookup(tf.Module):
             "the layer unchanged"])
         with tf.control_dependencies([check]):
             return tf.identity(prepared.rows)
+
+
+def _check_same_graph(rows: tf.Tensor) -> None:
+    """Fails clearly when the layer runs inside another graph than the step that prepared
+    its ``rows``: a model whose ``call`` is a ``tf.function`` traces it once, so later
+    steps would serve the first trace's rows (the synchronous step does not prepare)."""
+    if tf.executing_eagerly() or rows.graph is tf.compat.v1.get_default_graph():
+        return
+    raise ValueError("tf_fusedemb: pipelining and micro-batches need the model's call "
+                     "traced inside the training step: remove @tf.function from call(), "
+                     "or compile without pipeline=")

@@ -223,20 +223,18 @@ class NestedPipeline:
     def route(self, x: Mapping[str, tf.Tensor]) -> Prepared:
         """Per micro-batch, per lookup: the RoutedLookup of ``x``'s slice, no rows yet
         (DBP stage 3)."""
-        routed = []
-        schedule = Schedule(self.options.num_micro_batches, self.options.exchange)
         first = self.layers[0]
         bounds = micro_batch_slices(
             _batch_size(_feature(x, first.features[0].name, first, self._sources)),
             self.options.num_micro_batches)
-        for i, (lo, hi) in enumerate(bounds):
-            xi = slice_rows(x, lo, hi)
-            context = schedule.context(i)
-            routed.append([r for layer in self.layers
-                           for r in layer.route({f.name: _feature(xi, f.name, layer,
-                                                                  self._sources)
-                                                 for f in layer.features}, context)])
-        return routed
+        return [self.route_slice(slice_rows(x, lo, hi), i) for i, (lo, hi) in enumerate(bounds)]
+
+    def route_slice(self, x: Mapping[str, tf.Tensor], i: int) -> List[RoutedLookup]:
+        """Per lookup, the RoutedLookup of micro-batch ``i``, whose inputs are ``x``."""
+        context = Schedule(self.options.num_micro_batches, self.options.exchange).context(i)
+        return [r for layer in self.layers
+                for r in layer.route({f.name: _feature(x, f.name, layer, self._sources)
+                                      for f in layer.features}, context)]
 
     def retrieve(self, routed: Prepared) -> Prepared:
         """Rows of every routed lookup from the tables (DBP stage 4). A group with an SSD
@@ -272,6 +270,9 @@ class PrefetchStages(Protocol):
     def route(self, x: Mapping[str, tf.Tensor]) -> Prepared:
         """Key routing of ``x``'s micro-batches (DBP stage 3)."""
 
+    def route_slice(self, x: Mapping[str, tf.Tensor], i: int) -> List[RoutedLookup]:
+        """Key routing of micro-batch ``i``, whose inputs are ``x``."""
+
     def retrieve(self, routed: Prepared) -> Prepared:
         """``routed`` with each lookup's retrieved ``rows`` (DBP stage 4)."""
 
@@ -302,10 +303,6 @@ class PrefetchSchedule(Schedule):
         self.new_pending: List[PendingUpdate] = []
         self.dense_pending: Optional[DensePending] = None
 
-    @property
-    def records_rows(self) -> bool:
-        return True  # the prior rows now, the rest delayed (apply_rows)
-
     def after_forward(self, i: int, outputs: Any) -> None:
         # DBP stage 3: t+1's key routing once micro-batch 0's forward is done. Horovod runs
         # collectives one at a time in the order all ranks requested them: started at
@@ -315,10 +312,14 @@ class PrefetchSchedule(Schedule):
             next_x = after(tf.nest.flatten(outputs), self._next_x)
             self._routed_next = self.pipeline.route(next_x)
 
-    def prepared(self, i: int) -> dict:
-        if self._prepared is None:
-            return {}
-        return {id(g): p for g, p in zip(self.pipeline.lookups, self._prepared[i])}
+    def prepared(self, i: int, x: Any) -> Optional[List[RoutedLookup]]:
+        # The prefetched lookups; without prefetch, micro-batch i's routed and retrieved
+        # now (the step differentiates their rows: the prior rows now, the rest delayed).
+        if self._prepared is not None:
+            return self._prepared[i]
+        if self.micro_batches == 1:  # nothing to coalesce or defer: the synchronous step's
+            return None
+        return self.pipeline.retrieve([self.pipeline.route_slice(x, i)])[0]
 
     def after_backward(self, done: List[tf.Tensor]) -> None:
         # t-1's delayed rows, then DBP stage 4 (retrieval of t+1's rows, which must see
@@ -344,13 +345,12 @@ class PrefetchSchedule(Schedule):
         self.dense_pending = DensePending(grads[:split], reduced[:top])
         return reduced[top:]
 
-    def apply_rows(self, lookup: DistributedGroupLookup, keys: tf.Tensor, grads: tf.Tensor,
-                   init_keys: tf.Tensor) -> None:
+    def apply_rows(self, index: int, lookup: DistributedGroupLookup, keys: tf.Tensor,
+                   grads: tf.Tensor, init_keys: tf.Tensor) -> None:
         if self._next is None:
             lookup.apply_gradients(keys, grads, init_keys)
             return
-        j = self.pipeline.lookups.index(lookup)
-        nxt_j = [mb[j] for mb in self._next]
+        nxt_j = [mb[index] for mb in self._next]
         pending, rows = self._apply_prior(lookup, keys, grads, init_keys, nxt_j)
         self.new_pending.append(pending)
         for i, r in enumerate(rows):
@@ -407,10 +407,10 @@ def feature_sources(model: Any, layer: Any) -> Dict[str, Any]:
 def _feature(x, name, layer, sources):
     key = sources[layer.name][name]
     if not isinstance(x, dict) or key not in x:
-        raise ValueError(f"NestedPipeline: prefetch needs x to be a dict holding each "
-                         f"FusedEmbedding feature (feature '{name}' of layer '{layer.name}' "
-                         f"as x[{key!r}]); it is missing. Prefetch reads the IDs from x, so "
-                         "the layer must take its inputs from x directly")
+        raise ValueError(f"NestedPipeline: prefetch and micro-batches need x to be a dict "
+                         f"holding each FusedEmbedding feature (feature '{name}' of layer "
+                         f"'{layer.name}' as x[{key!r}]); it is missing. They read the IDs "
+                         "from x, so the layer must take its inputs from x directly")
     return x[key]
 
 

@@ -31,7 +31,8 @@ The loss's sizes (element counts, rows) are summed over ranks at the step's star
 depend on the labels only), so the backward never waits for a collective; the loss sums,
 only needed for the reported value, travel with the dense gradients.
 """
-from typing import Any, Collection, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+import dataclasses
+from typing import Any, Collection, List, NamedTuple, Optional, Sequence, Tuple
 
 import tensorflow as tf
 import tf_keras
@@ -39,7 +40,8 @@ import tf_keras
 from tf_fusedemb.comm import Communicator, get_communicator
 from tf_fusedemb.layers.fused_embedding import fused_embedding_layers, use_context
 from tf_fusedemb.layers.group_interface import DistributedGroupLookup
-from tf_fusedemb.layers.lookup_context import LookupContext, LookupRecord
+from tf_fusedemb.layers.lookup_context import LookupContext
+from tf_fusedemb.layers.routed_lookup import RoutedLookup
 from tf_fusedemb.layers.row_update import RowUpdate, row_gradient
 from tf_fusedemb.training import keysets
 from tf_fusedemb.training.loss import KerasLoss, LossLike, LossPartial, LossTotals
@@ -66,9 +68,18 @@ class Schedule:
     """The synchronous schedule (and the interface of pipelined ones): one micro-batch,
     every lookup routed during the forward pass, every row update applied at once.
 
+    A schedule that *prepares* a micro-batch's lookups (:meth:`prepared`: routed and
+    retrieved ahead of its forward pass, return values of the layers' ``route`` and
+    ``retrieve``) gets their rows differentiated by the step, which hands each group's
+    coalesced gradient to :meth:`apply_rows`; micro-batches and pipelines need that.
+    Lookups done during the forward pass update their rows through the layers'
+    row-update markers (``tf_fusedemb.layers.row_update``) as their gradient is computed,
+    which also works when the model's ``call`` is a ``tf.function``.
+
     Args:
       micro_batches: N, the rank's batch is split into N micro-batches whose forward and
-        backward (and collectives) are independent; gradients are applied once.
+        backward (and collectives) are independent; gradients are applied once (needs a
+        schedule that prepares the lookups, e.g. ``tf_fusedemb.pipeline.NestedPipeline``'s).
       exchange: "flat" or "hierarchical" for every group lookup of the step; None: each
         group's own (see ``LookupContext.exchange``).
     """
@@ -77,30 +88,23 @@ class Schedule:
         self.micro_batches = micro_batches
         self.exchange = exchange
 
-    @property
-    def records_rows(self) -> bool:
-        """Whether the step records the owner rows and applies their update itself
-        (``apply_rows``: micro-batches coalesce their gradients first, pipelines defer
-        parts); else the rows update as their gradient is computed, through the layers'
-        row-update markers (``tf_fusedemb.layers.row_update``), which also works when
-        the model's ``call`` is a ``tf.function``."""
-        return self.micro_batches > 1
-
     def context(self, i: int) -> LookupContext:
-        """The LookupContext of micro-batch ``i``'s lookups (no tape yet). The step's
-        loss is the global batch's (scaled by global coefficients): row gradients summed
-        over ranks are applied as they are."""
-        return LookupContext(None, self.prepared(i), self.suffix(i), exchange=self.exchange,
+        """The LookupContext of micro-batch ``i``'s lookups (none prepared yet). The
+        step's loss is the global batch's (scaled by global coefficients): row gradients
+        summed over ranks are applied as they are."""
+        return LookupContext(suffix=self.suffix(i), exchange=self.exchange,
                              row_update=RowUpdate(scale=1.0, marker_gradient=0.0))
 
     def suffix(self, i: int) -> str:
         """Collective-name suffix of micro-batch ``i`` (names must differ per micro-batch)."""
         return f"/mb{i}" if self.micro_batches > 1 else ""
 
-    def prepared(self, i: int) -> dict:
-        """{id(GroupLookup): prepared lookup} of micro-batch ``i`` (none: route now)."""
-        del i
-        return {}
+    def prepared(self, i: int, x: Any) -> Optional[List[RoutedLookup]]:
+        """Micro-batch ``i``'s lookups of its inputs ``x``, routed and retrieved (with
+        ``rows``), one per group lookup of the model (``fused_embedding_layers`` order,
+        then each layer's ``groups``); None: the forward pass routes them."""
+        del i, x
+        return None
 
     def after_forward(self, i: int, outputs: Any) -> None:
         """Runs once micro-batch ``i``'s forward pass is built; ``outputs`` are its
@@ -111,10 +115,12 @@ class Schedule:
         """Runs once every micro-batch's local backward is computed (``done``): a
         pipeline's delayed writes and next-batch retrieval go here."""
 
-    def apply_rows(self, lookup: DistributedGroupLookup, keys: tf.Tensor, grads: tf.Tensor,
-                   init_keys: tf.Tensor) -> None:
-        """Applies one group's coalesced row gradients (keys int64[u], grads
-        float32[u, dim], init_keys int64[u])."""
+    def apply_rows(self, index: int, lookup: DistributedGroupLookup, keys: tf.Tensor,
+                   grads: tf.Tensor, init_keys: tf.Tensor) -> None:
+        """Applies the coalesced row gradients (keys int64[u], grads float32[u, dim],
+        init_keys int64[u]) of prepared group lookup ``index`` (its position in
+        :meth:`prepared`'s lists), ``lookup``."""
+        del index
         lookup.apply_gradients(keys, grads, init_keys)
 
     def update_dense(self, comm: Communicator, optimizer: tf_keras.optimizers.Optimizer,
@@ -189,11 +195,12 @@ def train_step(model: tf_keras.Model, x: Any, y: Any, loss: LossLike,
     tapes: List[tf.GradientTape] = []
     partials: List[LossPartial] = []
     preds: List[Any] = []  # each micro-batch's model outputs
-    records: List[List[LookupRecord]] = []
+    prepared: List[List[RoutedLookup]] = []  # each micro-batch's prepared lookups
     reg: Optional[tf.Tensor] = None
-    lookup_inputs = {f.name for layer in fused_embedding_layers(model) for f in layer.features}
+    layers = fused_embedding_layers(model)
+    lookups = [g for layer in layers for g in layer.groups]
+    lookup_inputs = {f.name for layer in layers for f in layer.features}
     for i, (lo, hi) in enumerate(micro_batch_slices(batch_size_of(y), schedule.micro_batches)):
-        context = schedule.context(i)
         x_i = slice_rows(x, lo, hi)
         if preds and isinstance(x_i, dict):  # x not a dict: which part feeds the lookups
             # is unknown. Dense compute after the previous micro-batch's; the lookups once
@@ -201,21 +208,22 @@ def train_step(model: tf_keras.Model, x: Any, y: Any, loss: LossLike,
             # while this one routes; all at once, they would share the core and micro-batch
             # 0's rows would come last of all).
             x_i = after(tf.nest.flatten(preds[-1]), x_i, skip=lookup_inputs)
-            x_i = after([r.rows for r in records[-1]], x_i,
+            x_i = after([r.rows for r in prepared[-1]], x_i,
                         skip=[k for k in x_i if k not in lookup_inputs])
+        mine = _prepared_lookups(schedule, i, x_i, lookups)
+        context = dataclasses.replace(schedule.context(i), prepared=tuple(zip(lookups, mine)))
         with tf.GradientTape() as tape, use_context(model, context):
-            if schedule.records_rows:
-                context.tape = tape
+            for routed in mine:  # their gradient is this step's to apply (apply_rows)
+                tape.watch(routed.rows)
             pred = model(x_i, training=True)
             partials.append(loss.partial(slice_rows(y, lo, hi), pred,
                                          slice_rows(sample_weight, lo, hi)))
             if i == 0:  # weight regularisers: once per batch, as in Keras
                 reg = regularization(model)
-        _check_recorded_here(context.records)
         schedule.after_forward(i, pred)
         tapes.append(tape)
         preds.append(pred)
-        records.append(context.records)
+        prepared.append(mine)
     # The loss's sizes (element counts, rows) depend on the labels only: summed over ranks
     # at the step's start, they give the backward its coefficients without waiting for
     # a collective between forward and backward. The sums (the reported value) travel
@@ -225,10 +233,10 @@ def train_step(model: tf_keras.Model, x: Any, y: Any, loss: LossLike,
     regularization_scale = loss.regularization_coefficient(partials[0], sizes)
     dense_vars = list(model.trainable_variables)  # built by the first forward
     dense_sum = [tf.zeros_like(v) for v in dense_vars]
-    # id(lookup) -> its micro-batches' (keys, row gradients, init keys)
-    parts: Dict[int, List[Tuple[tf.Tensor, tf.Tensor, tf.Tensor]]] = {}
+    # per lookup, its micro-batches' (keys, row gradients, init keys)
+    parts: List[List[Tuple[tf.Tensor, tf.Tensor, tf.Tensor]]] = [[] for _ in lookups]
     previous: List[tf.Tensor] = []
-    for i, (tape, part, recs) in enumerate(zip(tapes, partials, records)):
+    for i, (tape, part, mine) in enumerate(zip(tapes, partials, prepared)):
         targets, scales = list(part.sums), list(coefficients)
         if i == 0 and reg is not None:
             targets.append(reg)
@@ -236,29 +244,27 @@ def train_step(model: tf_keras.Model, x: Any, y: Any, loss: LossLike,
         # This micro-batch's backward after the previous one's dense gradients (FWP: its
         # gradient AlltoAll is in flight meanwhile).
         with tf.control_dependencies(previous):
-            grads = tape.gradient(targets, dense_vars + [r.rows for r in recs],
+            grads = tape.gradient(targets, dense_vars + [r.rows for r in mine],
                                   output_gradients=scales)
         local = [dense_gradient(g, v) for g, v in zip(grads, dense_vars)]
         previous = local if len(tapes) > 1 else []
         dense_sum = [a + g for a, g in zip(dense_sum, local)]
-        for r, g in zip(recs, grads[len(dense_vars):]):
-            parts.setdefault(id(r.lookup), []).append((r.keys, row_gradient(g, r.rows),
-                                                      r.init_keys))
+        for j, (r, g) in enumerate(zip(mine, grads[len(dense_vars):])):
+            parts[j].append((r.keys, row_gradient(g, r.rows), r.init_keys))
     local_sums = tf.add_n([p.stacked_sums() for p in partials])
     schedule.after_backward(dense_sum or [local_sums])
     if dense_vars:
-        row_grads = [g for group in parts.values() for _, g, _ in group]
+        row_grads = [g for group in parts for _, g, _ in group]
         sums, = schedule.update_dense(comm, optimizer, dense_sum, dense_vars, row_grads,
                                       [local_sums])
     else:
         sums = comm.allreduce_sum(local_sums, LOSS_STATS + "/sums")
     totals = loss.totals(partials[0], sizes, sums, reg)
     replicas.average_forward_state(comm)  # e.g. BatchNormalization's statistics
-    if schedule.records_rows:
-        for layer in fused_embedding_layers(model):
-            for lookup in layer.groups:
-                keys, grads, init = _coalesce(parts.get(id(lookup), []), lookup.group.dim)
-                schedule.apply_rows(lookup, keys, grads, init)
+    if prepared[0]:
+        for j, lookup in enumerate(lookups):
+            keys, grads, init = _coalesce(parts[j], lookup.group.dim)
+            schedule.apply_rows(j, lookup, keys, grads, init)
     pred = preds[0] if len(preds) == 1 else tf.nest.map_structure(
         lambda *p: tf.concat(p, 0), *preds)
     return StepResult(totals.value, totals.weight, pred, tuple(totals.per_output))
@@ -310,17 +316,22 @@ def after(deps: List[tf.Tensor], x: Any, skip: Collection[str] = ()) -> Any:
     return tf.nest.map_structure(gate, x)
 
 
-def _check_recorded_here(records: List[LookupRecord]) -> None:
-    """Fails clearly when lookups recorded their rows inside another graph: a model
-    whose ``call`` is a ``tf.function`` hides its rows from this step's tape, which
-    pipelines and micro-batches need (the synchronous step does not)."""
-    if tf.executing_eagerly():
-        return
-    here = tf.compat.v1.get_default_graph()
-    if any(r.rows.graph is not here for r in records):
-        raise ValueError("tf_fusedemb: pipelining and micro-batches need the model's call "
-                         "traced inside the training step: remove @tf.function from call(), "
-                         "or compile without pipeline=")
+def _prepared_lookups(schedule: Schedule, i: int, x: Any,
+                      lookups: Sequence[DistributedGroupLookup]) -> List[RoutedLookup]:
+    """Micro-batch ``i``'s prepared lookups (``Schedule.prepared``), or [] when the forward
+    pass routes them; checks that there is one per group lookup, and that micro-batches
+    (whose row gradients are coalesced before one update) have them."""
+    mine = schedule.prepared(i, x)
+    if mine is None:
+        if schedule.micro_batches > 1:
+            raise ValueError("tf_fusedemb: micro-batches need a schedule that prepares each "
+                             "micro-batch's lookups: train through "
+                             "tf_fusedemb.pipeline.NestedPipeline (or fit(pipeline=...))")
+        return []
+    if len(mine) != len(lookups):
+        raise ValueError(f"tf_fusedemb: the schedule prepared {len(mine)} lookups for "
+                         f"micro-batch {i}; the model has {len(lookups)} group lookups")
+    return list(mine)
 
 
 def _coalesce(parts, dim):
