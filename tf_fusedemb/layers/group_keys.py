@@ -23,6 +23,7 @@ import tensorflow as tf
 from tf_fusedemb import ops
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FusedGroup
+from tf_fusedemb.storage.static_keys import StaticKeys
 
 
 class GroupKeys:
@@ -46,15 +47,16 @@ class GroupKeys:
         # uint64 bits for host-side keys, int64 in graphs (TF has no uint64 XOR on CPU).
         self._tag_bits = hashing.category_tags(self.table_names).view(np.uint64)
         self.tags = tf.constant(self._tag_bits.view(np.int64))
-        sizes = [t.vocabulary_size or 0 for t in group.tables]
-        self._offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        # A static group's key arithmetic, shared with its table.
+        self.static_keys = StaticKeys.of([t.vocabulary_size or 0 for t in group.tables],
+                                         self._tag_bits)
 
     @property
     def table_offsets(self) -> tf.Tensor:
         """Static groups: int64[T], the first key of each table (key = offset[table] + ID)."""
         if not self.group.is_static:
             raise ValueError(f"group '{self.group.name}' is dynamic: its keys have no offsets")
-        return tf.constant(self._offsets)
+        return tf.constant(self.static_keys.offsets)
 
     def hashed_keys(self, ids: tf.Tensor, segment_ids: tf.Tensor) -> tf.Tensor:
         """Hashed keys mix64(id ^ tag(table)) of ``ids`` int[n] of the tables
@@ -65,7 +67,7 @@ class GroupKeys:
         """(storage keys int64[u_l], init keys int64[u_l]) on the owner, from the
         ``category_hash`` result of the received key messages (in the step's graph)."""
         if self.group.is_static:
-            keys = tf.gather(tf.constant(self._offsets), hashed.lookup_segment_ids) \
+            keys = tf.gather(self.table_offsets, hashed.lookup_segment_ids) \
                 + hashed.lookup_ids
         else:
             keys = hashed.lookup_keys
@@ -77,9 +79,9 @@ class GroupKeys:
         """(storage keys int64[n], init keys int64[n]) of instance ``ids`` int64[n] of the
         tables ``tables`` int64[n] (indices into ``table_names``), on the host."""
         ids, tables = np.asarray(ids, np.int64), np.asarray(tables, np.int64)
-        hashed = hashing.mix64(ids.view(np.uint64) ^ self._tag_bits[tables]).view(np.int64)
+        hashed = hashing.tagged_keys(ids, self._tag_bits[tables])
         if self.group.is_static:
-            return self._offsets[tables] + ids, hashed
+            return self.static_keys.keys(ids, tables), hashed
         if self.key_mode == "packed":
             return hashing.packed_unified_keys(ids, tables, len(self.table_names)), hashed
         return hashed, hashed
@@ -92,8 +94,7 @@ class GroupKeys:
         stored row."""
         keys = np.asarray(keys, np.int64)
         if self.group.is_static:
-            tables = np.searchsorted(self._offsets, keys, side="right") - 1
-            return tables, keys - self._offsets[tables]
+            return self.static_keys.identity(keys)
         if self.key_mode == "packed":
             bits = hashing.default_id_bits(len(self.table_names))
             return keys >> bits, keys & ((1 << bits) - 1)

@@ -107,16 +107,7 @@ class GroupLookup(tf.Module):
         return cast("StaticGroupTable", self.table)
 
     def _static_layout(self) -> StaticLayout:
-        codec = self.key_codec
-
-        def init_keys(keys):  # plan-independent, as the dynamic tables' (hashed keys)
-            tables, ids = codec.decode(keys)
-            return codec.storage_keys(ids, tables)[1]
-
-        # The exchange routes by instance ID, so a row lives on the owner of its ID.
-        return StaticLayout(int(sum(t.vocabulary_size for t in self.group.tables)), init_keys,
-                            lambda keys: codec.decode(keys)[1], self.comm.rank,
-                            self.comm.size)
+        return StaticLayout(self.key_codec.static_keys, self.comm.rank, self.comm.size)
 
     def stored_rows(self) -> dict:
         """The rows this rank stores and their identities (``GroupSnapshot.stored_rows``)."""

@@ -59,9 +59,14 @@ def category_tags(names: Iterable[str]) -> np.ndarray:
 def hashed_unified_keys(ids: npt.ArrayLike, category_names: Iterable[str]) -> np.ndarray:
     """Hashed unified keys ``mix64(uint64(id) ^ tag(c))`` as int64; ``category_names[i]``
     is the category of ``ids[i]``."""
-    tags = category_tags(category_names).view(np.uint64)
+    return tagged_keys(ids, category_tags(category_names))
+
+
+def tagged_keys(ids: npt.ArrayLike, tags: npt.ArrayLike) -> np.ndarray:
+    """Hashed keys int64[n] ``mix64(uint64(id) ^ tag)`` of ``ids`` int[n] with their
+    category ``tags`` uint64[n] (or their int64 bits)."""
     ids = np.asarray(ids).astype(np.int64).view(np.uint64)
-    return mix64(ids ^ tags).view(np.int64)
+    return mix64(ids ^ np.asarray(tags).view(np.uint64)).view(np.int64)
 
 
 def default_id_bits(num_categories: int) -> int:

@@ -46,6 +46,7 @@ from tf_fusedemb.storage.engine_table import EngineGroupTable, EngineStatistics
 from tf_fusedemb.storage.policy import admission_filter
 from tf_fusedemb.storage.spill_dir import make_spill_path
 from tf_fusedemb.storage.static_table import StaticGroupTable
+from tf_fusedemb.storage.static_keys import StaticKeys
 from tf_fusedemb.storage.statistics import AccessStatistics
 
 if TYPE_CHECKING:  # the backends import their tables when they create one (TFRA is heavy)
@@ -160,13 +161,10 @@ class GroupStorage(NamedTuple):
 
 
 class StaticLayout(NamedTuple):
-    """What a static group's table needs from its lookup: ``vocabulary_size`` rows in
-    all; ``init_keys`` and ``owner_ids`` map int64[k] keys to their plan-independent init
-    keys and their instance IDs (the exchange routes by ID); this ``rank`` of
-    ``num_ranks``."""
-    vocabulary_size: int
-    init_keys: Callable[[np.ndarray], np.ndarray]
-    owner_ids: Callable[[np.ndarray], np.ndarray]
+    """Where a static group's rows live: its key space ``keys`` (a
+    ``static_keys.StaticKeys``: each key's table, instance ID and init key) and this
+    ``rank`` of ``num_ranks`` (a row lives on the owner of its instance ID)."""
+    keys: StaticKeys
     rank: int
     num_ranks: int
 
@@ -263,9 +261,10 @@ class StaticBackend(StorageBackend):
                static: Optional[StaticLayout] = None) -> GroupStorage:
         if static is None:
             raise ValueError(f"group '{group.name}': the static backend needs its StaticLayout")
+        keys = static.keys
         table = StaticGroupTable(table_name, group.dim, group.initializer, group.optimizer,
-                                 static.vocabulary_size, static.init_keys, rank=static.rank,
-                                 num_ranks=static.num_ranks, owner_ids=static.owner_ids)
+                                 keys.vocabulary_size, keys.init_keys, rank=static.rank,
+                                 num_ranks=static.num_ranks, owner_ids=keys.owner_ids)
         return GroupStorage(table, AccessStatistics(group.name, [t.name for t in group.tables]))
 
     def install_admission(self, storage: GroupStorage, min_counts: np.ndarray) -> None:
