@@ -218,6 +218,27 @@ smoke: setup
 bench: setup
 	$(PY) -m tf_fusedemb.benchmarks.ops --json
 
+# The peer benchmark (optional, not in CI): our DLRM step against TorchRec's CPU path on the
+# same batches (tf_fusedemb/benchmarks/peers.py). TorchRec lives in its own environment,
+# .venv-peers (Python 3.11, requirements-peers.txt; torchrec itself without dependencies).
+PEERS_VENV := .venv-peers
+PEERS_PYTHON_WANTED := 3.11
+PEERS_STAMP := $(PEERS_VENV)/.installed
+.PHONY: peers-env peers
+peers-env: $(PEERS_STAMP)
+$(PEERS_STAMP): requirements-peers.txt
+	@py=$$(for p in python$(PEERS_PYTHON_WANTED) \
+		$$HOME/.pyenv/versions/$(PEERS_PYTHON_WANTED)*/bin/python$(PEERS_PYTHON_WANTED); do \
+		"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 11)' 2>/dev/null && \
+		{ echo "$$p"; break; }; done); \
+	[ -n "$$py" ] || { echo "peers-env needs Python $(PEERS_PYTHON_WANTED)"; exit 1; }; \
+	"$$py" -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install -r requirements-peers.txt
+	$(PEERS_VENV)/bin/python -m pip install --no-deps torchrec==1.9.2
+	touch $@
+peers: setup peers-env
+	$(PY) -m tf_fusedemb.benchmarks.peers --json
+
 # The op library built with AddressSanitizer + UndefinedBehaviorSanitizer into a separate
 # .so (loaded through TF_FUSEDEMB_OPS_LIBRARY), and the op tests run against it. Python and
 # TensorFlow are not instrumented: the sanitizer runtimes are preloaded, leak detection is
