@@ -85,11 +85,12 @@ def reference(tmp_path_factory):
     return get
 
 
-def run_killed_with_workers(num_proc, victim, fault, ckpt, log_dir):
-    """Runs the job as plain Gloo workers with ``fault``; returns (seconds from the
-    victim's death to the last survivor's exit, {rank: (exit status, output)})."""
+def run_killed_with_workers(num_proc, victim, fault, ckpt, log_dir, extra=()):
+    """Runs the job (``extra``: more of its arguments) as plain Gloo workers with ``fault``;
+    returns (seconds from the victim's death to the last survivor's exit, {rank: (exit
+    status, output)})."""
     os.makedirs(log_dir, exist_ok=True)
-    with GlooWorkers(with_fault(fault) + ["--checkpoint-dir", ckpt], num_proc,
+    with GlooWorkers(with_fault(fault) + ["--checkpoint-dir", ckpt, *extra], num_proc,
                      log_dir) as workers:
         deadline = time.monotonic() + 420
         while workers.procs[victim].poll() is None:
@@ -110,11 +111,11 @@ def run_killed_with_workers(num_proc, victim, fault, ckpt, log_dir):
     return took, outcome
 
 
-def run_killed_with_horovodrun(num_proc, fault, ckpt, log):
-    """Runs the ordinary command with ``fault``; returns (seconds from the kill to the
-    end of horovodrun, its exit status, its output)."""
+def run_killed_with_horovodrun(num_proc, fault, ckpt, log, extra=()):
+    """Runs the ordinary command (``extra``: more of its arguments) with ``fault``; returns
+    (seconds from the kill to the end of horovodrun, its exit status, its output)."""
     cmd = [HOROVODRUN, "-np", str(num_proc), "--gloo", "-H", f"localhost:{num_proc}",
-           sys.executable] + with_fault(fault) + ["--checkpoint-dir", ckpt]
+           sys.executable] + with_fault(fault) + ["--checkpoint-dir", ckpt, *extra]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS="1")
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out,
@@ -156,15 +157,23 @@ def check_survivors(num_proc, victim, took, outcome, during):
 
 
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("num_proc", [2, 3])
-def test_killed_worker_is_named_and_the_rerun_resumes_exactly(num_proc, reference, tmp_path):
+@pytest.mark.parametrize("num_proc,budget_mb", [(2, None), (3, "0.5")],
+                         ids=["2-ranks", "3-ranks-tiered"])
+def test_killed_worker_is_named_and_the_rerun_resumes_exactly(num_proc, budget_mb, reference,
+                                                              tmp_path):
+    """With ``budget_mb``, every run keeps about a tenth of its tables in DRAM and the rest
+    in the SSD tier (--memory-budget-mb): killed and resumed, it still equals the
+    uninterrupted run without a budget."""
     step_victim, save_victim, save_launcher = VICTIMS[num_proc]
     ckpt = str(tmp_path / "ckpt")
     timings = {}
+    extra = [] if budget_mb is None else ["--memory-budget-mb", budget_mb,
+                                          "--spill-dir", str(tmp_path / "spill")]
 
     # 1. Killed in training step 6: the others are inside its collectives.
     took, outcome = run_killed_with_workers(
-        num_proc, step_victim, f"rank={step_victim},step=6,phase=step", ckpt, tmp_path / "run1")
+        num_proc, step_victim, f"rank={step_victim},step=6,phase=step", ckpt, tmp_path / "run1",
+        extra)
     timings["step"] = took
     check_survivors(num_proc, step_victim, took, outcome, "training step 6")
     assert latest(ckpt) == "ckpt-4"
@@ -174,11 +183,11 @@ def test_killed_worker_is_named_and_the_rerun_resumes_exactly(num_proc, referenc
     fault = f"rank={save_victim},step=8,phase=save"
     if save_launcher == "workers":
         took, outcome = run_killed_with_workers(num_proc, save_victim, fault, ckpt,
-                                                tmp_path / "run2")
+                                                tmp_path / "run2", extra)
         check_survivors(num_proc, save_victim, took, outcome, "checkpoint save 8")
     else:  # horovodrun ends the others itself once one fails: in time, and names it
         took, status, output = run_killed_with_horovodrun(num_proc, fault, ckpt,
-                                                          tmp_path / "run2.log")
+                                                          tmp_path / "run2.log", extra)
         assert status not in (None, 0) and took < KILL_TO_EXIT_S, output[-3000:]
         assert f"Process {save_victim} exit with status code 137" in output, output[-3000:]
     timings["save"] = took
@@ -189,7 +198,8 @@ def test_killed_worker_is_named_and_the_rerun_resumes_exactly(num_proc, referenc
     assert not os.path.exists(os.path.join(ckpt, "ckpt-8"))
 
     # 3. Once more, undisturbed: resumes from checkpoint 4 and equals the uninterrupted run.
-    result = parse(horovodrun(ARGS + ["--checkpoint-dir", ckpt], num_proc, timeout=600))
+    result = parse(horovodrun(ARGS + ["--checkpoint-dir", ckpt, *extra], num_proc,
+                              timeout=600))
     want_result, want, want_listing = reference(num_proc)
     assert sorted(os.listdir(ckpt)) == want_listing  # the .tmp debris is gone
     for key in ("final_loss", "train_auc", "eval_auc", "eval_logloss", "eval_rows"):
@@ -199,6 +209,10 @@ def test_killed_worker_is_named_and_the_rerun_resumes_exactly(num_proc, referenc
     assert any(k.endswith("/values") for k in got) and any(k.startswith("dense:") for k in got)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    if budget_mb is not None:  # the SSD tier held blocks (DRAM's figure is the arena's
+        # high-water mark, which the checkpoints' reads of every block raise)
+        for rank in result["embedding_memory_by_rank"]:
+            assert all(g["ssd_bytes"] > 0 for g in rank.values()), rank
 
 
 # ---- the pieces, alone ----------------------------------------------------------------

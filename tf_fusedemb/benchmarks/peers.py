@@ -37,7 +37,7 @@ from typing import Dict, List, NamedTuple
 
 import numpy as np
 
-from tf_fusedemb.benchmarks import lookup_data
+from tf_fusedemb.benchmarks import lookup_data, plots
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_PEER_PYTHON = REPO_ROOT / ".venv-peers" / "bin" / "python"
@@ -71,6 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--peer-python", default=str(DEFAULT_PEER_PYTHON),
                         help="the interpreter of the TorchRec environment")
+    parser.add_argument("--plot", metavar="PATH", help="also write a PNG of the step times")
     args = parser.parse_args(argv)
     if min(args.np, args.batch_size, args.num_batches, args.rounds, args.steps) < 1:
         parser.error("--np, --batch-size, --num-batches, --rounds and --steps must be >= 1")
@@ -191,6 +192,10 @@ def main(argv=None) -> int:
                               "torch_torchrec": versions,
                               "table_rows": int(sum(table_sizes.values())),
                               "date": time.strftime("%Y-%m-%d")}}
+    if args.plot:
+        result["plot"] = plots.bar_chart(
+            args.plot, medians, f"training step against TorchRec, {args.np} ranks, batch "
+            f"{args.batch_size}/rank", "step time, ms (median of runs)")
     if args.json:
         print(json.dumps(result))
     else:
