@@ -192,65 +192,18 @@ def train_step(model: tf_keras.Model, x: Any, y: Any, loss: LossLike,
     replicas.synchronize(comm, optimizer, x, training=True)
     # FWP: every micro-batch's forward first, then the backwards, so each one's
     # collectives can be in flight while another computes.
-    tapes: List[tf.GradientTape] = []
-    partials: List[LossPartial] = []
-    preds: List[Any] = []  # each micro-batch's model outputs
-    prepared: List[List[RoutedLookup]] = []  # each micro-batch's prepared lookups
-    reg: Optional[tf.Tensor] = None
-    layers = fused_embedding_layers(model)
-    lookups = [g for layer in layers for g in layer.groups]
-    lookup_inputs = {f.name for layer in layers for f in layer.features}
-    for i, (lo, hi) in enumerate(micro_batch_slices(batch_size_of(y), schedule.micro_batches)):
-        x_i = slice_rows(x, lo, hi)
-        if preds and isinstance(x_i, dict):  # x not a dict: which part feeds the lookups
-            # is unknown. Dense compute after the previous micro-batch's; the lookups once
-            # the previous micro-batch's rows are retrieved (its row AlltoAll then goes
-            # while this one routes; all at once, they would share the core and micro-batch
-            # 0's rows would come last of all).
-            x_i = after(tf.nest.flatten(preds[-1]), x_i, skip=lookup_inputs)
-            x_i = after([r.rows for r in prepared[-1]], x_i,
-                        skip=[k for k in x_i if k not in lookup_inputs])
-        mine = _prepared_lookups(schedule, i, x_i, lookups)
-        context = dataclasses.replace(schedule.context(i), prepared=tuple(zip(lookups, mine)))
-        with tf.GradientTape() as tape, use_context(model, context):
-            for routed in mine:  # their gradient is this step's to apply (apply_rows)
-                tape.watch(routed.rows)
-            pred = model(x_i, training=True)
-            partials.append(loss.partial(slice_rows(y, lo, hi), pred,
-                                         slice_rows(sample_weight, lo, hi)))
-            if i == 0:  # weight regularisers: once per batch, as in Keras
-                reg = regularization(model)
-        schedule.after_forward(i, pred)
-        tapes.append(tape)
-        preds.append(pred)
-        prepared.append(mine)
+    lookups = [g for layer in fused_embedding_layers(model) for g in layer.groups]
+    forwards, reg = _forwards(model, x, y, sample_weight, loss, schedule, lookups)
+    partials = [f.partial for f in forwards]
     # The loss's sizes (element counts, rows) depend on the labels only: summed over ranks
     # at the step's start, they give the backward its coefficients without waiting for
     # a collective between forward and backward. The sums (the reported value) travel
     # with the dense gradients at the end.
     sizes = comm.allreduce_sum(tf.add_n([p.stacked_sizes() for p in partials]), LOSS_STATS)
-    coefficients = loss.coefficients(partials[0], sizes)
-    regularization_scale = loss.regularization_coefficient(partials[0], sizes)
+    scales = list(loss.coefficients(partials[0], sizes))
+    reg_scale = loss.regularization_coefficient(partials[0], sizes) / comm.size
     dense_vars = list(model.trainable_variables)  # built by the first forward
-    dense_sum = [tf.zeros_like(v) for v in dense_vars]
-    # per lookup, its micro-batches' (keys, row gradients, init keys)
-    parts: List[List[Tuple[tf.Tensor, tf.Tensor, tf.Tensor]]] = [[] for _ in lookups]
-    previous: List[tf.Tensor] = []
-    for i, (tape, part, mine) in enumerate(zip(tapes, partials, prepared)):
-        targets, scales = list(part.sums), list(coefficients)
-        if i == 0 and reg is not None:
-            targets.append(reg)
-            scales.append(regularization_scale / comm.size)
-        # This micro-batch's backward after the previous one's dense gradients (FWP: its
-        # gradient AlltoAll is in flight meanwhile).
-        with tf.control_dependencies(previous):
-            grads = tape.gradient(targets, dense_vars + [r.rows for r in mine],
-                                  output_gradients=scales)
-        local = [dense_gradient(g, v) for g, v in zip(grads, dense_vars)]
-        previous = local if len(tapes) > 1 else []
-        dense_sum = [a + g for a, g in zip(dense_sum, local)]
-        for j, (r, g) in enumerate(zip(mine, grads[len(dense_vars):])):
-            parts[j].append((r.keys, row_gradient(g, r.rows), r.init_keys))
+    dense_sum, parts = _backwards(forwards, scales, reg, reg_scale, dense_vars, len(lookups))
     local_sums = tf.add_n([p.stacked_sums() for p in partials])
     schedule.after_backward(dense_sum or [local_sums])
     if dense_vars:
@@ -261,13 +214,83 @@ def train_step(model: tf_keras.Model, x: Any, y: Any, loss: LossLike,
         sums = comm.allreduce_sum(local_sums, LOSS_STATS + "/sums")
     totals = loss.totals(partials[0], sizes, sums, reg)
     replicas.average_forward_state(comm)  # e.g. BatchNormalization's statistics
-    if prepared[0]:
+    if forwards[0].prepared:
         for j, lookup in enumerate(lookups):
             keys, grads, init = _coalesce(parts[j], lookup.group.dim)
             schedule.apply_rows(j, lookup, keys, grads, init)
+    preds = [f.predictions for f in forwards]
     pred = preds[0] if len(preds) == 1 else tf.nest.map_structure(
         lambda *p: tf.concat(p, 0), *preds)
     return StepResult(totals.value, totals.weight, pred, tuple(totals.per_output))
+
+
+class MicroBatchForward(NamedTuple):
+    """One micro-batch's forward pass: its ``tape``, loss ``partial``, model
+    ``predictions`` and the lookups its schedule ``prepared`` (whose rows the tape
+    watches; empty when the forward pass routed them)."""
+    tape: tf.GradientTape
+    partial: LossPartial
+    predictions: Any
+    prepared: List[RoutedLookup]
+
+
+def _forwards(model: tf_keras.Model, x: Any, y: Any, sample_weight: Any, loss: KerasLoss,
+              schedule: Schedule, lookups: Sequence[DistributedGroupLookup]
+              ) -> Tuple[List[MicroBatchForward], Optional[tf.Tensor]]:
+    """Every micro-batch's forward pass, in order, and the regularisation losses (of the
+    first: once per batch, as in Keras)."""
+    forwards: List[MicroBatchForward] = []
+    reg: Optional[tf.Tensor] = None
+    lookup_inputs = {f.name for layer in fused_embedding_layers(model) for f in layer.features}
+    for i, (lo, hi) in enumerate(micro_batch_slices(batch_size_of(y), schedule.micro_batches)):
+        x_i = slice_rows(x, lo, hi)
+        if forwards and isinstance(x_i, dict):  # x not a dict: which part feeds the lookups
+            # is unknown. Dense compute after the previous micro-batch's; the lookups once
+            # the previous micro-batch's rows are retrieved (its row AlltoAll then goes
+            # while this one routes; all at once, they would share the core and micro-batch
+            # 0's rows would come last of all).
+            x_i = after(tf.nest.flatten(forwards[-1].predictions), x_i, skip=lookup_inputs)
+            x_i = after([r.rows for r in forwards[-1].prepared], x_i,
+                        skip=[k for k in x_i if k not in lookup_inputs])
+        mine = _prepared_lookups(schedule, i, x_i, lookups)
+        context = dataclasses.replace(schedule.context(i), prepared=tuple(zip(lookups, mine)))
+        with tf.GradientTape() as tape, use_context(model, context):
+            for routed in mine:  # their gradient is this step's to apply (apply_rows)
+                tape.watch(routed.rows)
+            pred = model(x_i, training=True)
+            partial = loss.partial(slice_rows(y, lo, hi), pred, slice_rows(sample_weight, lo, hi))
+            if i == 0:
+                reg = regularization(model)
+        schedule.after_forward(i, pred)
+        forwards.append(MicroBatchForward(tape, partial, pred, mine))
+    return forwards, reg
+
+
+def _backwards(forwards: Sequence[MicroBatchForward], scales: List[tf.Tensor],
+               reg: Optional[tf.Tensor], reg_scale: tf.Tensor, dense_vars: List[tf.Variable],
+               num_lookups: int):
+    """Every micro-batch's backward, in order: (the dense gradients summed over the
+    micro-batches, one per variable; per prepared lookup, its micro-batches' (keys int64[u],
+    row gradients float32[u, dim], init keys int64[u]))."""
+    dense_sum = [tf.zeros_like(v) for v in dense_vars]
+    parts: List[List[Tuple[tf.Tensor, tf.Tensor, tf.Tensor]]] = [[] for _ in range(num_lookups)]
+    previous: List[tf.Tensor] = []
+    for i, f in enumerate(forwards):
+        targets, coefficients = list(f.partial.sums), list(scales)
+        if i == 0 and reg is not None:
+            targets.append(reg)
+            coefficients.append(reg_scale)
+        # This micro-batch's backward after the previous one's dense gradients (FWP: its
+        # gradient AlltoAll is in flight meanwhile).
+        with tf.control_dependencies(previous):
+            grads = f.tape.gradient(targets, dense_vars + [r.rows for r in f.prepared],
+                                    output_gradients=coefficients)
+        local = [dense_gradient(g, v) for g, v in zip(grads, dense_vars)]
+        previous = local if len(forwards) > 1 else []
+        dense_sum = [a + g for a, g in zip(dense_sum, local)]
+        for j, (r, g) in enumerate(zip(f.prepared, grads[len(dense_vars):])):
+            parts[j].append((r.keys, row_gradient(g, r.rows), r.init_keys))
+    return dense_sum, parts
 
 
 def test_step(model: tf_keras.Model, x: Any, y: Any, loss: LossLike, sample_weight: Any = None,
