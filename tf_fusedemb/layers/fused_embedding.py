@@ -391,6 +391,23 @@ def fused_embedding_layers(model: Any) -> List["FusedEmbeddingMixin"]:
     return list({id(m): m for m in found}.values())
 
 
+def communicator_of(model: Any) -> Communicator:
+    """The communicator the FusedEmbedding layers of ``model`` run over (all of them must
+    share one: a model trains over one set of ranks); the process's default
+    (``tf_fusedemb.comm.get_communicator()``) for a model without such a layer.
+
+    Raises:
+      ValueError: the layers were built with different communicators.
+    """
+    comms = {id(layer.communicator): layer.communicator
+             for layer in fused_embedding_layers(model)}
+    if len(comms) > 1:
+        raise ValueError(f"{type(model).__name__} '{getattr(model, 'name', '')}': its "
+                         "FusedEmbedding layers were built with different communicators; "
+                         "build them with one")
+    return next(iter(comms.values())) if comms else get_communicator()
+
+
 @contextlib.contextmanager
 def use_context(model: Any, context: LookupContext) -> Iterator[LookupContext]:
     """Installs ``context`` on every FusedEmbedding layer of ``model`` (a Keras model or

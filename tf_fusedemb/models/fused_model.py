@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Type, Typ
 import tensorflow as tf
 import tf_keras
 
-from tf_fusedemb.comm import Communicator, get_communicator
-from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
+from tf_fusedemb.comm import Communicator
+from tf_fusedemb.layers.fused_embedding import communicator_of, fused_embedding_layers
 from tf_fusedemb.pipeline import (AutoPipeline, NestedPipeline, PipelineOptions, make_pipeline,
                                   refuse_policies_when_looking_ahead)
 from tf_fusedemb.training import step as steps
@@ -95,12 +95,7 @@ class SparseTrainingMixin(_KerasModel):
         """The communicator the model's FusedEmbedding layers run over (all of them must
         share one: a model trains over one set of ranks); the process's default
         (``tf_fusedemb.comm.get_communicator()``) for a model without such a layer."""
-        comms = {id(layer.communicator): layer.communicator
-                 for layer in fused_embedding_layers(self)}
-        if len(comms) > 1:
-            raise ValueError(f"{type(self).__name__} '{self.name}': its FusedEmbedding layers "
-                             "were built with different communicators; build them with one")
-        return next(iter(comms.values())) if comms else get_communicator()
+        return communicator_of(self)
 
     def fit(self, *args: Any, **kwargs: Any) -> tf_keras.callbacks.History:
         """Keras ``fit``; without ``verbose``: no output off rank 0, the bar on a terminal,

@@ -29,8 +29,9 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from tf_fusedemb.comm import Communicator, get_communicator
+from tf_fusedemb.comm import Communicator
 from tf_fusedemb.layers.exchange import EXCHANGES
+from tf_fusedemb.layers.fused_embedding import communicator_of
 from tf_fusedemb.pipeline.nested import NestedPipeline
 from tf_fusedemb.pipeline.options import PipelineOptions
 from tf_fusedemb.training.loss import LossLike
@@ -81,7 +82,7 @@ class AutoPipeline:
                  margin: float = MARGIN):
         if margin < 0:
             raise ValueError(f"AutoPipeline: margin must be >= 0, got {margin}")
-        self.comm = communicator or get_communicator()
+        self.comm = communicator or communicator_of(model)
         self.options, self.margin = options, margin
         exchanges = EXCHANGES if self.comm.topology.is_hierarchical else ("flat",)
         self.schedules = {o.label: o for o in candidate_options(options, candidates, exchanges)}

@@ -42,8 +42,8 @@ from typing import (Any, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Op
 import tensorflow as tf
 import tf_keras
 
-from tf_fusedemb.comm import Communicator, get_communicator
-from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
+from tf_fusedemb.comm import Communicator
+from tf_fusedemb.layers.fused_embedding import communicator_of, fused_embedding_layers
 from tf_fusedemb.layers.group_interface import DistributedGroupLookup
 from tf_fusedemb.layers.group_lookup import GroupLookup
 from tf_fusedemb.layers.routed_lookup import RoutedLookup
@@ -104,7 +104,7 @@ class NestedPipeline:
         ``tf_keras.losses.Loss`` or a ``tf_fusedemb.training.KerasLoss``).
       optimizer: Keras optimizer of the dense variables.
       options: PipelineOptions (default: synchronous).
-      communicator: default ``tf_fusedemb.comm.get_communicator()``.
+      communicator: default the model's layers' (``communicator_of``).
 
     Use :meth:`run` over an iterable of ``(x, y)`` batches, drive it with a
     ``tf_fusedemb.training.loop.TrainLoop`` (which owns the data iterator and looks one batch
@@ -127,7 +127,7 @@ class NestedPipeline:
             raise ValueError(f"NestedPipeline runs one schedule; {self.options.label!r} leaves a "
                              "choice to measurement: use tf_fusedemb.pipeline.make_pipeline "
                              "(an AutoPipeline)")
-        self.comm = communicator or get_communicator()
+        self.comm = communicator or communicator_of(model)
         self.layers = fused_embedding_layers(model)
         if not self.layers:
             raise ValueError("NestedPipeline: the model has no FusedEmbedding layer")

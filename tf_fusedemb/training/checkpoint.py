@@ -29,8 +29,8 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from tf_fusedemb.comm import Communicator, get_communicator
-from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
+from tf_fusedemb.comm import Communicator
+from tf_fusedemb.layers.fused_embedding import communicator_of, fused_embedding_layers
 from tf_fusedemb.specs import describe_plan_difference
 from tf_fusedemb.training import faults
 from tf_fusedemb.training.replicas import dense_variables, replicas_of
@@ -63,7 +63,7 @@ class CheckpointManager:
                  communicator: Optional[Communicator] = None,
                  extra: Optional[Mapping[str, Any]] = None):
         self.directory = directory
-        self.comm = communicator or get_communicator()
+        self.comm = communicator or communicator_of(model)
         self.layers = fused_embedding_layers(model)
         self.groups = [(li, g) for li, layer in enumerate(self.layers) for g in layer.groups]
         self._replicas = replicas_of(model)

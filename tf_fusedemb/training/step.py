@@ -37,8 +37,9 @@ from typing import Any, Collection, List, NamedTuple, Optional, Sequence, Tuple
 import tensorflow as tf
 import tf_keras
 
-from tf_fusedemb.comm import Communicator, get_communicator
-from tf_fusedemb.layers.fused_embedding import fused_embedding_layers, use_context
+from tf_fusedemb.comm import Communicator
+from tf_fusedemb.layers.fused_embedding import (communicator_of, fused_embedding_layers,
+                                                use_context)
 from tf_fusedemb.layers.group_interface import DistributedGroupLookup
 from tf_fusedemb.layers.lookup_context import LookupContext
 from tf_fusedemb.layers.routed_lookup import RoutedLookup
@@ -180,10 +181,10 @@ def train_step(model: tf_keras.Model, x: Any, y: Any, loss: LossLike,
         against outputs [B, 1] alike, as in Keras).
       loss: a :class:`KerasLoss`, or anything ``compile(loss=...)`` accepts.
       optimizer: the Keras optimizer of the dense variables.
-      communicator: default ``tf_fusedemb.comm.get_communicator()``.
+      communicator: default the model's layers' (``communicator_of``).
       schedule: default the synchronous :class:`Schedule`.
     """
-    comm = communicator or get_communicator()
+    comm = communicator or communicator_of(model)
     loss = as_keras_loss(loss, model)
     schedule = schedule or Schedule()
     # Rank 0's dense state on every rank before the first forward reads it (automatic
@@ -297,7 +298,7 @@ def test_step(model: tf_keras.Model, x: Any, y: Any, loss: LossLike, sample_weig
               communicator: Optional[Communicator] = None) -> StepResult:
     """The loss of this rank's slice in the global batch, without training (Keras's
     ``evaluate``); the same collectives on every rank."""
-    comm = communicator or get_communicator()
+    comm = communicator or communicator_of(model)
     loss = as_keras_loss(loss, model)
     replicas_of(model).synchronize(comm, x=x)  # evaluating before any training step
     y_pred = model(x, training=False)
