@@ -37,7 +37,7 @@ from typing import Dict, List, NamedTuple
 
 import numpy as np
 
-from tf_fusedemb.benchmarks import lookup_data, plots
+from tf_fusedemb.benchmarks import lookup_data, lookup_models, plots
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_PEER_PYTHON = REPO_ROOT / ".venv-peers" / "bin" / "python"
@@ -96,7 +96,9 @@ def check_peer_python(python: str) -> str:
 def dump_batches(args: argparse.Namespace, directory: str) -> Dict[str, int]:
     """Writes ``rank<R>.npz`` per rank (``b<t>_<feature>`` int64[B] renumbered IDs,
     ``b<t>_dense`` float32[B, 13], ``b<t>_label`` float32[B, 1], ``table_sizes``
-    int64[26]); returns {feature: table size}."""
+    int64[26], and the model's shape, so the TorchRec worker builds the lookup
+    benchmark's: ``features`` str[26], ``dim``, ``hidden`` int[layers]); returns
+    {feature: table size}."""
     columns = lookup_data.synthetic_columns(args.batch_size, args.np, args.num_batches,
                                             args.seed)
     per_rank = [lookup_data.make_batches(columns, args.batch_size, args.np, r, args.num_batches)
@@ -117,7 +119,9 @@ def dump_batches(args: argparse.Namespace, directory: str) -> Dict[str, int]:
         for t, (x, y) in enumerate(batches):
             arrays[f"b{t}_dense"], arrays[f"b{t}_label"] = x["dense"], y
         np.savez(os.path.join(directory, f"rank{rank}.npz"), num_batches=args.num_batches,
-                 table_sizes=np.array([sizes[c] for c in lookup_data.CATEGORICAL]), **arrays)
+                 table_sizes=np.array([sizes[c] for c in lookup_data.CATEGORICAL]),
+                 features=np.array(lookup_data.CATEGORICAL), dim=lookup_models.DIM,
+                 hidden=np.array(lookup_models.HIDDEN), **arrays)
     return sizes
 
 

@@ -5,7 +5,8 @@ benchmark's DLRM on TorchRec with FBGEMM's CPU kernels, on the batches the drive
         --batches DIR --sharding table_wise|row_wise [--bf16] --warmup 3 --steps 20
 
 Runs in the peer environment (``make peers-env``: torch, fbgemm-gpu-cpu, torchrec), never
-imported by the package, which does not depend on torch. The model: 26 tables of dim 16
+imported by the package, which does not depend on torch. The model, its shape read from
+the dump (the lookup benchmark's ``lookup_models.DIM`` and ``HIDDEN``): 26 tables of dim 16
 (one per Criteo feature, each sized to the distinct IDs of the dumped batches), sum
 pooling, FBGEMM's fused EXACT_ADAGRAD on the rows; concat(26 x 16 + 13) -> 256 relu ->
 128 relu -> 1 logit, ``torch.optim.Adagrad`` on the dense weights (DDP averages their
@@ -19,9 +20,6 @@ import os
 import time
 
 import numpy as np
-
-CATEGORICAL = [f"C{i}" for i in range(1, 27)]
-DIM, HIDDEN, NUM_DENSE = 16, (256, 128), 13
 
 
 def parse_args(argv=None):
@@ -53,17 +51,19 @@ def main(argv=None):
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     data = np.load(os.path.join(args.batches, f"rank{rank}.npz"))
-    sizes = data["table_sizes"]
+    sizes, features = data["table_sizes"], [str(f) for f in data["features"]]
+    dim, hidden = int(data["dim"]), tuple(int(h) for h in data["hidden"])
+    num_dense = data["b0_dense"].shape[1]
 
     class Net(torch.nn.Module):
         def __init__(self, ebc):
             super().__init__()
             self.ebc = ebc
-            widths = (len(CATEGORICAL) * DIM + NUM_DENSE,) + HIDDEN
+            widths = (len(features) * dim + num_dense,) + hidden
             layers = []
             for a, b in zip(widths, widths[1:]):
                 layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
-            self.mlp = torch.nn.Sequential(*layers, torch.nn.Linear(HIDDEN[-1], 1))
+            self.mlp = torch.nn.Sequential(*layers, torch.nn.Linear(hidden[-1], 1))
 
         def forward(self, kjt, dense):
             h = torch.cat([self.ebc(kjt).values(), dense], 1)
@@ -71,10 +71,11 @@ def main(argv=None):
                 return self.mlp(h).float()
 
     torch.manual_seed(0)
-    tables = [EmbeddingBagConfig(name=f"t_{c}", embedding_dim=DIM, num_embeddings=int(n),
+    tables = [EmbeddingBagConfig(name=f"t_{c}", embedding_dim=dim, num_embeddings=int(n),
                                  feature_names=[c], pooling=PoolingType.SUM)
-              for c, n in zip(CATEGORICAL, sizes)]
+              for c, n in zip(features, sizes)]
     model = Net(EmbeddingBagCollection(tables=tables, device=torch.device("meta")))
+
     class Sharder(EmbeddingBagCollectionSharder):
         """TorchRec's sharder; on CPU it offers row-wise sharding too (it lists it for GPUs
         only, but its CPU kernels run it)."""
@@ -98,9 +99,9 @@ def main(argv=None):
 
     batches = []  # built before timing, as a data loader would hand them over
     for t in range(int(data["num_batches"])):
-        ids = [torch.from_numpy(data[f"b{t}_{c}"]) for c in CATEGORICAL]
+        ids = [torch.from_numpy(data[f"b{t}_{c}"]) for c in features]
         kjt = KeyedJaggedTensor.from_lengths_sync(
-            keys=CATEGORICAL, values=torch.cat(ids),
+            keys=features, values=torch.cat(ids),
             lengths=torch.ones(sum(len(i) for i in ids), dtype=torch.int32))
         batches.append((kjt, torch.from_numpy(data[f"b{t}_dense"]),
                         torch.from_numpy(data[f"b{t}_label"])))

@@ -36,7 +36,7 @@ from tf_fusedemb.comm.communicator import Communicator, communicator_scope
 from tf_fusedemb.comm.counters import CommCounters
 from tf_fusedemb.comm.topology import Topology
 from tf_fusedemb.inference import distributed_payload as payload
-from tf_fusedemb.layers.fused_embedding import fused_embedding_layers, use_context
+from tf_fusedemb.layers.fused_embedding import fused_embedding_layers, group_lookups, use_context
 from tf_fusedemb.layers.inputs import flatten_feature
 from tf_fusedemb.layers.lookup_context import LookupContext
 from tf_fusedemb.ops import hashing
@@ -146,20 +146,16 @@ def sample_bounds(batch_size: int, size: int) -> np.ndarray:
     return (np.arange(size + 1, dtype=np.int64) * batch_size) // size
 
 
-def _lookups(model):
-    return [g for layer in fused_embedding_layers(model) for g in layer.groups]
-
-
 def stored_rows(model: tf_keras.Model) -> int:
     """Rows this rank holds in the model's FusedEmbedding tables: written (trained or
     restored) rows, as a checkpoint counts them (eager)."""
-    return _stored_rows(_lookups(model))
+    return _stored_rows(group_lookups(model))
 
 
 def resident_rows(model: tf_keras.Model) -> int:
     """Rows this rank's tables occupy in memory: a static table's allocated rows (all it
     owns, written or not), a dynamic table's stored rows (eager)."""
-    return _resident_rows(_lookups(model))
+    return _resident_rows(group_lookups(model))
 
 
 def _stored_rows(lookups):
@@ -216,7 +212,7 @@ class ShardedPredictor:
                  exchange: Optional[PushExchange]):
         check_sharded(model, rank, size)
         self.model, self.rank, self.size, self.exchange = model, rank, size, exchange
-        self._lookups = _lookups(model)
+        self._lookups = group_lookups(model)
         self.features = [f for g in self._lookups for f in g.group.features]
         self.dims = [f.dim for f in self.features]
         # batch j -> (this rank's rows of its features, their row splits per pooled feature)

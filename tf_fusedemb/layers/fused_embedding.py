@@ -391,6 +391,13 @@ def fused_embedding_layers(model: Any) -> List["FusedEmbeddingMixin"]:
     return list({id(m): m for m in found}.values())
 
 
+def group_lookups(model: Any) -> list:
+    """The group lookups of ``model``'s FusedEmbedding layers: layer by layer
+    (``fused_embedding_layers`` order), each layer's ``groups`` in order. A step's prepared
+    lookups and a pipeline's buffers are lists in this order."""
+    return [g for layer in fused_embedding_layers(model) for g in layer.groups]
+
+
 def communicator_of(model: Any) -> Communicator:
     """The communicator the FusedEmbedding layers of ``model`` run over (all of them must
     share one: a model trains over one set of ranks); the process's default

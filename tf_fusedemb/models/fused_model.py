@@ -19,7 +19,8 @@ import tensorflow as tf
 import tf_keras
 
 from tf_fusedemb.comm import Communicator
-from tf_fusedemb.layers.fused_embedding import communicator_of, fused_embedding_layers
+from tf_fusedemb.layers.fused_embedding import (communicator_of, fused_embedding_layers,
+                                                group_lookups)
 from tf_fusedemb.pipeline import (AutoPipeline, NestedPipeline, PipelineOptions, make_pipeline,
                                   refuse_policies_when_looking_ahead)
 from tf_fusedemb.training import step as steps
@@ -164,7 +165,7 @@ class SparseTrainingMixin(_KerasModel):
         evicting = [layer for layer in layers if layer.has_eviction]
         pipelined = getattr(self, "_fused_compile", {}).get("pipeline") is not None
         if pipelined:  # every pipelined fit looks one batch ahead (TrainLoop)
-            refuse_policies_when_looking_ahead([g for layer in layers for g in layer.groups],
+            refuse_policies_when_looking_ahead(group_lookups(self),
                                                "FusedModel.fit", "compile without pipeline=")
         step = self._pipelined_step if pipelined else self._synchronous_step
         batches = RankBatches(self.communicator, "shortest", "fit")

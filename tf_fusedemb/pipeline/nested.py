@@ -43,7 +43,8 @@ import tensorflow as tf
 import tf_keras
 
 from tf_fusedemb.comm import Communicator
-from tf_fusedemb.layers.fused_embedding import communicator_of, fused_embedding_layers
+from tf_fusedemb.layers.fused_embedding import (communicator_of, fused_embedding_layers,
+                                                group_lookups)
 from tf_fusedemb.layers.group_interface import DistributedGroupLookup
 from tf_fusedemb.layers.group_lookup import GroupLookup
 from tf_fusedemb.layers.routed_lookup import RoutedLookup
@@ -131,7 +132,7 @@ class NestedPipeline:
         self.layers = fused_embedding_layers(model)
         if not self.layers:
             raise ValueError("NestedPipeline: the model has no FusedEmbedding layer")
-        self.lookups = [g for layer in self.layers for g in layer.groups]
+        self.lookups = group_lookups(model)
         # Where each layer finds its features in x (by layer name: names are unique).
         self._sources = {layer.name: feature_sources(model, layer) for layer in self.layers}
         if self.options.prefetch:

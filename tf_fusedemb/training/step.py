@@ -39,7 +39,7 @@ import tf_keras
 
 from tf_fusedemb.comm import Communicator
 from tf_fusedemb.layers.fused_embedding import (communicator_of, fused_embedding_layers,
-                                                use_context)
+                                                group_lookups, use_context)
 from tf_fusedemb.layers.group_interface import DistributedGroupLookup
 from tf_fusedemb.layers.lookup_context import LookupContext
 from tf_fusedemb.layers.routed_lookup import RoutedLookup
@@ -102,8 +102,8 @@ class Schedule:
 
     def prepared(self, i: int, x: Any) -> Optional[List[RoutedLookup]]:
         """Micro-batch ``i``'s lookups of its inputs ``x``, routed and retrieved (with
-        ``rows``), one per group lookup of the model (``fused_embedding_layers`` order,
-        then each layer's ``groups``); None: the forward pass routes them."""
+        ``rows``), one per group lookup of the model, in ``group_lookups`` order; None:
+        the forward pass routes them."""
         del i, x
         return None
 
@@ -193,7 +193,7 @@ def train_step(model: tf_keras.Model, x: Any, y: Any, loss: LossLike,
     replicas.synchronize(comm, optimizer, x, training=True)
     # FWP: every micro-batch's forward first, then the backwards, so each one's
     # collectives can be in flight while another computes.
-    lookups = [g for layer in fused_embedding_layers(model) for g in layer.groups]
+    lookups = group_lookups(model)
     forwards, reg = _forwards(model, x, y, sample_weight, loss, schedule, lookups)
     partials = [f.partial for f in forwards]
     # The loss's sizes (element counts, rows) depend on the labels only: summed over ranks
