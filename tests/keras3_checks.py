@@ -24,6 +24,65 @@ def test_keras3_fit(shape):
     assert_same_training(got, want, layer, embeds, initial)
 
 
+def _ids_unique_per_batch():
+    """Like kpth.data, but no ID repeats within a batch of kpth.BATCH."""
+    rng = np.random.default_rng(1)
+    x = {f: np.concatenate([rng.permutation(kpth.VOCAB)[:kpth.BATCH]
+                            for _ in range(kpth.STEPS)]).astype(np.int64)
+         for f in kpth.FEATURES}
+    return x, ((x["a"] % 3 == 0) ^ (x["b"] % 4 == 1)).astype(np.float32)
+
+
+def _pair_from_zero_tables(k, optimizer):
+    """pair_functional with every table starting at zero, as FTRL tables usually do (and
+    the hidden bias at 0.1, so that rows of zeros still get a gradient through the relu)."""
+    ref, embeds, fused, layer, initial = pair_functional(k, optimizer)
+    for emb in embeds.values():
+        emb.set_weights([np.zeros_like(emb.get_weights()[0])])
+    kernel, bias = ref.get_layer("hidden").get_weights()
+    ref.get_layer("hidden").set_weights([kernel, np.full_like(bias, 0.1)])
+    initial = kpth.initial_weights(ref, embeds)
+    kpth.load_weights(fused, layer, initial)
+    return ref, embeds, fused, layer, initial
+
+
+@pytest.mark.parametrize("optimizer", ["adagrad", "ftrl"])
+def test_keras3_fit_with_adagrad_and_ftrl(optimizer):
+    """Keras 3's Adagrad and Ftrl, exact where their sparse update equals their dense one
+    (the rows follow the dense update, as tf_keras's do): on batches whose IDs do not
+    repeat (Keras 3 accumulates a sparse gradient's square per occurrence, not per row:
+    see the next test), and for Ftrl from zero tables (Keras 3's Ftrl rewrites every row
+    from its linear slot, so a row never looked up goes to zero)."""
+    x, y = _ids_unique_per_batch()
+    pair = pair_functional if optimizer == "adagrad" else _pair_from_zero_tables
+    ref, embeds, fused, layer, initial = pair(keras, optimizer)
+    want = kpth.fit(keras, ref, kpth.keras_optimizer(keras, optimizer), x, y, kpth.BATCH)
+    got = kpth.fit(keras, fused, kpth.keras_optimizer(keras, optimizer), x, y, kpth.BATCH)
+    assert_same_training(got, want, layer, embeds, initial)
+
+
+def test_keras3_adagrad_with_repeated_ids_applies_the_dense_update():
+    """With IDs repeated in a batch, the rows take Keras 3 Adagrad's dense update (the
+    accumulator grows by the square of each row's summed gradient), which Keras 3 itself
+    applies to a dense gradient; Keras 3's sparse update (a square per occurrence) ends
+    elsewhere, which this test also shows."""
+    x, y = kpth.data()
+    ref, embeds, fused, layer, initial = pair_functional(keras, "adagrad")
+    want = kpth.custom_loop(keras, ref, kpth.keras_optimizer(keras, "adagrad"), x, y,
+                            kpth.BATCH, dense_gradients=True)
+    got = kpth.custom_loop(keras, fused, kpth.keras_optimizer(keras, "adagrad"), x, y,
+                           kpth.BATCH)
+    assert_same_training(got, want, layer, embeds, initial)
+    sparse, sparse_embeds = kpth.functional(keras, False)
+    for name in ("hidden", "logit"):
+        sparse.get_layer(name).set_weights(initial[name])
+    for f, emb in sparse_embeds.items():
+        emb.set_weights([initial["tables"][f]])
+    kpth.custom_loop(keras, sparse, kpth.keras_optimizer(keras, "adagrad"), x, y, kpth.BATCH)
+    assert max(np.abs(e.get_weights()[0] - embeds[f].get_weights()[0]).max()
+               for f, e in sparse_embeds.items()) > 1e-3
+
+
 def test_keras3_fit_in_mixed_bfloat16():
     """Keras 3's mixed_bfloat16 policy on every layer but the float32 logit: the fused
     model trains as the ordinary one under the same policy."""
@@ -94,12 +153,34 @@ def test_keras3_fuse_model_trains_like_the_original():
         np.testing.assert_allclose(tables[f], emb.get_weights()[0], **TOL, err_msg=f)
 
 
+def test_keras3_fuse_model_of_a_sequential_model():
+    """A Sequential built on an Input: fused as the functional model of its layers."""
+    from tf_fusedemb.keras3 import FusedEmbedding, fuse_model
+    from tf_fusedemb.specs import OptimizerSpec
+    seq = keras.Sequential([keras.Input((), dtype="int64"),
+                            keras.layers.Embedding(kpth.VOCAB, 2, name="ids"),
+                            keras.layers.Dense(1)])
+    fused = fuse_model(seq, OptimizerSpec.sgd(0.1))
+    assert any(isinstance(l, FusedEmbedding) for l in fused.layers)
+    x, _ = kpth.data()
+    np.testing.assert_allclose(fused.predict(x["a"], verbose=0), seq.predict(x["a"], verbose=0),
+                               **TOL)
+
+
 def test_keras3_fuse_model_refuses_what_it_cannot_rewire():
     from tf_fusedemb.keras3 import fuse_model
     from tf_fusedemb.specs import OptimizerSpec
-    seq = keras.Sequential([keras.Input((), dtype="int64"), keras.layers.Embedding(9, 2)])
+    class Subclassed(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.emb = keras.layers.Embedding(9, 2)
+
+        def call(self, x):
+            return self.emb(x)
     with pytest.raises(ValueError, match="needs a functional Keras 3 model"):
-        fuse_model(seq, OptimizerSpec.sgd(0.1))
+        fuse_model(Subclassed(), OptimizerSpec.sgd(0.1))
+    with pytest.raises(ValueError, match="has no Input"):
+        fuse_model(keras.Sequential([keras.layers.Embedding(9, 2)]), OptimizerSpec.sgd(0.1))
     import tf_keras
     inp = tf_keras.Input((), dtype="int64")
     tfk = tf_keras.Model(inp, tf_keras.layers.Embedding(9, 2)(inp))

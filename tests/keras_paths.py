@@ -166,10 +166,13 @@ def fit(k, model, optimizer, x, y, batch_size, epochs=2, losses=None):
             "predictions": model.predict(x, batch_size=batch_size, verbose=0).reshape(-1)}
 
 
-def custom_loop(k, model, optimizer, x, y, batch_size, epochs=2, losses=None):
+def custom_loop(k, model, optimizer, x, y, batch_size, epochs=2, losses=None,
+                dense_gradients=False):
     """A user's own loop: tf.GradientTape in a tf.function, the Keras optimizer applied to
     ``model.trainable_variables``; per-step losses (appended to ``losses`` as they come)
-    and predictions."""
+    and predictions. ``dense_gradients``: an Embedding's sparse gradient (IndexedSlices,
+    one slice per occurrence of an ID) made dense first, so the optimizer applies its
+    dense update (its sum per row)."""
     loss_fn = k.losses.BinaryCrossentropy(from_logits=True)
 
     @tf.function
@@ -177,6 +180,8 @@ def custom_loop(k, model, optimizer, x, y, batch_size, epochs=2, losses=None):
         with tf.GradientTape() as tape:
             loss = loss_fn(yb[:, None], model(xb, training=True))
         grads = tape.gradient(loss, model.trainable_variables)
+        if dense_gradients:
+            grads = [tf.convert_to_tensor(g) for g in grads]
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 

@@ -49,6 +49,34 @@ def test_predictions_equal_before_training():
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_sequential_model_trains_like_keras():
+    """A Sequential built on an Input is fused as the functional model of its layers: a
+    new model, the same predictions, and fit equal to plain fit of the original's copy."""
+    def sequential():
+        return tf_keras.Sequential([
+            tf_keras.Input([3], dtype=tf.int64), tf_keras.layers.Embedding(30, 4, name="ids"),
+            tf_keras.layers.Flatten(), tf_keras.layers.Dense(1)])
+    ref, original = sequential(), sequential()
+    original.set_weights(ref.get_weights())
+    fused = fuse_model(original, OptimizerSpec.adagrad(0.1))
+    assert [l.name for l in fused.layers if isinstance(l, FusedEmbedding)] == ["fused_embedding"]
+    rng = np.random.default_rng(0)
+    x = rng.zipf(1.3, (64, 3)).clip(1, 30).astype(np.int64) - 1
+    y = (x[:, 0] % 3 == 0).astype(np.float32)
+    np.testing.assert_allclose(fused.predict(x, verbose=0), ref.predict(x, verbose=0),
+                               rtol=1e-6, atol=1e-6)
+    out = []
+    for model in (ref, fused):
+        model.compile(optimizer=tf_keras.optimizers.Adagrad(0.1),
+                      loss=tf_keras.losses.BinaryCrossentropy(from_logits=True))
+        out.append(model.fit(x, y, batch_size=16, epochs=2, shuffle=False,
+                             verbose=0).history["loss"])
+    assert out[0][1] < out[0][0]
+    np.testing.assert_allclose(out[1], out[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(fused.predict(x, verbose=0), ref.predict(x, verbose=0),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_sequence_and_shared_embeddings_convert():
     """[B, L] inputs become sequence features; a second call of one Embedding shares its table."""
     ids = tf_keras.Input([], dtype=tf.int64, name="ids")
@@ -68,12 +96,13 @@ def test_sequence_and_shared_embeddings_convert():
 
 
 @pytest.mark.parametrize("build, match", [
-    (lambda: tf_keras.Sequential([tf_keras.layers.Embedding(5, 2)]), "functional"),
+    (lambda: tf_keras.Sequential([tf_keras.layers.Embedding(5, 2)]), "int32/int64 IDs"),
+    (lambda: tf_keras.Sequential([tf_keras.layers.Dense(2)]), "has no Input"),
     (lambda: _one_embedding(tf.float32), "int32/int64 IDs"),
     (lambda: _one_embedding(tf.int64, mask_zero=True), "mask_zero"),
     (lambda: _one_embedding(tf.int64, embeddings_regularizer="l2"), "embeddings_regularizer"),
     (lambda: tf_keras.Model(*_io(tf_keras.layers.Reshape([1]))), "no top-level Embedding"),
-    (lambda: _Subclassed(), "FusedEmbedding in the model"),
+    (lambda: _Subclassed(), "Embedding '.*' was never called"),
     (lambda: _keras3_functional(), "Keras 3 model.*tf_fusedemb.keras3.fuse_model"),
 ])
 def test_unsupported_models_fail_clearly(build, match):

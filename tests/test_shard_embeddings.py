@@ -57,15 +57,17 @@ def fit_pair(ref, converted, x, y, optimizer):
     return out
 
 
-@pytest.mark.parametrize("vocab_type", ["str", "bytes"])
-def test_tfrs_ranking_model_trains_like_keras(vocab_type):
+@pytest.mark.parametrize("vocab_type, convert", [
+    ("str", shard_embeddings), ("bytes", shard_embeddings), ("str", fuse_model)])
+def test_tfrs_ranking_model_trains_like_keras(vocab_type, convert):
+    """shard_embeddings, and fuse_model which converts a subclassed model the same way."""
     x, y = ratings_data()
     cls = ranking_class(vocab_type)
     ref, converted = cls(), cls()
     ref(tuple(v[:2] for v in x))
     converted(tuple(v[:2] for v in x))
     converted.set_weights(ref.get_weights())
-    assert shard_embeddings(converted, OptimizerSpec.adagrad(0.1)) is converted
+    assert convert(converted, OptimizerSpec.adagrad(0.1)) is converted
     sharded = [l for l in converted._flatten_layers() if isinstance(l, ShardedEmbedding)]
     assert len(sharded) == 2
     assert not any(isinstance(l, tf_keras.layers.Embedding) for l in converted._flatten_layers())
@@ -88,15 +90,22 @@ def test_subclassed_model_with_a_dict_of_embeddings():
     np.testing.assert_allclose(got_pred, want_pred, rtol=1e-5, atol=1e-5)
 
 
-def test_fuse_model_points_subclassed_models_to_shard_embeddings():
-    with pytest.raises(ValueError, match="shard_embeddings"):
-        fuse_model(ranking_class("str")(), OptimizerSpec.sgd(0.1))
+def test_fuse_model_of_a_subclassed_model_refuses_fused_layer_options():
+    x, _ = ratings_data(4)
+    model = ranking_class("str")()
+    model(x)
+    with pytest.raises(ValueError, match=r"\['key_mode'\].*shard_embeddings"):
+        fuse_model(model, OptimizerSpec.sgd(0.1), key_mode="hashed")
+    assert any(isinstance(l, tf_keras.layers.Embedding) for l in model._flatten_layers())
 
 
 @pytest.mark.parametrize("build, match", [
     (lambda: ranking_class("str")(), "never called"),
     (lambda: tf_keras.Sequential([tf_keras.layers.Dense(1)]), "holds no Embedding"),
 ])
-def test_unconvertible_models_fail_clearly(build, match):
+@pytest.mark.parametrize("convert", [shard_embeddings, fuse_model])
+def test_unconvertible_models_fail_clearly(build, match, convert):
+    if convert is fuse_model and match == "holds no Embedding":
+        match = "has no Input"  # fuse_model takes a Sequential as a functional model
     with pytest.raises(ValueError, match=match):
-        shard_embeddings(build(), OptimizerSpec.sgd(0.1))
+        convert(build(), OptimizerSpec.sgd(0.1))

@@ -27,7 +27,8 @@ def _call_input(node: Any) -> Dict:
 
 
 KERAS3 = KerasDialect(
-    name="Keras 3", model_class=keras.Model, embedding_class=keras.layers.Embedding,
+    name="Keras 3", model_class=keras.Model, sequential_class=keras.Sequential,
+    embedding_class=keras.layers.Embedding,
     input_layer_class=keras.layers.InputLayer, fused_class=FusedEmbedding,
     call_input=_call_input, fused_node=lambda refs: {"args": [refs], "kwargs": {}},
     call_tensor=lambda layer, k: layer._inbound_nodes[k].input_tensors[0],  # pylint: disable=protected-access
@@ -40,7 +41,9 @@ def fuse_model(model: keras.Model, optimizer: OptimizerSpec, dynamic: bool = Fal
                name: str = "fused_embedding", **layer_kwargs: Any) -> keras.Model:
     """The same Keras 3 model with its top-level Embedding layers fused into one
     FusedEmbedding; arguments, features and errors as
-    :func:`tf_fusedemb.models.fuse_model`.
+    :func:`tf_fusedemb.models.fuse_model` for a functional model or a ``Sequential`` built
+    on an ``Input``. A subclassed Keras 3 model is refused: put
+    :class:`tf_fusedemb.keras3.FusedEmbedding` in it in place of its Embeddings.
 
     Returns:
       A functional ``keras.Model`` (not compiled) whose predictions equal ``model``'s; it

@@ -1,5 +1,8 @@
 """``fuse_model``: a functional Keras model with N ``Embedding`` layers becomes the same
-model with one FusedEmbedding, the Embeddings' weights carried into the tables.
+model with one FusedEmbedding, the Embeddings' weights carried into the tables. A
+``Sequential`` model built on an ``Input`` is taken as the functional model of its layers;
+a subclassed tf_keras model, which has no config to rebuild from, is converted in place by
+:func:`~tf_fusedemb.models.shard_embeddings`.
 
 The rewrite works on the model's config (the documented functional format): the Embedding
 layers are replaced by one FusedEmbedding layer whose input is a dict {feature: the tensor
@@ -19,6 +22,7 @@ import tf_keras
 from tf_fusedemb.layers.converter import embedding_table_spec
 from tf_fusedemb.layers.fused_embedding import FusedEmbedding, sublayers
 from tf_fusedemb.models.fused_model import FusedModel
+from tf_fusedemb.models.shard_embeddings import shard_embeddings
 from tf_fusedemb.specs import FeatureSpec, OptimizerSpec
 
 __all__ = ["KerasDialect", "fuse_functional", "fuse_model"]
@@ -29,7 +33,8 @@ class KerasDialect(NamedTuple):
 
     Fields:
       name: "tf_keras" or "Keras 3", for messages.
-      model_class, embedding_class, input_layer_class: that Keras's classes.
+      model_class, sequential_class, embedding_class, input_layer_class: that Keras's
+        classes.
       fused_class: the FusedEmbedding layer class of that Keras.
       call_input: (config node of one Embedding call) -> that call's input reference, in
         the config's own form; raises ValueError if the call is not on one tensor.
@@ -40,6 +45,7 @@ class KerasDialect(NamedTuple):
     """
     name: str
     model_class: type
+    sequential_class: Any  # Any: isinstance against a plain type would narrow to object
     embedding_class: type
     input_layer_class: type
     fused_class: type
@@ -59,7 +65,8 @@ def _tf_keras_call_input(node):
 
 
 TF_KERAS = KerasDialect(
-    name="tf_keras", model_class=tf_keras.Model, embedding_class=tf_keras.layers.Embedding,
+    name="tf_keras", model_class=tf_keras.Model, sequential_class=tf_keras.Sequential,
+    embedding_class=tf_keras.layers.Embedding,
     input_layer_class=tf_keras.layers.InputLayer, fused_class=FusedEmbedding,
     call_input=_tf_keras_call_input, fused_node=lambda refs: refs,
     call_tensor=lambda layer, k: layer.get_input_at(k),
@@ -69,8 +76,9 @@ TF_KERAS = KerasDialect(
 
 
 def fuse_model(model: tf_keras.Model, optimizer: OptimizerSpec, dynamic: bool = False,
-               name: str = "fused_embedding", **layer_kwargs: Any) -> FusedModel:
-    """The same model with its top-level Embedding layers fused into one FusedEmbedding.
+               name: str = "fused_embedding", **layer_kwargs: Any) -> tf_keras.Model:
+    """The same model with its Embedding layers sharded: fused into one FusedEmbedding
+    where the model can be rebuilt from its config, else each one sharded in place.
 
     Each call of an Embedding becomes one feature (named after the layer; a second call of
     the same layer is ``"<layer>_1"`` etc. and shares its table): an int [B] input gives a
@@ -79,28 +87,59 @@ def fuse_model(model: tf_keras.Model, optimizer: OptimizerSpec, dynamic: bool = 
     ``output_dim``, initializer and (unless ``dynamic``) ``input_dim`` as a static vocabulary.
 
     Args:
-      model: a functional ``tf_keras.Model`` (built from ``tf_keras.Input``s). A Keras 3
-        model goes to ``tf_fusedemb.keras3.fuse_model``; a subclassed or Sequential model
-        to ``tf_fusedemb.models.shard_embeddings`` (the error says so).
+      model: a tf_keras model, built:
+        - functional (from ``tf_keras.Input``s), or ``Sequential`` built on an ``Input``:
+          its top-level Embeddings are fused into one FusedEmbedding in a new model;
+        - subclassed, or holding ``Sequential`` blocks in its attributes (the TensorFlow
+          Recommenders shape): it has no config to rebuild from, so each Embedding is
+          replaced in place by a ShardedEmbedding (:func:`shard_embeddings`) and ``model``
+          itself is returned; ``name`` and ``layer_kwargs`` do not apply.
+        A Keras 3 model goes to ``tf_fusedemb.keras3.fuse_model`` (the error says so).
       optimizer: the row optimizer of every table (the dense layers keep the Keras
         optimizer given to ``compile``).
       dynamic: True for dynamic hash tables (any int64 ID) instead of static vocabularies.
       name: the FusedEmbedding layer's name.
       **layer_kwargs: passed to FusedEmbedding (``plan``, ``key_mode``).
     Returns:
-      A functional FusedModel (not compiled) whose predictions equal ``model``'s; it shares
-      no weights with ``model``. Under horovodrun every rank calls this with the same model
-      and keeps the rows it owns.
+      From a functional or Sequential model, a functional FusedModel (not compiled) whose
+      predictions equal ``model``'s and which shares no weights with it; from a subclassed
+      model, ``model``, converted. Under horovodrun every rank calls this with the same
+      model and keeps the rows it owns.
     Raises:
-      ValueError: not a functional model, no Embedding, a nested model holding Embeddings,
-        float or ragged Embedding inputs, ``mask_zero=True``, or a name clash.
+      ValueError: a Keras 3 model, a model never built, no Embedding, a functional model's
+        nested model holding Embeddings, float or ragged Embedding inputs,
+        ``mask_zero=True``, a name clash, or ``layer_kwargs`` for a subclassed model.
     """
+    if (isinstance(model, tf_keras.Model) and not isinstance(model, tf_keras.Sequential)
+            and not _is_functional(model)):
+        if layer_kwargs:
+            raise ValueError(f"fuse_model: {sorted(layer_kwargs)} configure one fused layer; "
+                             f"the subclassed model '{model.name}' has each Embedding sharded "
+                             "in place on its own (shard_embeddings), so they do not apply")
+        return shard_embeddings(model, optimizer, dynamic)
     return fuse_functional(model, TF_KERAS, optimizer, dynamic, name, **layer_kwargs)
+
+
+def _is_functional(model: Any) -> bool:
+    """Whether ``model``'s config is a functional graph: a Sequential's config has no
+    "input_layers", a subclassed model's no "layers" (or no config at all)."""
+    try:
+        config = model.get_config()
+    except NotImplementedError:
+        return False
+    return isinstance(config, dict) and "layers" in config and "input_layers" in config
 
 
 def fuse_functional(model: Any, dialect: KerasDialect, optimizer: OptimizerSpec,
                     dynamic: bool, name: str, **layer_kwargs: Any) -> Any:
-    """``fuse_model`` for the Keras that ``dialect`` describes (arguments as there)."""
+    """``fuse_model`` of a functional or Sequential model, for the Keras that ``dialect``
+    describes (arguments as there)."""
+    if isinstance(model, dialect.sequential_class):
+        if not getattr(model, "inputs", None):
+            raise ValueError(f"fuse_model: the Sequential model '{model.name}' has no Input; "
+                             "build it as Sequential([Input(...), ...]) or call it once on a "
+                             "batch")
+        model = dialect.model_class(model.inputs, model.outputs, name=model.name)
     config = _functional_config(model, dialect)
     embeddings: List[Any] = [l for l in model.layers if isinstance(l, dialect.embedding_class)]
     _check_convertible(model, embeddings, name, dialect)
@@ -122,19 +161,14 @@ def _functional_config(model, dialect) -> Dict:
             f"({'a Keras 3 model' if keras3 else type(model).__module__}). "
             + ("For Keras 3 models use tf_fusedemb.keras3.fuse_model" if keras3 else
                "For tf_keras models use tf_fusedemb.models.fuse_model"))
-    try:  # a Sequential's config has no "input_layers", a subclassed model's no "layers"
-        config = model.get_config()
-    except NotImplementedError:
-        config = None
-    if not isinstance(config, dict) or "layers" not in config or "input_layers" not in config:
+    if not _is_functional(model):
         raise ValueError(
-            f"fuse_model needs a functional {dialect.name} model (Model(inputs, outputs)); got "
-            f"{type(model).__name__}, whose layers it cannot rewire. Convert a tf_keras model "
-            "in place with tf_fusedemb.models.shard_embeddings(model, optimizer) (each "
-            "Embedding sharded, not fused), or put FusedEmbedding in the model in place of "
-            "its Embedding layers (it trains in a plain Keras model, subclassed or not), or "
-            "wrap a Sequential model as Model(inputs, sequential(inputs))")
-    return config
+            f"fuse_model needs a functional {dialect.name} model (Model(inputs, outputs)) or a "
+            f"Sequential built on an Input; got {type(model).__name__} '{model.name}', whose "
+            "layers it cannot rewire. Put FusedEmbedding in the model in place of its "
+            "Embedding layers (it trains in a plain Keras model, subclassed or not), or give "
+            "a Sequential model an Input first")
+    return model.get_config()
 
 
 def _check_convertible(model, embeddings, name, dialect):
