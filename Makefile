@@ -280,6 +280,18 @@ sanitize-engine: $(STAMP)
 	ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 		$(SAN_DIR)/engine_stress_asan_ubsan $(ENGINE_STRESS_ARGS)
 
+# How the storage engine scales with cores (tests/engine_scaling_bench.cc: the update
+# against a plain-array floor, the partition's share, lookups per second), standalone: it
+# needs TensorFlow's headers and absl only to build, so it runs on any machine with them.
+# ENGINE_BENCH_ARGS: rows, thread counts (1,2,4,...), batch, steps.
+ENGINE_BENCH_ARGS ?= 50000000
+.PHONY: engine-bench
+engine-bench: $(STAMP)
+	@mkdir -p build
+	g++ -O3 -std=c++17 -Wall -Wno-sign-compare -pthread -Icustom_ops tests/engine_scaling_bench.cc \
+		-o build/engine_scaling_bench $(TF_FLAGS)
+	build/engine_scaling_bench $(ENGINE_BENCH_ARGS)
+
 sanitize: $(STAMP) rocksdb-lib sanitize-engine
 	@mkdir -p $(SAN_DIR)
 	g++ $(SAN_CXXFLAGS) custom_ops/*.cc -o $(SAN_LIB) \

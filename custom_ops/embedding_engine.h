@@ -36,11 +36,13 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <new>
 #include <shared_mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 // prefetch.h first: raw_hash_set's prefetch() prefetches the probe group only where
@@ -429,6 +431,16 @@ struct Span {
   int64_t size = 0;
 };
 
+// Runs fn(q) for every q in [0, parts), possibly in parallel; returns when all are done.
+using ParallelParts = std::function<void(int parts, const std::function<void(int)>& fn)>;
+
+inline void RunSerially(int parts, const std::function<void(int)>& fn) {
+  for (int q = 0; q < parts; ++q) fn(q);
+}
+
+// Below this many keys per range a parallel partition costs more than it saves.
+constexpr int64_t kMinKeysPerPart = 16384;
+
 // Keys grouped by shard: order[begin[s] .. begin[s+1]) are the positions of shard s.
 struct Partition {
   std::vector<int32_t> order;
@@ -687,17 +699,43 @@ class Engine {
     return shard_shift_ == 64 ? 0 : static_cast<int>(Fmix64(static_cast<uint64_t>(key)) >> shard_shift_);
   }
 
-  // Counting sort of positions 0..n-1 by the shard of keys[i]; stable.
-  Partition PartitionKeys(const int64_t* keys, int64_t n) const {
+  // Counting sort of positions 0..n-1 by the shard of keys[i]; stable. The keys are cut
+  // into `parts` contiguous ranges that `run` counts and then scatters, possibly in
+  // parallel: each range writes its own slice of every shard's list, so no two ranges
+  // write one place, and each shard's positions stay in increasing order. A serial
+  // partition took 11-19% of an update's wall time at 16 threads.
+  Partition PartitionKeys(const int64_t* keys, int64_t n, int parts = 1,
+                          const ParallelParts& run = RunSerially) const {
     Partition p;
     const int S = num_shards();
+    parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(parts, n / kMinKeysPerPart)));
+    auto range = [n, parts](int q) {
+      return std::make_pair(n * q / parts, n * (q + 1) / parts);
+    };
     std::vector<int32_t> shard(n);
+    std::vector<int64_t> next(static_cast<size_t>(parts) * S, 0);  // counts, then offsets
+    run(parts, [&](int q) {
+      int64_t* count = next.data() + static_cast<size_t>(q) * S;
+      for (int64_t i = range(q).first; i < range(q).second; ++i) ++count[shard[i] = ShardOf(keys[i])];
+    });
     p.begin.assign(S + 1, 0);
-    for (int64_t i = 0; i < n; ++i) ++p.begin[(shard[i] = ShardOf(keys[i])) + 1];
-    for (int s = 0; s < S; ++s) p.begin[s + 1] += p.begin[s];
-    std::vector<int64_t> next(p.begin.begin(), p.begin.end() - 1);
+    int64_t total = 0;
+    for (int s = 0; s < S; ++s) {
+      p.begin[s] = total;
+      for (int q = 0; q < parts; ++q) {
+        const int64_t count = next[static_cast<size_t>(q) * S + s];
+        next[static_cast<size_t>(q) * S + s] = total;
+        total += count;
+      }
+    }
+    p.begin[S] = total;
     p.order.resize(n);
-    for (int64_t i = 0; i < n; ++i) p.order[next[shard[i]]++] = static_cast<int32_t>(i);
+    run(parts, [&](int q) {
+      int64_t* at = next.data() + static_cast<size_t>(q) * S;
+      for (int64_t i = range(q).first; i < range(q).second; ++i) {
+        p.order[at[shard[i]]++] = static_cast<int32_t>(i);
+      }
+    });
     return p;
   }
 

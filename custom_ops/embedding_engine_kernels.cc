@@ -66,8 +66,8 @@ namespace {
 // Keys of one batch split by shard, and a runner of per-shard work in parallel.
 class ShardedBatch {
  public:
-  ShardedBatch(const Engine& e, const int64_t* keys, int64_t n)
-      : engine_(e), partition_(e.PartitionKeys(keys, n)), n_(n) {}
+  ShardedBatch(OpKernelContext* ctx, const Engine& e, const int64_t* keys, int64_t n)
+      : engine_(e), partition_(Partitioned(ctx, e, keys, n)), n_(n) {}
 
   // Runs fn(shard, span) -> error text for every shard with keys, in parallel; returns
   // the first error. `cost_per_key`: rough CPU cycles per key, for TF's scheduler.
@@ -99,6 +99,18 @@ class ShardedBatch {
   }
 
  private:
+  // The partition, computed over the CPU worker pool's threads (one range each).
+  static Partition Partitioned(OpKernelContext* ctx, const Engine& e, const int64_t* keys,
+                               int64_t n) {
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    return e.PartitionKeys(keys, n, pool->NumThreads(), [pool](int parts, const auto& fn) {
+      // A cost this high gives every range a task of its own.
+      pool->ParallelFor(parts, int64_t{1} << 30, [&fn](int64_t begin, int64_t end) {
+        for (int64_t q = begin; q < end; ++q) fn(static_cast<int>(q));
+      });
+    });
+  }
+
   const Engine& engine_;
   Partition partition_;
   int64_t n_;
@@ -161,14 +173,14 @@ class EngineKernel : public OpKernel {
     Status Run(OpKernelContext* ctx, int64_t cost_per_key, F&& fn) const {
       Engine& e = engine();
       if (e.tiered()) return RunTiered(ctx, cost_per_key, fn);
-      return ShardedBatch(e, keys, n).Run(ctx, cost_per_key, std::forward<F>(fn));
+      return ShardedBatch(ctx, e, keys, n).Run(ctx, cost_per_key, std::forward<F>(fn));
     }
     // Out of line, so the untiered path's code is what it was before the tier existed.
     template <typename F>
     __attribute__((noinline)) Status RunTiered(OpKernelContext* ctx, int64_t cost_per_key,
                                                F& fn) const {
       Engine& e = engine();
-      return ShardedBatch(e, keys, n).Run(ctx, cost_per_key + kTierCostPerKey, [&](int s, Span p) {
+      return ShardedBatch(ctx, e, keys, n).Run(ctx, cost_per_key + kTierCostPerKey, [&](int s, Span p) {
         std::string error = e.Pin(s, p, keys);
         try {
           if (error.empty()) error = fn(s, p);
@@ -516,7 +528,7 @@ class EngineRemoveOp : public EngineKernel {
 // ------------------------------------------------------------------ prefetch
 // Pins (pin) or unpins keys[0..n) in DRAM, shard-parallel.
 Status PinKeys(OpKernelContext* ctx, Engine& e, const int64_t* keys, int64_t n, bool pin) {
-  return ShardedBatch(e, keys, n).Run(ctx, 400, [&](int s, Span p) {
+  return ShardedBatch(ctx, e, keys, n).Run(ctx, 400, [&](int s, Span p) {
     return pin ? e.Pin(s, p, keys) : e.Unpin(s, p, keys);
   });
 }

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <random>
 #include <thread>
 #include <unordered_map>
@@ -214,11 +215,34 @@ void TestParallelUpserts(int64_t keys_per_thread, int rounds) {
 
 }  // namespace
 
+// The parallel partition (ranges on threads of their own) equals the serial one, for
+// sizes below, at and above the smallest range, and more ranges than threads.
+void TestParallelPartition() {
+  e::Engine eng(SgdConfig(2, 16));
+  std::mt19937_64 rng(3);
+  auto on_threads = [](int parts, const std::function<void(int)>& fn) {
+    std::vector<std::thread> threads;
+    for (int q = 0; q < parts; ++q) threads.emplace_back(fn, q);
+    for (auto& t : threads) t.join();
+  };
+  for (int64_t n : {int64_t{0}, int64_t{5}, e::kMinKeysPerPart, 7 * e::kMinKeysPerPart + 3}) {
+    std::vector<int64_t> keys(n);
+    for (auto& k : keys) k = static_cast<int64_t>(rng() % 100000);  // repeats too
+    const e::Partition want = eng.PartitionKeys(keys.data(), n);
+    for (int parts : {2, 3, 8}) {
+      const e::Partition got = eng.PartitionKeys(keys.data(), n, parts, on_threads);
+      CHECK_TRUE(got.order == want.order && got.begin == want.begin,
+                 "parallel partition of %lld keys in %d ranges differs", (long long)n, parts);
+    }
+  }
+}
+
 int main(int argc, char** argv) {
   const int64_t keys_per_thread = argc > 1 ? std::atoll(argv[1]) : 80000;
   const int rounds = argc > 2 ? std::atoi(argv[2]) : 3;
   TestArenaLocate();
   TestAgainstModel();
+  TestParallelPartition();
   TestParallelUpserts(keys_per_thread, rounds);
   if (failures) {
     std::fprintf(stderr, "%d failures\n", failures);
