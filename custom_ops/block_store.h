@@ -44,6 +44,12 @@ class BlockStore {
   // Bytes of the store's SST files on disk (blocks still in memtables not counted).
   virtual int64_t DiskBytes() const = 0;
 
+  // Writes a checkpoint of the store to `dir` (which must not exist; its parent must):
+  // the store's own checkpoint of what it holds, with `extra` (the blocks the DRAM tier
+  // holds) written over it, so that `dir` holds every block. The store itself is not
+  // changed. Read it back with ReadBlockCheckpoint (rocksdb_block_store.h).
+  virtual std::string Checkpoint(const std::string& dir, const std::vector<BlockRef>& extra) = 0;
+
   virtual const std::string& path() const = 0;
 };
 

@@ -988,6 +988,55 @@ class Engine {
     return Spill(sh);
   }
 
+  // ------------------------------------------------------------------ checkpoints
+  // Writes every block of both tiers to `dir` through the store's own checkpoint (the
+  // SSD tier's files linked, the DRAM tier's blocks written over them); tiered engines
+  // only. Holds every shard's lock meanwhile, so no block moves between the tiers.
+  std::string WriteCheckpoint(const std::string& dir) const {
+    if (store_ == nullptr) return "an engine without an SSD tier has no store to checkpoint";
+    std::vector<std::shared_lock<std::shared_mutex>> locks;
+    for (const auto& sh : shards_) locks.emplace_back(sh->mutex());
+    std::vector<BlockRef> dram;
+    for (const auto& sh : shards_) {
+      sh->ForEach([&](uint32_t ref) {
+        const BlockHeader* h = sh->Header(ref);
+        dram.push_back({h->key, reinterpret_cast<const char*>(h),
+                        Shard::IsStored(ref) ? block_bytes_ : sizeof(BlockHeader)});
+      });
+    }
+    return store_->Checkpoint(dir, dram);
+  }
+
+  // Puts whole blocks, as a checkpoint holds them, in place of the blocks of keys:
+  // blocks[i] is keys[i]'s. Run between Pin and Unpin (each key in DRAM or absent). An
+  // error names a block of another engine's size (another dim or optimizer).
+  std::string PutBlocks(int s, Span pos, const int64_t* keys, const std::string* blocks) {
+    Shard& sh = *shards_[s];
+    std::unique_lock<std::shared_mutex> lock(sh.mutex());
+    for (int64_t k = 0; k < pos.size; ++k) {
+      const int32_t i = pos.data[k];
+      const std::string& block = blocks[i];
+      if (block.size() != block_bytes_ && block.size() != sizeof(BlockHeader)) {
+        return "the block of key " + std::to_string(keys[i]) + " has " +
+               std::to_string(block.size()) + " bytes; this engine's blocks have " +
+               std::to_string(block_bytes_) + " (or " + std::to_string(sizeof(BlockHeader)) +
+               " without a row)";
+      }
+      int64_t key;
+      std::memcpy(&key, block.data(), sizeof(key));
+      if (key != keys[i]) {
+        return "the block stored under key " + std::to_string(keys[i]) + " holds key " +
+               std::to_string(key);
+      }
+      if (const uint32_t* ref = sh.Find(key)) {
+        if (sh.Header(*ref)->tracked()) --sh.tracked();
+        sh.Erase(key);
+      }
+      sh.Adopt(block);
+    }
+    return "";
+  }
+
   // Counts over both tiers; bytes_held is DRAM, ssd_bytes the blocks in the store.
   struct Sizes {
     int64_t stored = 0, tracked = 0, blocks = 0;

@@ -4,6 +4,7 @@
 // kernels on one resource may run concurrently.
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <mutex>
 #include <new>
@@ -24,6 +25,7 @@ namespace tensorflow {
 namespace fusedemb {
 
 using engine::Engine;
+using engine::BlockHeader;
 using engine::KeyFields;
 using engine::Partition;
 using engine::Span;
@@ -639,6 +641,87 @@ class EngineSizeOp : public OpKernel {
   }
 };
 
+// ------------------------------------------------------------------ checkpoints
+// Writes a tiered engine's blocks, both tiers, to a directory (the store's checkpoint).
+class EngineWriteCheckpointOp : public OpKernel {
+ public:
+  explicit EngineWriteCheckpointOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<EngineResource> r;
+    OP_REQUIRES_OK(ctx, GetEngine(ctx, &r));
+    const Tensor& dir = ctx->input(1);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(dir.shape()),
+                errors::InvalidArgument("directory must be a scalar string"));
+    const std::string error = r->engine().WriteCheckpoint(dir.scalar<tstring>()());
+    OP_REQUIRES(ctx, error.empty(), errors::Internal("embedding engine: ", error));
+  }
+};
+
+// Puts the blocks this rank owns, out of every saving rank's checkpoint directory, into
+// the engine (tiered or not), in batches of kBatch blocks.
+class EngineReadCheckpointOp : public EngineKernel {
+ public:
+  explicit EngineReadCheckpointOp(OpKernelConstruction* ctx) : EngineKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    KeysBatch b;
+    OP_REQUIRES_OK(ctx, GetEngine(ctx, &b.resource));
+    const Tensor& dirs = ctx->input(1);
+    OP_REQUIRES_OK(ctx, ValidateVector(dirs, "directories"));
+    const int32_t rank = ctx->input(2).scalar<int32_t>()();
+    const int32_t num_ranks = ctx->input(3).scalar<int32_t>()();
+    OP_REQUIRES(ctx, num_ranks > 0 && rank >= 0 && rank < num_ranks,
+                errors::InvalidArgument("rank ", rank, " is not in [0, ", num_ranks, ")"));
+    std::vector<int64_t> keys;
+    std::vector<std::string> blocks;
+    int64_t restored = 0;
+    Status status;
+    auto put = [&]() {
+      b.keys = keys.data();
+      b.n = static_cast<int64_t>(keys.size());
+      status = b.Run(ctx, 400, [&](int s, Span p) {
+        return b.engine().PutBlocks(s, p, keys.data(), blocks.data());
+      });
+      restored += b.n;
+      keys.clear();
+      blocks.clear();
+    };
+    for (int64_t d = 0; d < dirs.NumElements() && status.ok(); ++d) {
+      const std::string dir = dirs.flat<tstring>()(d);
+      const std::string error = engine::ReadBlockCheckpoint(dir, [&](int64_t key, const char* data,
+                                                                      size_t size) {
+        if (!status.ok()) return;
+        BlockHeader h;
+        if (size < sizeof(h)) {
+          status = errors::DataLoss("checkpoint ", dir, ": the block of key ", key, " has ",
+                                    size, " bytes, less than a header");
+          return;
+        }
+        std::memcpy(static_cast<void*>(&h), data, sizeof(h));
+        if (!h.tracked()) {
+          status = errors::DataLoss("checkpoint ", dir, ": key ", key, " has no recorded "
+                                    "(table, ID), so its owner rank is unknown");
+          return;
+        }
+        if (OwnerRank(h.id, num_ranks) != rank) return;
+        keys.push_back(key);
+        blocks.emplace_back(data, size);
+        if (keys.size() == kBatch) put();
+      });
+      OP_REQUIRES(ctx, error.empty(), errors::NotFound("embedding engine: ", error));
+    }
+    if (status.ok() && !keys.empty()) put();
+    OP_REQUIRES_OK(ctx, status);
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int64_t>()() = restored;
+  }
+
+ private:
+  static constexpr size_t kBatch = 65536;
+};
+
 }  // namespace
 
 #define FUSEDEMB_ENGINE_KERNEL(name, cls) \
@@ -658,6 +741,8 @@ FUSEDEMB_ENGINE_KERNEL("EngineUnpin", EnginePinOp<false>);
 FUSEDEMB_ENGINE_KERNEL("EnginePrefetch", EnginePrefetchOp);
 FUSEDEMB_ENGINE_KERNEL("EngineExport", EngineExportOp);
 FUSEDEMB_ENGINE_KERNEL("EngineSize", EngineSizeOp);
+FUSEDEMB_ENGINE_KERNEL("EngineWriteCheckpoint", EngineWriteCheckpointOp);
+FUSEDEMB_ENGINE_KERNEL("EngineReadCheckpoint", EngineReadCheckpointOp);
 
 }  // namespace fusedemb
 }  // namespace tensorflow

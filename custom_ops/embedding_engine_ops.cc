@@ -284,5 +284,33 @@ Releases EnginePin's pins of keys ([u], the same keys), then spills blocks over 
 memory budget. A no-op without an SSD tier.
 )doc");
 
+REGISTER_OP("FusedEmb>EngineWriteCheckpoint")
+    .Input("handle: resource")
+    .Input("directory: string")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc(R"doc(
+Writes every block of a tiered engine (both tiers) to `directory`, which must not exist
+(its parent must): the SSD tier's RocksDB checkpoint (its files hard-linked), with the
+DRAM tier's blocks written over it. The engine is not changed.
+)doc");
+
+REGISTER_OP("FusedEmb>EngineReadCheckpoint")
+    .Input("handle: resource")
+    .Input("directories: string")
+    .Input("rank: int32")
+    .Input("num_ranks: int32")
+    .Output("restored: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Scalar());
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Puts into the engine (tiered or not) the blocks that `rank` of `num_ranks` owns (owner =
+Mix64(ID) mod num_ranks) out of every directory EngineWriteCheckpoint wrote (one per saving
+rank), in place of the engine's blocks of the same keys. restored: the blocks put.
+)doc");
+
 }  // namespace fusedemb
 }  // namespace tensorflow

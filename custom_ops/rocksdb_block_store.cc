@@ -12,9 +12,16 @@
 //    data blocks. Its block cache is small (8 MiB) because the DRAM tier is the cache.
 //  * Two memtables of 8 MiB: the fixed memory the store adds to the budget.
 //  * Keys are 8 bytes big-endian: fixed length, so compaction compares them cheaply.
+//  * Checkpoints are RocksDB's own (rocksdb::Checkpoint: the SST files hard-linked, or
+//    copied across filesystems, after a flush of the memtables), opened once more to
+//    write the DRAM tier's blocks over them and flushed to SST files, so a checkpoint
+//    directory is a complete, closed RocksDB database of every block. The live store
+//    keeps no WAL either way: a checkpoint never reads one.
 #include "rocksdb_block_store.h"
 
+#include <algorithm>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -22,6 +29,7 @@
 #include "rocksdb/db.h"
 #include "rocksdb/options.h"
 #include "rocksdb/slice.h"
+#include "rocksdb/utilities/checkpoint.h"
 #include "rocksdb/write_batch.h"
 
 namespace tensorflow {
@@ -31,6 +39,7 @@ namespace {
 
 constexpr uint64_t kBlockCacheMiB = 8;
 constexpr size_t kMemtableBytes = size_t{8} << 20;
+constexpr size_t kCheckpointBatch = 65536;  // blocks per WriteBatch into a checkpoint
 
 void EncodeKey(int64_t key, char out[8]) {
   const uint64_t k = static_cast<uint64_t>(key);
@@ -53,6 +62,34 @@ rocksdb::Options StoreOptions() {
   o.max_write_buffer_number = 2;
   o.max_background_jobs = 2;
   return o;
+}
+
+// Writes `blocks` to `db` in batches, without a WAL.
+rocksdb::Status WriteBlocks(rocksdb::DB* db, const std::vector<BlockRef>& blocks) {
+  rocksdb::WriteOptions no_wal;
+  no_wal.disableWAL = true;
+  char k[8];
+  for (size_t lo = 0; lo < blocks.size(); lo += kCheckpointBatch) {
+    rocksdb::WriteBatch batch;
+    for (size_t i = lo; i < std::min(blocks.size(), lo + kCheckpointBatch); ++i) {
+      EncodeKey(blocks[i].key, k);
+      batch.Put(rocksdb::Slice(k, 8), rocksdb::Slice(blocks[i].data, blocks[i].size));
+    }
+    const rocksdb::Status s = db->Write(no_wal, &batch);
+    if (!s.ok()) return s;
+  }
+  return rocksdb::Status::OK();
+}
+
+// Calls f for every block of `db` in key order.
+rocksdb::Status Scan(rocksdb::DB* db, const std::function<void(int64_t, const char*, size_t)>& f) {
+  rocksdb::ReadOptions ro;
+  ro.total_order_seek = true;  // OptimizeForPointLookup's hash index needs it to iterate
+  std::unique_ptr<rocksdb::Iterator> it(db->NewIterator(ro));
+  for (it->SeekToFirst(); it->Valid(); it->Next()) {
+    f(DecodeKey(it->key()), it->value().data(), it->value().size());
+  }
+  return it->status();
 }
 
 class RocksDbBlockStore : public BlockStore {
@@ -104,13 +141,28 @@ class RocksDbBlockStore : public BlockStore {
   }
 
   std::string ForEach(const std::function<void(int64_t, const char*, size_t)>& f) const override {
-    rocksdb::ReadOptions ro;
-    ro.total_order_seek = true;  // OptimizeForPointLookup's hash index needs it to iterate
-    std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(ro));
-    for (it->SeekToFirst(); it->Valid(); it->Next()) {
-      f(DecodeKey(it->key()), it->value().data(), it->value().size());
-    }
-    return it->status().ok() ? "" : Failure("scan", it->status());
+    const rocksdb::Status s = Scan(db_.get(), f);
+    return s.ok() ? "" : Failure("scan", s);
+  }
+
+  std::string Checkpoint(const std::string& dir, const std::vector<BlockRef>& extra) override {
+    rocksdb::Checkpoint* raw = nullptr;
+    rocksdb::Status s = rocksdb::Checkpoint::Create(db_.get(), &raw);
+    std::unique_ptr<rocksdb::Checkpoint> checkpoint(raw);
+    // log_size_for_flush 0: the memtables are flushed first (there is no WAL to copy).
+    if (s.ok()) s = checkpoint->CreateCheckpoint(dir, /*log_size_for_flush=*/0);
+    if (!s.ok()) return Failure(("checkpoint to " + dir).c_str(), s);
+    rocksdb::Options options = StoreOptions();
+    options.error_if_exists = false;
+    options.create_if_missing = false;
+    options.disable_auto_compactions = true;  // written once, read once: no compaction
+    rocksdb::DB* copy = nullptr;
+    s = rocksdb::DB::Open(options, dir, &copy);
+    std::unique_ptr<rocksdb::DB> db(copy);
+    if (s.ok()) s = WriteBlocks(db.get(), extra);
+    if (s.ok()) s = db->Flush(rocksdb::FlushOptions());  // into SST files: no WAL holds them
+    if (s.ok()) s = db->Close();
+    return s.ok() ? "" : Failure(("writing the DRAM tier into checkpoint " + dir).c_str(), s);
   }
 
   int64_t DiskBytes() const override {
@@ -143,6 +195,18 @@ std::unique_ptr<BlockStore> OpenRocksDbBlockStore(const std::string& path, std::
     return nullptr;
   }
   return std::make_unique<RocksDbBlockStore>(path, std::unique_ptr<rocksdb::DB>(raw));
+}
+
+std::string ReadBlockCheckpoint(const std::string& dir,
+                                const std::function<void(int64_t, const char*, size_t)>& f) {
+  rocksdb::Options options = StoreOptions();
+  options.create_if_missing = false;
+  options.error_if_exists = false;
+  rocksdb::DB* raw = nullptr;
+  rocksdb::Status s = rocksdb::DB::OpenForReadOnly(options, dir, &raw);
+  std::unique_ptr<rocksdb::DB> db(raw);
+  if (s.ok()) s = Scan(db.get(), f);
+  return s.ok() ? "" : "cannot read the SSD-tier checkpoint at " + dir + ": " + s.ToString();
 }
 
 }  // namespace engine

@@ -3,6 +3,8 @@
 #ifndef TF_FUSEDEMB_ROCKSDB_BLOCK_STORE_H_
 #define TF_FUSEDEMB_ROCKSDB_BLOCK_STORE_H_
 
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -16,6 +18,11 @@ namespace engine {
 // alone; anything in it is destroyed first); removed from disk when the store is
 // destroyed. nullptr with *error set (naming `path`) when it cannot be opened.
 std::unique_ptr<BlockStore> OpenRocksDbBlockStore(const std::string& path, std::string* error);
+
+// Calls f(key, data, size) for every block of the checkpoint at `dir` (as
+// BlockStore::Checkpoint wrote it), in key order, read-only. Errors name `dir`.
+std::string ReadBlockCheckpoint(const std::string& dir,
+                                const std::function<void(int64_t, const char*, size_t)>& f);
 
 }  // namespace engine
 }  // namespace fusedemb

@@ -52,10 +52,17 @@ def parse(stdout):
 
 def load_checkpoint(path):
     """{name: array} of a checkpoint: embedding arrays of all shards sorted by key (tables
-    export rows in insertion order, which a restore changes), and the dense variables."""
+    export rows in insertion order, which a restore changes), and the dense variables. A
+    tiered group's blocks, in the SSD-tier checkpoint directories, are read as the arrays
+    an untiered group's shards hold."""
     import tensorflow as tf
     shards = [np.load(p) for p in sorted(glob.glob(os.path.join(path, "shard-*.npz")))]
     merged = {k: np.concatenate([np.atleast_1d(s[k]) for s in shards]) for k in shards[0].files}
+    for name in [k for k in merged if k.endswith("/ssd_checkpoint")]:
+        del merged[name]
+        layer, group = name.split("/")[:2]
+        merged.update(tiered_group_arrays(
+            glob.glob(os.path.join(path, "ssd", f"{layer}-{group}-shard-*")), f"{layer}/{group}"))
     out = {}
     for name, array in merged.items():
         prefix, _, leaf = name.rpartition("/")  # ".../keys", ".../values", ".../stats/counts"
@@ -66,6 +73,25 @@ def load_checkpoint(path):
     for name, _ in tf.train.list_variables(dense):
         if name != "_CHECKPOINTABLE_OBJECT_GRAPH":
             out["dense:" + name] = reader.get_tensor(name)
+    return out
+
+
+def tiered_group_arrays(directories, prefix):
+    """The arrays an untiered group's shards hold (rows, slots, each row's table and ID,
+    statistics), read out of a tiered group's SSD-tier checkpoint ``directories`` into one
+    engine. The group's name ends with its dim and optimizer (``g0_d16_adagrad``)."""
+    from tf_fusedemb.specs import InitializerSpec, OptimizerSpec
+    from tf_fusedemb.storage.engine_table import EngineGroupTable, EngineStatistics
+    dim, optimizer = prefix.rsplit("_d", 1)[1].split("_", 1)
+    table = EngineGroupTable("read", int(dim), InitializerSpec(),
+                             getattr(OptimizerSpec, optimizer)(0.1))
+    assert table.read_checkpoint(directories, 0, 1) > 0
+    stats = EngineStatistics("read", [], table.engine).export()
+    rows = {k: v.numpy() for k, v in table.export().items()}
+    at = np.searchsorted(stats["keys"], rows["keys"])
+    rows.update(tables=stats["categories"][at], ids=stats["ids"][at])
+    out = {f"{prefix}/{k}": v for k, v in rows.items()}
+    out.update({f"{prefix}/stats/{k}": v for k, v in stats.items()})
     return out
 
 
@@ -209,10 +235,12 @@ def test_killed_worker_is_named_and_the_rerun_resumes_exactly(num_proc, budget_m
     assert any(k.endswith("/values") for k in got) and any(k.startswith("dense:") for k in got)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
-    if budget_mb is not None:  # the SSD tier held blocks (DRAM's figure is the arena's
-        # high-water mark, which the checkpoints' reads of every block raise)
+    if budget_mb is not None:  # the SSD tier held blocks, and DRAM (the arena's high-water
+        # mark) less than twice the budget: the checkpoints read no block back into DRAM,
+        # and one step's pinned blocks come on top of the budget
         for rank in result["embedding_memory_by_rank"]:
             assert all(g["ssd_bytes"] > 0 for g in rank.values()), rank
+            assert all(g["bytes"] < 2 * float(budget_mb) * 2**20 for g in rank.values()), rank
 
 
 # ---- the pieces, alone ----------------------------------------------------------------

@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
+from tf_fusedemb.ops import hashing
 from tf_fusedemb.ops.embedding_engine import EmbeddingEngine
 from tf_fusedemb.specs import (AdmissionPolicy, EvictionPolicy, FeatureSpec, FusionPlan,
                                InitializerSpec, OptimizerSpec, TableSpec, plan_fusion)
@@ -100,6 +101,76 @@ def test_pinned_blocks_stay_in_dram_until_unpinned():
     tiered.unpin(keys[:5])
     assert int(tiered.size().ssd_bytes) == 100 * (28 + 2 * 4 * DIM)
     assert_same_export(plain, tiered)
+
+
+def trained_engines(budget):
+    """engines(budget) after the same statistics and updates of 3,000 keys, with
+    admission leaving some keys tracked without a row (header-only blocks)."""
+    plain, tiered = engines(budget)
+    rng = np.random.default_rng(9)
+    for step in range(1, 11):
+        keys = np.unique(rng.integers(0, 3000, 500))
+        grads = rng.standard_normal((len(keys), DIM)).astype(np.float32)
+        for e in (plain, tiered):
+            e.record(keys, keys % 3, keys * 7 + 1, np.ones(len(keys), np.int64), step, True)
+            e.apply_gradients(keys, keys, grads, step, [3, 1, 1])
+    return plain, tiered
+
+
+def exported(engine):
+    """{key: (stored, table, id, count, last step, row, slots)} of every block."""
+    out = engine.export(False, True)
+    fields = [f.numpy() for f in out.fields]
+    return {int(k): (*(f[i] for f in fields), tuple(out.values.numpy()[i]),
+                     tuple(out.slots.numpy()[i].ravel()))
+            for i, k in enumerate(out.keys.numpy())}
+
+
+def test_a_tiered_checkpoint_restores_every_block_onto_any_engine_and_world_size(tmp_path):
+    """write_checkpoint of a tiered engine (most blocks on SSD) holds every block of both
+    tiers, moves none, and read_checkpoint puts them into a fresh engine, tiered or not,
+    equal to the engine that never left DRAM; read by 2 ranks, each gets the blocks it
+    owns (mix64(ID) mod 2), and together all of them."""
+    plain, tiered = trained_engines(budget=12_000)
+    assert int(tiered.size().ssd_bytes) > int(plain.size().bytes_held) / 2
+    assert int(plain.size().tracked) > int(plain.size().stored)  # header-only blocks too
+    ckpt = str(tmp_path / "ckpt")
+    tiered.write_checkpoint(ckpt)
+    assert_same_export(plain, tiered)  # the checkpoint moved no block
+    blocks = int(plain.size().tracked)
+    for budget in (None, 12_000):
+        fresh = engines(12_000)[budget is not None]
+        assert int(fresh.read_checkpoint([ckpt], 0, 1)) == blocks
+        assert_same_export(plain, fresh)
+    want, got = exported(plain), {}
+    for rank in (0, 1):
+        part = engines(12_000)[0]
+        part.read_checkpoint([ckpt], rank, 2)
+        mine = exported(part)
+        ids = np.array([v[2] for v in mine.values()], np.int64)
+        assert len(mine) and (hashing.owner_rank(ids, 2) == rank).all()
+        got.update(mine)
+    assert got == want
+
+
+def test_tiered_checkpoint_errors_name_what_is_wrong(tmp_path):
+    plain, tiered = trained_engines(budget=12_000)
+    ckpt = str(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="has no SSD tier"):
+        plain.write_checkpoint(ckpt)
+    tiered.write_checkpoint(ckpt)
+    with pytest.raises(tf.errors.InternalError, match=f"checkpoint to {ckpt}"):
+        tiered.write_checkpoint(ckpt)  # exists already
+    params = initializers._params(INIT)  # pylint: disable=protected-access
+    wider = EmbeddingEngine("wider", DIM + 1, INIT, params, OPTIMIZER)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="has 60 bytes; this engine's "
+                       "blocks have 68"):
+        wider.read_checkpoint([ckpt], 0, 1)
+    missing = str(tmp_path / "missing")
+    with pytest.raises(tf.errors.NotFoundError, match=f"checkpoint at {missing}"):
+        plain.read_checkpoint([missing], 0, 1)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"rank 2 is not in \[0, 2\)"):
+        plain.read_checkpoint([ckpt], 2, 2)
 
 
 def test_the_spill_directory_is_private_and_removed_with_its_engine(tmp_path):
@@ -196,7 +267,8 @@ def fit_rank(model_and_layer, x, y, first, last, num_ranks=1, rank=0):
               callbacks=[losses])
     group = layer.groups[0]
     return {"losses": np.asarray(losses.losses), "rows": group.stored_rows(),
-            "stats": group.stats.export(), "memory": layer.memory()[group.group.name]}
+            "stats": group.stats.export(), "memory": layer.memory()[group.group.name],
+            "group": group.group.name}
 
 
 def assert_bit_identical(got, want, what):
@@ -239,6 +311,13 @@ def test_training_with_a_5_percent_budget_is_bit_identical_through_a_restore(tmp
     assert_bit_identical(got, want, "tiered")
     # Most blocks are on SSD (DRAM holds the budget and the last step's pinned blocks).
     assert got["memory"]["ssd_bytes"] > want["memory"]["bytes"] / 2
+    # The checkpoint holds the blocks in the SSD tier's own RocksDB checkpoint, not in
+    # the shard's arrays.
+    saved = os.path.join(ckpt, f"ckpt-{HALF}")
+    assert os.listdir(os.path.join(saved, "ssd")) == [
+        f"l0-{got['group']}-shard-0-of-1"]
+    with np.load(os.path.join(saved, "shard-0-of-1.npz")) as shard:
+        assert sorted(k.rsplit("/", 1)[1] for k in shard.files) == ["ssd_checkpoint", "step"]
     # Restored onto a tiered and onto an untiered model, training goes on identically.
     for budget in (TABLE_BUDGET, None):
         assert_bit_identical(fit_rank(restored(budget, ckpt), x, y, HALF, STEPS), want,

@@ -14,8 +14,11 @@ Per budget: the median step (record + update of one batch) without prefetch, and
 the batch prefetched first (``EngineGroupTable.prefetch``: in the pipelined fit it runs
 during the previous step's compute, so it is timed apart and not counted in the step);
 the DRAM hit rate (1 - blocks read back from SSD per key of a step); SSD bytes read and
-written per step; the RSS the table adds; the wall time of a checkpoint's export (rows,
-slots and statistics of both tiers, as training/checkpoint.py writes them).
+written per step; the RSS the table adds; the wall time of a checkpoint as
+training/checkpoint.py writes it (tiered: the SSD tier's RocksDB checkpoint with the DRAM
+tier's blocks written over it; all-DRAM: rows, slots and statistics exported through
+Python and written with ``np.savez``). The all-DRAM checkpoint holds the table twice in
+memory meanwhile: ``--rows`` must leave room for that.
 
 The exposed SSD wait is the step's time over the all-DRAM step's: with prefetch, what
 the step still waits for (spills of victims, index work) once its blocks are in DRAM.
@@ -26,6 +29,8 @@ The last line (``--json``) is one JSON object with ``step_ratio_vs_dram``,
 """
 import argparse
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -84,11 +89,18 @@ class TieredTable:
         """int64[4]: blocks read from SSD, bytes read, blocks spilled, bytes spilled."""
         return self.table.engine.size().ssd_io.numpy()
 
-    def checkpoint_s(self) -> float:
-        """Wall seconds of a checkpoint's export of rows, slots and statistics."""
+    def checkpoint_s(self, directory: str) -> float:
+        """Wall seconds of the table's checkpoint as CheckpointManager writes it into
+        ``directory``: a tiered table through its SSD tier's own checkpoint
+        (``write_checkpoint``), an untiered one exported (rows, slots and statistics)
+        and written with ``np.savez``."""
         start = time.perf_counter()
-        self.table.export()["keys"].numpy()
-        self.stats.export()
+        if self.table.tiered:
+            self.table.write_checkpoint(os.path.join(directory, "ssd"))
+        else:
+            arrays = {k: v.numpy() for k, v in self.table.export().items()}
+            arrays.update({"stats/" + k: v for k, v in self.stats.export().items()})
+            np.savez(os.path.join(directory, "shard.npz"), **arrays)
         return time.perf_counter() - start
 
 
@@ -126,8 +138,17 @@ def worker(fraction: str, rows: int, batch: int, steps: int, spill_dir: str) -> 
     fetched = timed_steps(t, keys, steps, prefetch=True)
     return {"budget_bytes": budget, "rss_growth_bytes": rss_bytes() - base,
             "no_prefetch": plain, "prefetch": fetched,
-            "hit_rate": 1.0 - plain["blocks_read"] / batch, "checkpoint_s": t.checkpoint_s(),
+            "hit_rate": 1.0 - plain["blocks_read"] / batch, "checkpoint_s": checkpoint_s(t, spill_dir),
             "ssd_bytes": int(t.table.ssd_bytes().numpy())}
+
+
+def checkpoint_s(t: TieredTable, parent: str) -> float:
+    """``t.checkpoint_s`` into a fresh directory under ``parent``, removed afterwards."""
+    directory = tempfile.mkdtemp(prefix="bench_ckpt_", dir=parent)
+    try:
+        return t.checkpoint_s(directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def run_worker(args: List[str]) -> dict:

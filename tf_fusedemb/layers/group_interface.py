@@ -89,14 +89,17 @@ class DistributedGroupLookup(GroupEmbeddings, Protocol):
     def advance_step(self) -> tf.Tensor:
         """Adds 1 to the group's optimizer step; returns the new step (int64 scalar)."""
 
-    def save_state(self) -> GroupState:
+    def save_state(self, directory: Optional[str] = None) -> GroupState:
         """This rank's state of the group as numpy arrays (rows, optimizer slots, each
-        row's (table, ID), access statistics, step): one checkpoint shard's part."""
+        row's (table, ID), access statistics, step): one checkpoint shard's part. A
+        tiered table writes its blocks to ``directory`` (which must not exist) instead of
+        the arrays."""
 
     def restore_state(self, shards: Sequence[Mapping[str, np.ndarray]], rank: int,
-                      size: int) -> None:
+                      size: int, directories: Sequence[str] = ()) -> None:
         """Loads what rank ``rank`` of ``size`` owns out of every saving rank's
-        ``save_state`` (any number of them)."""
+        ``save_state`` (any number of them) and, for shards of a tiered table, of the
+        ``directories`` they were saved to (one per saving rank)."""
 
     def stored_rows(self) -> GroupState:
         """The rows this rank stores and their identities: keys int64[s], values

@@ -118,15 +118,17 @@ class GroupLookup(tf.Module):
         keeping the IDs this rank owns (``GroupSnapshot.load_rows``). Eager."""
         self._snapshot.load_rows(table, ids, rows, self.comm.rank, self.comm.size)
 
-    def save_state(self) -> dict:
-        """This rank's state of the group, a checkpoint shard's part
-        (``GroupSnapshot.save``). Eager."""
-        return self._snapshot.save()
+    def save_state(self, directory: Optional[str] = None) -> dict:
+        """This rank's state of the group, a checkpoint shard's part; a tiered table
+        writes its blocks to ``directory`` (``GroupSnapshot.save``). Eager."""
+        return self._snapshot.save(directory)
 
-    def restore_state(self, shards: Sequence[GroupState], rank: int, size: int) -> None:
+    def restore_state(self, shards: Sequence[GroupState], rank: int, size: int,
+                      directories: Sequence[str] = ()) -> None:
         """Loads what rank ``rank`` of ``size`` owns out of every saving rank's
-        ``save_state`` (``GroupSnapshot.restore``). Eager."""
-        self._snapshot.restore(shards, rank, size)
+        ``save_state`` and, for a tiered table, its directory (``GroupSnapshot.restore``).
+        Eager."""
+        self._snapshot.restore(shards, rank, size, directories)
 
     def dense_rows(self) -> np.ndarray:
         """A static group's every row on this rank, float32[V_local, dim] (one host: all

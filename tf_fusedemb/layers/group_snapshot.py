@@ -7,7 +7,7 @@ stored rows, and ``FusedEmbedding.set_embedding_weights`` loads a Keras Embeddin
 weights through it. Rows keep their identity, (table, instance ID), next to their
 storage key in every array set, so a key is never trusted alone.
 """
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -15,6 +15,10 @@ from tf_fusedemb.layers.group_keys import GroupKeys
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FusedGroup
 from tf_fusedemb.storage.backend import GroupStorage
+from tf_fusedemb.storage.engine_table import EngineGroupTable
+
+# A save_state entry saying the group's blocks are in its SSD-tier checkpoint directory.
+SSD_CHECKPOINT = "ssd_checkpoint"
 
 
 class GroupSnapshot:
@@ -78,20 +82,36 @@ class GroupSnapshot:
         self.storage.stats.register(keys, segment, ids,
                                     step=int(self.storage.table.step.numpy()))
 
-    def save(self) -> dict:
+    def save(self, directory: Optional[str] = None) -> dict:
         """This rank's state of the group (eager), a checkpoint shard's part: the
         ``stored_rows`` arrays, ``step`` (int64 scalar) and the access statistics under
-        ``stats/`` (keys, counts, categories, ids, last_steps)."""
+        ``stats/`` (keys, counts, categories, ids, last_steps).
+
+        A tiered table (a memory budget) given a ``directory`` (which must not exist)
+        writes its blocks there instead, through the SSD tier's own checkpoint: no row
+        passes through Python, and DRAM holds no more than the budget meanwhile. The
+        state is then ``step`` and ``SSD_CHECKPOINT``."""
+        step = np.array(self.storage.table.step.numpy())
+        table = self.storage.table
+        if directory is not None and isinstance(table, EngineGroupTable) and table.tiered:
+            table.write_checkpoint(directory)
+            return {"step": step, SSD_CHECKPOINT: np.array(True)}
         state = self.stored_rows()
-        state["step"] = np.array(self.storage.table.step.numpy())
+        state["step"] = step
         state.update({"stats/" + k: v for k, v in self.storage.stats.export().items()})
         return state
 
-    def restore(self, shards: Sequence[Mapping[str, np.ndarray]], rank: int, size: int) -> None:
+    def restore(self, shards: Sequence[Mapping[str, np.ndarray]], rank: int, size: int,
+                directories: Sequence[str] = ()) -> None:
         """Loads, out of ``shards`` (the ``save`` dicts of every rank of the run
         that saved, any number), the rows and statistics that rank ``rank`` of ``size``
         owns (owner = mix64(raw ID) mod size), with their optimizer slots, and the
-        largest saved step. Eager."""
+        largest saved step. Shards saved through the SSD tier's checkpoint are read from
+        ``directories`` (one per saving rank, as ``save`` was given them). Eager."""
+        if any(SSD_CHECKPOINT in s for s in shards):
+            self._restore_blocks(shards, rank, size, directories)
+            return
+
         def merged(key):
             return np.concatenate([s[key] for s in shards])
         ids = merged("ids")
@@ -111,3 +131,18 @@ class GroupSnapshot:
         # never lack (or get another) identity, whatever the access statistics hold.
         self.storage.stats.register(rows["keys"], merged("tables")[mine], ids[mine],
                                     step=int(self.storage.table.step.numpy()))
+
+    def _restore_blocks(self, shards, rank, size, directories):
+        """``restore`` of shards saved through the SSD tier's checkpoint: the blocks this
+        rank owns go into the engine as they were saved (rows, slots and statistics)."""
+        table = self.storage.table
+        if not isinstance(table, EngineGroupTable):
+            raise ValueError(f"group '{self.group.name}' was saved from the storage engine's "
+                             "SSD tier; restore it into a model whose tables use the engine "
+                             f"(storage 'engine'), not {type(table).__name__}")
+        if len(directories) != len(shards) or not all(SSD_CHECKPOINT in s for s in shards):
+            raise ValueError(f"group '{self.group.name}': {len(shards)} saved shards, "
+                             f"{len(directories)} SSD-tier directories; every saving rank "
+                             "writes one")
+        table.read_checkpoint(directories, rank, size)
+        table.step.assign(max(int(s["step"]) for s in shards))

@@ -234,6 +234,24 @@ class EmbeddingEngine(tf.saved_model.experimental.TrackableResource):
                                   with_rows=with_rows, dim=self.dim, num_slots=self.num_slots)
         return EngineExport(out[0], EngineKeyFields(*out[1:6]), out[6], out[7])
 
+    def write_checkpoint(self, directory: str) -> Optional[tf.Operation]:
+        """Writes every block of this tiered engine, both tiers, to ``directory`` (which
+        must not exist; its parent must): the SSD tier's RocksDB checkpoint, its files
+        hard-linked, with the DRAM tier's blocks written over it. Returns the op (None
+        eagerly)."""
+        if self.memory_budget_bytes is None:
+            raise ValueError(f"engine {self.name!r} has no SSD tier: checkpoint it with export()")
+        return _op("EngineWriteCheckpoint")(self.resource_handle, directory)
+
+    def read_checkpoint(self, directories: Sequence[str], rank: int, num_ranks: int) -> tf.Tensor:
+        """Puts into this engine (tiered or not) the blocks that ``rank`` of ``num_ranks``
+        owns (owner = mix64(ID) mod num_ranks) out of ``directories``, one per saving
+        rank, as :meth:`write_checkpoint` wrote them. Returns the blocks put (int64
+        scalar)."""
+        return _op("EngineReadCheckpoint")(self.resource_handle, list(directories),
+                                           tf.constant(rank, tf.int32),
+                                           tf.constant(num_ranks, tf.int32))
+
     def size(self) -> EngineSize:
         """EngineSize: stored rows, tracked keys, DRAM bytes held and SSD bytes."""
         return EngineSize(*_op("EngineSize")(self.resource_handle))

@@ -115,6 +115,18 @@ class EngineGroupTable(GroupTable):
         """Whether the table has a memory budget (an SSD tier)."""
         return self.engine.memory_budget_bytes is not None
 
+    def write_checkpoint(self, directory: str) -> None:
+        """Writes the table's blocks (rows, slots and statistics of both tiers) to
+        ``directory`` through the SSD tier's own checkpoint (EmbeddingEngine.
+        write_checkpoint); tiered tables only. Eager."""
+        self.engine.write_checkpoint(directory)
+
+    def read_checkpoint(self, directories: Sequence[str], rank: int, size: int) -> int:
+        """Puts the blocks that ``rank`` of ``size`` owns out of every saving rank's
+        ``write_checkpoint`` directory into this table (tiered or not); returns how many.
+        Eager."""
+        return int(self.engine.read_checkpoint(directories, rank, size).numpy())
+
     def prefetch(self, keys: tf.Tensor) -> Optional[tf.Operation]:
         """Reads the next batch's ``keys`` int64[u] from the SSD tier into DRAM now (while
         the current batch computes) and keeps them there until two more batches are

@@ -7,6 +7,11 @@ Layout of ``<dir>/ckpt-<step>/``:
   shard-<r>-of-<N>.npz          rank r's embedding rows per group: keys, values, optimizer
                                 slots, each key's (table, raw ID), access statistics (counts,
                                 last steps: what admission and eviction decide by), step
+  ssd/l<layer>-<group>-shard-<r>-of-<N>/
+                                a tiered group's blocks on rank r instead (rows, slots and
+                                statistics of both tiers): the SSD tier's own RocksDB
+                                checkpoint, its files hard-linked, with the DRAM tier's
+                                blocks written over it; the .npz keeps the group's step
 ``<dir>/latest`` names the newest complete checkpoint.
 
 Atomicity: everything is written into ``ckpt-<step>.tmp`` first; after a barrier rank 0
@@ -18,7 +23,9 @@ filesystem). A rank lost during a save makes the others raise PeerLostError nami
 (comm/watchdog.py) instead of waiting at the save's barrier.
 
 Restore onto M ranks: every rank reads all N shards and keeps the rows it owns under M
-(owner = mix64(raw ID) mod M, the rule of rankwise_sort), so no key and no slot is lost.
+(owner = mix64(raw ID) mod M, the rule of rankwise_sort), so no key and no slot is lost;
+a tiered group's blocks are read from the N SSD-tier directories the same way, in C++,
+into the engine (tiered or not).
 """
 import json
 import os
@@ -36,6 +43,13 @@ from tf_fusedemb.training import faults
 from tf_fusedemb.training.replicas import dense_variables, replicas_of
 
 LATEST = "latest"
+SSD_DIR = "ssd"
+
+
+def ssd_directory(checkpoint: str, layer: int, group: str, rank: int, size: int) -> str:
+    """Where rank ``rank`` of ``size`` writes tiered group ``group`` of FusedEmbedding
+    layer ``layer`` in checkpoint directory ``checkpoint``."""
+    return os.path.join(checkpoint, SSD_DIR, f"l{layer}-{group}-shard-{rank}-of-{size}")
 
 
 def variable_record(variable: Any) -> List[Any]:
@@ -90,7 +104,7 @@ class CheckpointManager:
             os.makedirs(tmp)
         self._barrier("ckpt_mkdir")
         shard = os.path.join(tmp, f"shard-{self.comm.rank}-of-{self.comm.size}.npz")
-        np.savez(shard, **self._export_shards())
+        np.savez(shard, **self._export_shards(tmp))
         faults.inject("save", step, self.comm.rank, partial_file=shard)  # a no-op hook (tests)
         if self.comm.rank == 0:
             self._dense.write(os.path.join(tmp, "dense"))
@@ -125,12 +139,15 @@ class CheckpointManager:
             elif name == LATEST + ".tmp":
                 os.remove(path)
 
-    def _export_shards(self):
-        """Every group's ``save_state``, its arrays named ``l<layer>/<group>/<name>``."""
+    def _export_shards(self, tmp):
+        """Every group's ``save_state``, its arrays named ``l<layer>/<group>/<name>``; a
+        tiered group's blocks go to its directory under ``tmp/ssd``."""
+        os.makedirs(os.path.join(tmp, SSD_DIR), exist_ok=True)
         arrays = {}
         for li, g in self.groups:
             prefix = f"l{li}/{g.group.name}/"
-            arrays.update({prefix + k: v for k, v in g.save_state().items()})
+            directory = ssd_directory(tmp, li, g.group.name, self.comm.rank, self.comm.size)
+            arrays.update({prefix + k: v for k, v in g.save_state(directory).items()})
         return arrays
 
     def _prune(self):
@@ -163,10 +180,12 @@ class CheckpointManager:
         self._check_same_model(path, meta)  # before anything is loaded
         shards = [np.load(os.path.join(path, f"shard-{r}-of-{meta['world_size']}.npz"))
                   for r in range(meta["world_size"])]
+        size = meta["world_size"]
         for li, g in self.groups:
             prefix = f"l{li}/{g.group.name}/"
             g.restore_state([{k[len(prefix):]: s[k] for k in s.files if k.startswith(prefix)}
-                             for s in shards], self.comm.rank, self.comm.size)
+                             for s in shards], self.comm.rank, self.comm.size,
+                            [ssd_directory(path, li, g.group.name, r, size) for r in range(size)])
         self._dense.read(os.path.join(path, "dense")).expect_partial()
         # Every rank read the same dense values; the next step still makes them rank 0's
         # bit for bit (tf_fusedemb.training.replicas), whatever happened before.
