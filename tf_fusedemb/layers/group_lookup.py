@@ -94,7 +94,7 @@ class GroupLookup(tf.Module):
             group, f"fusedemb_{group.name}", self._static_layout() if group.is_static else None)
         self.table, self.stats = self._storage
         # Admission and eviction per table (TableSpec.admission / .eviction), decided on
-        # the owner from the statistics; static tables cannot have policies (specs.py).
+        # the owner from the statistics; static tables cannot have policies (specs/tables.py).
         self.policy = GroupPolicy(group.tables) if any(t.has_policy for t in group.tables) \
             else None
         if self.policy is not None and self.policy.admits:
