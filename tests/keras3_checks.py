@@ -177,8 +177,12 @@ def test_keras3_fuse_model_refuses_what_it_cannot_rewire():
 
         def call(self, x):
             return self.emb(x)
-    with pytest.raises(ValueError, match="needs a functional Keras 3 model"):
-        fuse_model(Subclassed(), OptimizerSpec.sgd(0.1))
+    model = Subclassed()
+    model(np.arange(3))
+    with pytest.raises(ValueError, match=r"needs a functional Keras 3 model.*Put "
+                       r"tf_fusedemb.keras3.FusedEmbedding in the model in place of its "
+                       rf"Embedding layers \['{model.emb.name}'\]"):
+        fuse_model(model, OptimizerSpec.sgd(0.1))
     with pytest.raises(ValueError, match="has no Input"):
         fuse_model(keras.Sequential([keras.layers.Embedding(9, 2)]), OptimizerSpec.sgd(0.1))
     import tf_keras

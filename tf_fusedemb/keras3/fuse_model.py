@@ -30,6 +30,7 @@ KERAS3 = KerasDialect(
     name="Keras 3", model_class=keras.Model, sequential_class=keras.Sequential,
     embedding_class=keras.layers.Embedding,
     input_layer_class=keras.layers.InputLayer, fused_class=FusedEmbedding,
+    fused_path="tf_fusedemb.keras3.FusedEmbedding",
     call_input=_call_input, fused_node=lambda refs: {"args": [refs], "kwargs": {}},
     call_tensor=lambda layer, k: layer._inbound_nodes[k].input_tensors[0],  # pylint: disable=protected-access
     from_config=lambda config: keras.Model.from_config(

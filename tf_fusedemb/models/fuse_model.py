@@ -35,7 +35,8 @@ class KerasDialect(NamedTuple):
       name: "tf_keras" or "Keras 3", for messages.
       model_class, sequential_class, embedding_class, input_layer_class: that Keras's
         classes.
-      fused_class: the FusedEmbedding layer class of that Keras.
+      fused_class: the FusedEmbedding layer class of that Keras; fused_path: its public
+        import path, for messages.
       call_input: (config node of one Embedding call) -> that call's input reference, in
         the config's own form; raises ValueError if the call is not on one tensor.
       fused_node: ({feature: input reference}) -> the fused layer's one config node.
@@ -49,6 +50,7 @@ class KerasDialect(NamedTuple):
     embedding_class: type
     input_layer_class: type
     fused_class: type
+    fused_path: str
     call_input: Callable[[Any], Any]
     fused_node: Callable[[Dict[str, Any]], Any]
     call_tensor: Callable[[Any, int], Any]
@@ -68,6 +70,7 @@ TF_KERAS = KerasDialect(
     name="tf_keras", model_class=tf_keras.Model, sequential_class=tf_keras.Sequential,
     embedding_class=tf_keras.layers.Embedding,
     input_layer_class=tf_keras.layers.InputLayer, fused_class=FusedEmbedding,
+    fused_path="tf_fusedemb.layers.FusedEmbedding",
     call_input=_tf_keras_call_input, fused_node=lambda refs: refs,
     call_tensor=lambda layer, k: layer.get_input_at(k),
     from_config=lambda config: FusedModel.from_config(
@@ -162,12 +165,14 @@ def _functional_config(model, dialect) -> Dict:
             + ("For Keras 3 models use tf_fusedemb.keras3.fuse_model" if keras3 else
                "For tf_keras models use tf_fusedemb.models.fuse_model"))
     if not _is_functional(model):
+        names = [l.name for l in sublayers(model) if isinstance(l, dialect.embedding_class)]
         raise ValueError(
             f"fuse_model needs a functional {dialect.name} model (Model(inputs, outputs)) or a "
             f"Sequential built on an Input; got {type(model).__name__} '{model.name}', whose "
-            "layers it cannot rewire. Put FusedEmbedding in the model in place of its "
-            "Embedding layers (it trains in a plain Keras model, subclassed or not), or give "
-            "a Sequential model an Input first")
+            f"layers it cannot rewire. Put {dialect.fused_path} in the model in place of its "
+            "Embedding layers "
+            f"{names} (it trains in a plain Keras model, subclassed or not), or give a "
+            "Sequential model an Input first")
     return model.get_config()
 
 
