@@ -6,7 +6,7 @@ import os
 import statistics
 import tempfile
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, NamedTuple
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -150,17 +150,39 @@ def _to_tensors(batches):
 
 
 def run(args):
+    """Builds the variants, warms them up, times them in interleaved rounds and returns
+    rank 0's result dict (None on the other ranks)."""
     comm = get_communicator()
-    rank, size = comm.rank, comm.size
     import horovod.tensorflow as hvd  # optional for the package; ranks run under horovodrun # pylint: disable=import-outside-toplevel
     if not hvd.is_initialized():
         hvd.init()
 
     def log(msg):
-        if rank == 0:
+        if comm.rank == 0:
             print(f"[lookup] {msg}", flush=True)
 
-    # ---- data: every rank builds the same global batches, takes its slice
+    batches, source = _batches(args, comm.size, comm.rank)
+    variants = build_variants(args.variants, comm, hvd, args.lr)
+    log(f"built {list(variants)}; warming up ({args.warmup} steps each, first traces)")
+    for v in variants.values():
+        times = v.run(batches, max(1, args.warmup))  # not kept: traces, first allocations
+        log(f"  {v.name}: warm-up steps " + ", ".join(f"{t / 1e3:.2f}s" for t in times)
+            + f", loss {v.losses[-1]:.4f}")
+    graphs = _graph_facts(variants, batches)
+    timed = _timed(variants, batches, args, comm, log)
+    if comm.rank != 0:
+        return None
+    keys_per_step = int(sum(int(tf.size(batches[0][0][c])) for c in lookup_data.CATEGORICAL))
+    result = _description(args, comm.size, source, keys_per_step, timed.wall_s)
+    result["variants"] = {name: _variant_entry(v, timed, graphs, name)
+                          for name, v in variants.items()}
+    result.update(_comparisons(variants, result["variants"]))
+    return result
+
+
+def _batches(args, size, rank):
+    """(this rank's slices of the global batches as tensors, the data's description):
+    every rank builds the same global batches and takes its slice."""
     if args.data:
         columns = lookup_data.read_criteo(args.data, args.max_rows)
         source = {"kind": "criteo_tsv", "path": str(args.data),
@@ -170,25 +192,41 @@ def run(args):
                                                 args.seed)
         source = {"kind": "synthetic", "generator": "generate_criteo_like",
                   "rows": int(len(columns["label"])), "seed": args.seed}
-    batches = _to_tensors(lookup_data.make_batches(columns, args.batch_size, size, rank,
-                                                   args.num_batches))
-    keys_per_step = int(sum(int(tf.size(batches[0][0][c])) for c in lookup_data.CATEGORICAL))
+    return _to_tensors(lookup_data.make_batches(columns, args.batch_size, size, rank,
+                                                args.num_batches)), source
 
-    variants = build_variants(args.variants, comm, hvd, args.lr)
-    log(f"built {list(variants)}; warming up ({args.warmup} steps each, first traces)")
+
+class GraphFacts(NamedTuple):
+    """Per variant: the AlltoAll ops of its traced step, its op count and traces."""
+    alltoall_ops: Dict[str, Any]
+    sizes: Dict[str, int]
+    tracing: Dict[str, int]
+
+
+def _graph_facts(variants, batches) -> GraphFacts:
+    ops, sizes = {}, {}
     for v in variants.values():
-        times = v.run(batches, max(1, args.warmup))  # not kept: traces, first allocations
-        log(f"  {v.name}: warm-up steps " + ", ".join(f"{t / 1e3:.2f}s" for t in times)
-            + f", loss {v.losses[-1]:.4f}")
+        concrete = v.concrete(*batches[0])
+        ops[v.name] = lookup_comm.graph_alltoall_ops(concrete)
+        sizes[v.name] = len(concrete.graph.get_operations())
+    return GraphFacts(ops, sizes, {v.name: int(v.step.experimental_get_tracing_count())
+                                   for v in variants.values()})
 
-    graph_ops, graph_sizes = {}, {}
-    for v in variants.values():
-        x0, y0 = batches[0]
-        concrete = v.concrete(x0, y0)
-        graph_ops[v.name] = lookup_comm.graph_alltoall_ops(concrete)
-        graph_sizes[v.name] = len(concrete.graph.get_operations())
-    tracing = {v.name: int(v.step.experimental_get_tracing_count()) for v in variants.values()}
 
+class Timed(NamedTuple):
+    """The timed rounds: per variant the mean step of each round, the per-step counters
+    of this rank, every rank's counters, steps and profiles; the wall time."""
+    round_means: Dict[str, List[float]]
+    mine: Dict[str, Any]
+    everyone: List[Dict[str, Any]]
+    profiles: Dict[str, Any]
+    steps: int
+    wall_s: float
+
+
+def _timed(variants, batches, args, comm, log) -> Timed:
+    """Runs the variants in interleaved rounds (timing.timed_rounds) between counter
+    snapshots, then the profile if asked; gathers every rank's figures."""
     before = {v.name: v.snapshot() for v in variants.values()}
     round_means: Dict[str, List[float]] = {n: [] for n in variants}
 
@@ -198,25 +236,27 @@ def run(args):
             v.times_ms.extend(times)
             round_means[v.name].append(statistics.fmean(times))
         return run_block
-    t_start = time.perf_counter()
+    start = time.perf_counter()
     timed_rounds({n: block(v) for n, v in variants.items()}, args.rounds, args.seed,
                  barrier=lambda: comm.allgather_object(None),
                  after_round=lambda r: log(f"  round {r + 1}/{args.rounds}: " + ", ".join(
                      f"{n} {round_means[n][-1]:.1f}ms" for n in variants)))
-    timed_s = time.perf_counter() - t_start
-    timed_steps = args.rounds * args.steps
+    wall_s = time.perf_counter() - start
+    steps = args.rounds * args.steps
     after = {v.name: v.snapshot() for v in variants.values()}
     profiles = _profile(variants, batches, args.profile, comm) if args.profile else {}
-    mine = {n: lookup_comm.per_step(before[n], after[n], timed_steps) for n in variants}
+    mine = {n: lookup_comm.per_step(before[n], after[n], steps) for n in variants}
     raw = {n: {f: after[n][f] - before[n][f] for f in ("bytes_sent", "messages")}
            for n in variants}
     everyone = comm.allgather_object({"per_step": mine, "raw": raw, "profile": profiles,
                                       "step_ms": {n: step_stats(v.times_ms)["step_ms"]
                                                   for n, v in variants.items()}})
-    if rank != 0:
-        return None
+    return Timed(round_means, mine, everyone, profiles, steps, wall_s)
 
-    result = {
+
+def _description(args, size, source, keys_per_step, wall_s) -> Dict[str, Any]:
+    """The result's environment, data, model, timing and method sections."""
+    return {
         "benchmark": "lookup",
         "environment": {
             "np": size, "batch_size_per_rank": args.batch_size,
@@ -236,85 +276,91 @@ def run(args):
                   "dense_optimizer": f"adagrad(lr={args.lr}) tf_keras",
                   "keys_per_rank_per_step": keys_per_step},
         "timing": {"warmup_steps": args.warmup, "rounds": args.rounds,
-                   "steps_per_round": args.steps, "timed_steps_per_variant": timed_steps,
-                   "timed_wall_s": round(timed_s, 1), "reported_rank": 0},
-        "method": {
-            "step_ms": "median over all timed steps on rank 0; variants interleaved in rounds "
-                       "(shuffled order, barrier before each block of --steps steps)",
-            "alltoall_rounds_per_step": "in-graph counters during the timed steps: "
-                                        "FusedEmbedding.comm_counters() for fused/unfused; for "
-                                        "TFRA a shim around horovod.tensorflow.alltoall (what "
-                                        "TFRA's HvdVariable calls) recording each call plus, via "
-                                        "an identity with a custom gradient, the gradient AlltoAll "
-                                        "of Horovod's registered gradient; cross-checked with "
-                                        "graph_alltoall_ops (HorovodAlltoall nodes of the traced "
-                                        "step graph incl. gradient)",
-            "bytes_per_step": "payload bytes sent to other ranks by AlltoAlls per step, same "
-                              "counters (rows sent to each peer x bytes per row), mean over ranks",
-            "mean_message_bytes": "bytes sent / non-empty per-peer messages, all ranks pooled",
-            "tfra_fused": "source-side mix64(id ^ tag(table)) in pure TF, one "
-                          "tf.unique_with_counts per group, one HvdAllToAllEmbedding per group "
-                          "(with_unique=False), plus an explicit hvd.alltoall of "
-                          "(count << 16 | category) int64 per unique key, partitioned with "
-                          "TFRA's partition_fn + make_partition (same splits as the key "
-                          "AlltoAll), recorded on the owner as per-category access counts",
-        },
-        "variants": {},
+                   "steps_per_round": args.steps, "timed_steps_per_variant":
+                   args.rounds * args.steps, "timed_wall_s": round(wall_s, 1),
+                   "reported_rank": 0},
+        "method": METHOD,
     }
-    for name, v in variants.items():
-        per_rank = [e["per_step"][name] for e in everyone]
-        bytes_sent = sum(e["raw"][name]["bytes_sent"] for e in everyone)
-        messages = sum(e["raw"][name]["messages"] for e in everyone)
-        entry: Dict[str, Any] = dict(step_stats(v.times_ms))
-        entry.update({
-            "round_mean_ms_median": round(statistics.median(round_means[name]), 3),
-            "step_ms_by_rank": [e["step_ms"][name] for e in everyone],
-            "alltoall_rounds_per_step": mine[name]["alltoall_rounds_per_step"],
-            "graph_alltoall_ops": graph_ops[name],
-            "groups": v.groups,
-            "bytes_per_step": round(statistics.fmean(p["bytes_per_step"] for p in per_rank), 1),
-            "bytes_per_step_by_rank": [round(p["bytes_per_step"], 1) for p in per_rank],
-            "messages_per_step": round(statistics.fmean(p["messages_per_step"]
-                                                        for p in per_rank), 2),
-            "mean_message_bytes": round(bytes_sent / max(1, messages), 1),
-            "loss_first": v.losses[0], "loss_last": v.losses[-1],
-            "steps_run": len(v.losses), "traces": tracing[name],
-            "graph_ops": graph_sizes[name],
-        })
-        if name in profiles:
-            entry["profile_by_rank"] = [e["profile"][name] for e in everyone]
-        result["variants"][name] = entry
-    vs = result["variants"]
 
+
+def _variant_entry(v, timed: Timed, graphs: GraphFacts, name: str) -> Dict[str, Any]:
+    """One variant's figures: its step statistics on rank 0, every rank's step and
+    counters, its graph facts and losses."""
+    everyone = timed.everyone
+    per_rank = [e["per_step"][name] for e in everyone]
+    bytes_sent = sum(e["raw"][name]["bytes_sent"] for e in everyone)
+    messages = sum(e["raw"][name]["messages"] for e in everyone)
+    entry: Dict[str, Any] = dict(step_stats(v.times_ms))
+    entry.update({
+        "round_mean_ms_median": round(statistics.median(timed.round_means[name]), 3),
+        "step_ms_by_rank": [e["step_ms"][name] for e in everyone],
+        "alltoall_rounds_per_step": timed.mine[name]["alltoall_rounds_per_step"],
+        "graph_alltoall_ops": graphs.alltoall_ops[name],
+        "groups": v.groups,
+        "bytes_per_step": round(statistics.fmean(p["bytes_per_step"] for p in per_rank), 1),
+        "bytes_per_step_by_rank": [round(p["bytes_per_step"], 1) for p in per_rank],
+        "messages_per_step": round(statistics.fmean(p["messages_per_step"]
+                                                    for p in per_rank), 2),
+        "mean_message_bytes": round(bytes_sent / max(1, messages), 1),
+        "loss_first": v.losses[0], "loss_last": v.losses[-1],
+        "steps_run": len(v.losses), "traces": graphs.tracing[name],
+        "graph_ops": graphs.sizes[name],
+    })
+    if name in timed.profiles:
+        entry["profile_by_rank"] = [e["profile"][name] for e in everyone]
+    return entry
+
+
+def _comparisons(variants, entries) -> Dict[str, Any]:
+    """Step ratios between variants and their largest loss differences."""
     def ratio(a, b):
-        if a in vs and b in vs:
-            return round(vs[a]["step_ms"] / vs[b]["step_ms"], 3)
+        if a in entries and b in entries:
+            return round(entries[a]["step_ms"] / entries[b]["step_ms"], 3)
         return None
-    result["speedup_vs_tfra"] = ratio("tfra", "fused")
-    result["speedup_vs_tfra_fused"] = ratio("tfra_fused", "fused")
-    # The same fused step, its tables on the TFRA backend: the storage engine's share.
-    result["speedup_vs_tfra_backend"] = ratio("fused_tfra_backend", "fused")
-    result["fused_vs_unfused"] = ratio("unfused", "fused")
-    result["bf16_speedup"] = ratio("fused", "fused_bf16")
-    if "fused" in variants and "unfused" in variants:
-        # Same batches, same seeded dense weights and plan-independent row initialisation:
-        # the two plans must train identically (a correctness check of the comparison).
-        a, b = variants["fused"].losses, variants["unfused"].losses
-        n = min(len(a), len(b))
-        result["fused_unfused_max_loss_diff"] = float(np.max(np.abs(np.subtract(a[:n],
-                                                                              b[:n]))))
-    if "fused" in variants and "fused_bf16" in variants:
-        # bf16 matmuls change the losses a little (not a correctness check: the drift)
-        a, b = variants["fused"].losses, variants["fused_bf16"].losses
-        n = min(len(a), len(b))
-        result["fused_bf16_max_loss_diff"] = float(np.max(np.abs(np.subtract(a[:n], b[:n]))))
-    if "fused" in variants and "fused_tfra_backend" in variants:
-        # The two backends compute the same step (same rows, same optimizer formulas).
-        a, b = variants["fused"].losses, variants["fused_tfra_backend"].losses
-        n = min(len(a), len(b))
-        result["fused_backends_max_loss_diff"] = float(np.max(np.abs(np.subtract(a[:n],
-                                                                                b[:n]))))
-    return result
+
+    def max_loss_diff(a, b):
+        la, lb = variants[a].losses, variants[b].losses
+        n = min(len(la), len(lb))
+        return float(np.max(np.abs(np.subtract(la[:n], lb[:n]))))
+    out: Dict[str, Any] = {
+        "speedup_vs_tfra": ratio("tfra", "fused"),
+        "speedup_vs_tfra_fused": ratio("tfra_fused", "fused"),
+        # The same fused step, its tables on the TFRA backend: the storage engine's share.
+        "speedup_vs_tfra_backend": ratio("fused_tfra_backend", "fused"),
+        "fused_vs_unfused": ratio("unfused", "fused"),
+        "bf16_speedup": ratio("fused", "fused_bf16")}
+    # unfused: the same batches, seeded dense weights and plan-independent rows, so the two
+    # plans must train identically (a correctness check of the comparison); bf16: the drift
+    # of bf16 matmuls (no correctness check); the TFRA backend: the same step on other storage.
+    for key, other in (("fused_unfused_max_loss_diff", "unfused"),
+                       ("fused_bf16_max_loss_diff", "fused_bf16"),
+                       ("fused_backends_max_loss_diff", "fused_tfra_backend")):
+        if "fused" in variants and other in variants:
+            out[key] = max_loss_diff("fused", other)
+    return out
+
+
+METHOD = {
+    "step_ms": "median over all timed steps on rank 0; variants interleaved in rounds "
+               "(shuffled order, barrier before each block of --steps steps)",
+    "alltoall_rounds_per_step": "in-graph counters during the timed steps: "
+                                "FusedEmbedding.comm_counters() for fused/unfused; for "
+                                "TFRA a shim around horovod.tensorflow.alltoall (what "
+                                "TFRA's HvdVariable calls) recording each call plus, via "
+                                "an identity with a custom gradient, the gradient AlltoAll "
+                                "of Horovod's registered gradient; cross-checked with "
+                                "graph_alltoall_ops (HorovodAlltoall nodes of the traced "
+                                "step graph incl. gradient)",
+    "bytes_per_step": "payload bytes sent to other ranks by AlltoAlls per step, same "
+                      "counters (rows sent to each peer x bytes per row), mean over ranks",
+    "mean_message_bytes": "bytes sent / non-empty per-peer messages, all ranks pooled",
+    "tfra_fused": "source-side mix64(id ^ tag(table)) in pure TF, one "
+                  "tf.unique_with_counts per group, one HvdAllToAllEmbedding per group "
+                  "(with_unique=False), plus an explicit hvd.alltoall of "
+                  "(count << 16 | category) int64 per unique key, partitioned with "
+                  "TFRA's partition_fn + make_partition (same splits as the key "
+                  "AlltoAll), recorded on the owner as per-category access counts",
+}
 
 
 def _tfra_version():
