@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from tf_fusedemb import quiet
 
@@ -181,26 +181,8 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
     auc = tf_keras.metrics.AUC(num_thresholds=2000)
     manager = CheckpointManager(args.checkpoint_dir, model, optimizer,
                                 extra={"train_auc": auc}) if args.checkpoint_dir else None
-    start = 0
-    if manager is not None and manager.latest():
-        try:  # the same command again resumes; another model cannot (named in one line)
-            meta = manager.restore()
-            assert meta is not None  # latest() found a complete checkpoint
-        except ValueError as e:
-            raise SystemExit(f"tf_fusedemb.train: cannot resume from {args.checkpoint_dir}: {e} "
-                             "(`make train FRESH=1` starts afresh)") from None
-        start = meta["state"]["data_position"]
-        if comm.rank == 0:
-            print(f"resuming from {manager.latest()} at step {start} of {args.steps}",
-                  flush=True)
-    # Resume where the data stopped. Without tf.data's autotuning thread: deleting an
-    # autotuned iterator waits out that thread's current period (up to 23 s seen on 2
-    # loaded cores, at the end of every job). Parallel maps then run min(16, cores) calls
-    # and prefetch keeps its own buffer tuning.
-    options = tf.data.Options()
-    options.autotune.enabled = False
-    batches = itertools.islice(iter(train_ds.skip(start).with_options(options)),
-                               max(0, args.steps - start))
+    start = _resume(manager, args, comm)
+    batches = _train_batches(train_ds, start, args.steps)
     # The step (traced once with unknown batch dimensions: the same graph on every rank),
     # or the pipeline, which routes and retrieves the next batch during each step; the
     # TrainLoop owns the data iterator and looks one batch ahead for it (as fit's does).
@@ -208,12 +190,8 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
         else SynchronousStep(model, loss_fn, optimizer)
     loop = TrainLoop(steps)
     layers = fused_embedding_layers(model)
-    rank0 = comm.rank == 0
-    writer = tf.summary.create_file_writer(args.log_dir) if rank0 and args.log_dir else None
-    bar = progress_bar(args.steps, stateful_metrics=["auc", "samples/s"]) if rank0 else None
-    timed, timed_samples = 0.0, 0
+    progress = Progress(args, comm, start, auc)
     counters_before = [layer.comm_counters() for layer in layers]
-    loss_sum, loss_steps = 0.0, 0  # the progress bar's running mean, logged alike
     profile_dir = tempfile.mkdtemp(prefix=f"tf_fusedemb_profile_rank{comm.rank}_") \
         if args.profile_steps else ""
     profiler = StepProfiler(profile_dir, range(start + 5, start + 5 + args.profile_steps))
@@ -222,51 +200,17 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
         faults.inject("step", step + 1, comm.rank)  # no-op unless tf_fusedemb.testing.faults
         with comm.watch(f"training step {step + 1}"), profiler.step(step):
             done, (x, y) = loop.progress(batches)
-            loss, logits = float(done.loss), done.predictions
-        elapsed = time.perf_counter() - begin
-        if step >= start + 3:  # after tracing and warm-up
-            timed += elapsed
-            timed_samples += int(y.shape[0]) * comm.size
-        auc.update_state(y, tf.sigmoid(logits))
-        sps = timed_samples / timed if timed else 0.0
-        if bar:  # samples/s from the first timed step on (not a 0 before it)
-            bar.update(step + 1, [("loss", loss), ("auc", float(auc.result()))] +
-                       ([("samples/s", sps)] if timed else []))
-        loss_sum, loss_steps = loss_sum + loss, loss_steps + 1
+        progress.step_done(step, time.perf_counter() - begin, float(done.loss), y,
+                           done.predictions)
         if (step + 1) % args.log_every == 0:
-            # The job's statistics (a collective: every rank), the bar's running-mean loss.
-            stats = [layer.global_statistics() for layer in layers]
-            if writer:
-                values = {"loss": loss_sum / loss_steps, "auc": float(auc.result()),
-                          "samples_per_s": sps}
-                for layer, layer_stats in zip(layers, stats):
-                    for g, c in layer.comm_counters().items():
-                        values.update({f"comm/{g}/{k}": v for k, v in c.items()})
-                    for g, metrics in layer_stats.items():
-                        values.update({f"stats/{g}/{k}": v for k, v in metrics.items()})
-                log_scalars(writer, step + 1, values)
+            progress.log(step, layers)  # a collective: every rank
         if manager and (step + 1) % args.checkpoint_every == 0:
             steps.flush()  # a pipeline's delayed rows written before the tables are saved
             manager.save(step + 1, {"data_position": step + 1})
     # The loop flushed the steps after the last batch.
     if manager:
         manager.save(args.steps, {"data_position": args.steps})
-    counters = [layer.comm_counters() for layer in layers]
-    result = {"model": args.model, "data": args.data, "world_size": comm.size,
-              "pipeline": str(args.pipeline) if args.pipeline else "sync",
-              "steps": args.steps, "resumed_from_step": start,
-              "batch_size_per_rank": args.batch_size,
-              "train_samples_per_s": round(timed_samples / timed, 1) if timed else None,
-              "train_auc": float(auc.result()), "final_loss": loss if args.steps > start else None,
-              "alltoall_rounds_per_step": {
-                  g: (c[g]["rounds"] - b[g]["rounds"]) / max(1, args.steps - start)
-                  for b, c in zip(counters_before, counters) for g in c}}
-    if args.memory_budget_mb is not None:  # the tiers' contents, every rank's (a collective)
-        result["embedding_memory_by_rank"] = comm.allgather_object(
-            {g: m for layer in layers for g, m in layer.memory().items()})
-    if args.profile_steps:  # every rank's, gathered (a collective)
-        mine = profiler.summary(layers[0].name)._asdict()
-        result["profile_by_rank"] = comm.allgather_object(mine)
+    result = _result(args, comm, start, progress, layers, counters_before, profiler)
     if profile_dir:
         shutil.rmtree(profile_dir, ignore_errors=True)
     with comm.watch("evaluation"):
@@ -274,12 +218,118 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
     # The job's last collective is done: every rank agrees on the end, so each one's exit
     # shuts Horovod down at once (rank 0's export and every rank's teardown follow).
     comm.end_job()
-    if writer:
-        log_scalars(writer, args.steps, {k: result[k] for k in ("eval_auc", "eval_logloss")})
-    if args.export_dir and rank0:
+    progress.log_evaluation(args.steps, result)
+    if args.export_dir and comm.rank == 0:
         result["export"] = run_export(args)
-    if rank0:
+    if comm.rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
+    return result
+
+
+def _resume(manager: Optional[CheckpointManager], args: argparse.Namespace,
+            comm: Communicator) -> int:
+    """The step to start from: the data position of the latest checkpoint (restored),
+    else 0. The same command again resumes; another model cannot (named in one line)."""
+    if manager is None or not manager.latest():
+        return 0
+    try:
+        meta = manager.restore()
+        assert meta is not None  # latest() found a complete checkpoint
+    except ValueError as e:
+        raise SystemExit(f"tf_fusedemb.train: cannot resume from {args.checkpoint_dir}: {e} "
+                         "(`make train FRESH=1` starts afresh)") from None
+    start = int(meta["state"]["data_position"])
+    if comm.rank == 0:
+        print(f"resuming from {manager.latest()} at step {start} of {args.steps}", flush=True)
+    return start
+
+
+def _train_batches(train_ds: tf.data.Dataset, start: int, steps: int) -> Iterator[Any]:
+    """The batches of steps [start, steps): the data resumes where it stopped. Without
+    tf.data's autotuning thread: deleting an autotuned iterator waits out that thread's
+    current period (up to 23 s seen on 2 loaded cores, at the end of every job). Parallel
+    maps then run min(16, cores) calls and prefetch keeps its own buffer tuning."""
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return itertools.islice(iter(train_ds.skip(start).with_options(options)),
+                            max(0, steps - start))
+
+
+class Progress:
+    """What the job reports as it trains: rank 0's progress bar and TensorBoard scalars,
+    the samples/s of the timed steps (from the fourth on: after tracing and warm-up), the
+    running-mean loss, the last loss and the training AUC (every rank's own)."""
+
+    def __init__(self, args: argparse.Namespace, comm: Communicator, start: int, auc: Any):
+        self.comm, self.start, self.auc = comm, start, auc
+        rank0 = comm.rank == 0
+        self.writer = tf.summary.create_file_writer(args.log_dir) \
+            if rank0 and args.log_dir else None
+        self.bar = progress_bar(args.steps, stateful_metrics=["auc", "samples/s"]) \
+            if rank0 else None
+        self.timed_s, self.timed_samples = 0.0, 0
+        self.loss_sum, self.loss_steps = 0.0, 0
+        self.last_loss: Optional[float] = None
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.timed_samples / self.timed_s if self.timed_s else 0.0
+
+    def step_done(self, step: int, elapsed: float, loss: float, y: tf.Tensor,
+                  logits: tf.Tensor) -> None:
+        """Step ``step`` took ``elapsed`` s; ``y`` float32[B, 1], ``logits`` float32[B, 1]."""
+        if step >= self.start + 3:
+            self.timed_s += elapsed
+            self.timed_samples += int(y.shape[0]) * self.comm.size
+        self.auc.update_state(y, tf.sigmoid(logits))
+        if self.bar:  # samples/s from the first timed step on (not a 0 before it)
+            self.bar.update(step + 1, [("loss", loss), ("auc", float(self.auc.result()))] +
+                            ([("samples/s", self.samples_per_s)] if self.timed_s else []))
+        self.loss_sum, self.loss_steps = self.loss_sum + loss, self.loss_steps + 1
+        self.last_loss = loss
+
+    def log(self, step: int, layers: List[Any]) -> None:
+        """The job's statistics (a collective: every rank calls it) and, on rank 0, the
+        bar's running-mean loss, AUC, samples/s and exchange counters to TensorBoard."""
+        stats = [layer.global_statistics() for layer in layers]
+        if not self.writer:
+            return
+        values = {"loss": self.loss_sum / self.loss_steps, "auc": float(self.auc.result()),
+                  "samples_per_s": self.samples_per_s}
+        for layer, layer_stats in zip(layers, stats):
+            for g, c in layer.comm_counters().items():
+                values.update({f"comm/{g}/{k}": v for k, v in c.items()})
+            for g, metrics in layer_stats.items():
+                values.update({f"stats/{g}/{k}": v for k, v in metrics.items()})
+        log_scalars(self.writer, step + 1, values)
+
+    def log_evaluation(self, step: int, result: Dict[str, Any]) -> None:
+        if self.writer:
+            log_scalars(self.writer, step, {k: result[k] for k in ("eval_auc", "eval_logloss")})
+
+
+def _result(args: argparse.Namespace, comm: Communicator, start: int, progress: Progress,
+            layers: List[Any], counters_before: List[Any], profiler: StepProfiler
+            ) -> Dict[str, Any]:
+    """The RESULT fields of the training part (collectives with a budget or a profile)."""
+    counters = [layer.comm_counters() for layer in layers]
+    result = {"model": args.model, "data": args.data, "world_size": comm.size,
+              "pipeline": str(args.pipeline) if args.pipeline else "sync",
+              "steps": args.steps, "resumed_from_step": start,
+              "batch_size_per_rank": args.batch_size,
+              "train_samples_per_s": round(progress.samples_per_s, 1) if progress.timed_s
+              else None,
+              "train_auc": float(progress.auc.result()),
+              "final_loss": progress.last_loss if args.steps > start else None,
+              "alltoall_rounds_per_step": {
+                  g: (c[g]["rounds"] - b[g]["rounds"]) / max(1, args.steps - start)
+                  for b, c in zip(counters_before, counters) for g in c}}
+    if args.memory_budget_mb is not None:  # the tiers' contents, every rank's (a collective)
+        result["embedding_memory_by_rank"] = comm.allgather_object(
+            {g: m for layer in layers for g, m in layer.memory().items()})
+    if args.profile_steps:  # every rank's, gathered (a collective)
+        result["profile_by_rank"] = comm.allgather_object(
+            profiler.summary(layers[0].name)._asdict())
     return result
 
 
