@@ -22,7 +22,7 @@ LIBRARY_ENV = "TF_FUSEDEMB_OPS_LIBRARY"
 ENGINE_OP_NAMES = ("EngineHandle", "EngineLookup", "EngineApplyGradients", "EngineRecord",
                    "EngineFind", "EngineGatherRows", "EngineWriteRows", "EngineRemoveRows",
                    "EngineForget", "EngineExport", "EngineSize", "EnginePin", "EngineUnpin",
-                   "EnginePrefetch")
+                   "EnginePrefetch", "EngineWriteCheckpoint", "EngineReadCheckpoint")
 OP_NAMES = ("SegmentUnique", "RankwiseSort", "OwnerRank", "CategoryHash",
             "PackKeyMessages", "UnpackKeyMessages", "HashedUnifiedKeys", "KeyMessageCategoryBits",
             "RecoveryGather", "RecoveryPool", "RecoveryPoolGrad") + ENGINE_OP_NAMES
