@@ -24,15 +24,6 @@ def test_keras3_fit(shape):
     assert_same_training(got, want, layer, embeds, initial)
 
 
-def _ids_unique_per_batch():
-    """Like kpth.data, but no ID repeats within a batch of kpth.BATCH."""
-    rng = np.random.default_rng(1)
-    x = {f: np.concatenate([rng.permutation(kpth.VOCAB)[:kpth.BATCH]
-                            for _ in range(kpth.STEPS)]).astype(np.int64)
-         for f in kpth.FEATURES}
-    return x, ((x["a"] % 3 == 0) ^ (x["b"] % 4 == 1)).astype(np.float32)
-
-
 def _pair_from_zero_tables(k, optimizer):
     """pair_functional with every table starting at zero, as FTRL tables usually do (and
     the hidden bias at 0.1, so that rows of zeros still get a gradient through the relu)."""
@@ -53,7 +44,7 @@ def test_keras3_fit_with_adagrad_and_ftrl(optimizer):
     repeat (Keras 3 accumulates a sparse gradient's square per occurrence, not per row:
     see the next test), and for Ftrl from zero tables (Keras 3's Ftrl rewrites every row
     from its linear slot, so a row never looked up goes to zero)."""
-    x, y = _ids_unique_per_batch()
+    x, y = kpth.data_unique_per_batch()
     pair = pair_functional if optimizer == "adagrad" else _pair_from_zero_tables
     ref, embeds, fused, layer, initial = pair(keras, optimizer)
     want = kpth.fit(keras, ref, kpth.keras_optimizer(keras, optimizer), x, y, kpth.BATCH)
@@ -167,24 +158,80 @@ def test_keras3_fuse_model_of_a_sequential_model():
                                **TOL)
 
 
+def _ranking_class():
+    """The TensorFlow Recommenders ranking tutorial's model in Keras 3, as users copy it:
+    Sequential([StringLookup, Embedding]) blocks, an Embedding in a list attribute and one
+    of sequences, a subclassed keras.Model."""
+    users = [f"user {i}" for i in range(30)]
+
+    class RankingModel(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.user_embeddings = keras.Sequential([
+                keras.layers.StringLookup(vocabulary=users, mask_token=None),
+                keras.layers.Embedding(len(users) + 1, 4)])
+            self.movie_embeddings = [keras.layers.Embedding(20, 4)]
+            self.watched = keras.layers.Embedding(20, 4)
+            self.ratings = keras.Sequential([keras.layers.Dense(8, activation="relu"),
+                                             keras.layers.Dense(1)])
+
+        def call(self, inputs):
+            user, movie, history = inputs
+            return self.ratings(keras.ops.concatenate([
+                self.user_embeddings(user), self.movie_embeddings[0](movie),
+                keras.ops.sum(self.watched(history), axis=1)], axis=1))
+    return RankingModel, users
+
+
+def test_keras3_fuse_model_of_a_subclassed_model():
+    """A subclassed Keras 3 model is converted in place: every Embedding becomes a
+    ShardedEmbedding (their weights leave the model), and Keras 3 fit of it equals Keras 3
+    fit of the unconverted model to 1e-5."""
+    from tf_fusedemb.keras3 import ShardedEmbedding, fuse_model
+    from tf_fusedemb.specs import OptimizerSpec
+    cls, users = _ranking_class()
+    rng = np.random.default_rng(0)
+    x = (tf.constant([users[i] for i in rng.integers(0, 30, 128)]), rng.integers(0, 20, 128),
+         rng.integers(0, 20, (128, 3)))
+    y = ((x[1] % 5) + (x[2][:, 0] % 3) * 0.5).astype(np.float32)
+    ref, converted = cls(), cls()
+    ref(tuple(v[:2] for v in x))
+    converted(tuple(v[:2] for v in x))
+    converted.set_weights(ref.get_weights())
+    n_weights = len(converted.weights)
+    assert fuse_model(converted, OptimizerSpec.sgd(0.1)) is converted
+    assert not any(isinstance(l, keras.layers.Embedding) for l in converted._flatten_layers())
+    assert sum(isinstance(l, ShardedEmbedding) for l in converted._flatten_layers()) == 3
+    assert len(converted.weights) == n_weights  # 3 tables out, 3 row-update markers in
+    np.testing.assert_allclose(converted.predict(x, verbose=0), ref.predict(x, verbose=0), **TOL)
+    out = []
+    for model in (ref, converted):
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")  # IDs repeat: SGD
+        history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        out.append((history.history["loss"], model.predict(x, batch_size=32, verbose=0)))
+    (want_loss, want_pred), (got_loss, got_pred) = out
+    assert want_loss[1] < want_loss[0]
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_pred, want_pred, rtol=1e-5, atol=1e-5)
+    (group,) = converted.watched.fused.groups
+    stored = group.stored_rows()
+    rows = np.zeros((20, 4), np.float32)
+    rows[stored["ids"]] = stored["values"]
+    assert np.abs(rows - ref.watched.get_weights()[0]).max() < TOL["atol"]
+
+
 def test_keras3_fuse_model_refuses_what_it_cannot_rewire():
     from tf_fusedemb.keras3 import fuse_model
     from tf_fusedemb.specs import OptimizerSpec
-    class Subclassed(keras.Model):
-        def __init__(self):
-            super().__init__()
-            self.emb = keras.layers.Embedding(9, 2)
-
-        def call(self, x):
-            return self.emb(x)
-    model = Subclassed()
-    model(np.arange(3))
-    with pytest.raises(ValueError, match=r"needs a functional Keras 3 model.*Put "
-                       r"tf_fusedemb.keras3.FusedEmbedding in the model in place of its "
-                       rf"Embedding layers \['{model.emb.name}'\]"):
-        fuse_model(model, OptimizerSpec.sgd(0.1))
     with pytest.raises(ValueError, match="has no Input"):
         fuse_model(keras.Sequential([keras.layers.Embedding(9, 2)]), OptimizerSpec.sgd(0.1))
+    cls, users = _ranking_class()
+    with pytest.raises(ValueError, match="was never called"):
+        fuse_model(cls(), OptimizerSpec.sgd(0.1))
+    model = cls()
+    model((tf.constant(users[:2]), np.arange(2), np.zeros((2, 3), np.int64)))
+    with pytest.raises(ValueError, match=r"\['plan'\] configure one fused layer"):
+        fuse_model(model, OptimizerSpec.sgd(0.1), plan=None)
     import tf_keras
     inp = tf_keras.Input((), dtype="int64")
     tfk = tf_keras.Model(inp, tf_keras.layers.Embedding(9, 2)(inp))
@@ -199,11 +246,22 @@ class TwoRankKeras3Test(DistributedTestCase):
 
     @pytest.mark.timeout(700)
     def test_keras3_fit(self):
-        x, y = kpth.data()
-        ref, embeds = kpth.functional(keras, False)
+        self._check_two_ranks("sgd", kpth.data())
+
+    @pytest.mark.timeout(700)
+    def test_keras3_fit_with_adagrad(self):
+        """On global batches whose IDs do not repeat (see
+        test_keras3_fit_with_adagrad_and_ftrl)."""
+        self._check_two_ranks("adagrad", kpth.data_unique_per_batch(2 * kpth.BATCH))
+
+    def _check_two_ranks(self, optimizer, data):
+        x, y = data
+        ref, embeds = kpth.functional(keras, False, optimizer)
         initial = kpth.initial_weights(ref, embeds)
-        want = kpth.fit(keras, ref, kpth.keras_optimizer(keras, "sgd"), x, y, 2 * kpth.BATCH)
-        ranks = self.run_ranks(kpth.keras3_on_ranks, 2, (initial,))
+        want = kpth.fit(keras, ref, kpth.keras_optimizer(keras, optimizer), x, y,
+                        2 * kpth.BATCH)
+        ranks = self.run_ranks(kpth.keras3_on_ranks, 2,
+                               (initial, True, optimizer, optimizer != "sgd"))
         for r in ranks:
             np.testing.assert_allclose(r["predictions"], want["predictions"], **TOL)
         for f, emb in embeds.items():

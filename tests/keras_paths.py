@@ -22,6 +22,15 @@ def data(n=BATCH * STEPS, seed=0):
     return x, y
 
 
+def data_unique_per_batch(batch=BATCH):
+    """Like ``data``, but no ID repeats within a batch of ``batch`` (<= VOCAB) rows."""
+    rng = np.random.default_rng(1)
+    x = {f: np.concatenate([rng.permutation(VOCAB)[:batch]
+                            for _ in range(BATCH * STEPS // batch)]).astype(np.int64)
+         for f in FEATURES}
+    return x, ((x["a"] % 3 == 0) ^ (x["b"] % 4 == 1)).astype(np.float32)
+
+
 def keras_optimizer(k, name):
     """The reference's Keras optimizer for rows and dense alike (tf_keras: the legacy Ftrl,
     whose sparse update touches only the rows in the gradient, like ours)."""
@@ -251,19 +260,20 @@ def fit_multi_output(model, optimizer, x, y):
     return history.history, predictions
 
 
-def keras3_on_ranks(weights, wrap=True):
-    """One rank: the fused functional Keras 3 model from ``weights`` (SGD), fit on this
-    rank's shares with DistributedOptimizer (``wrap=False``: the bare optimizer); tables,
+def keras3_on_ranks(weights, wrap=True, optimizer="sgd", unique=False):
+    """One rank: the fused functional Keras 3 model from ``weights``, fit with ``optimizer``
+    on this rank's shares of ``data()`` (``unique``: of ``data_unique_per_batch`` for the
+    global batch) with DistributedOptimizer (``wrap=False``: the bare optimizer); tables,
     dense weights, global predictions, or the error's message and the steps before it."""
     import keras  # pylint: disable=import-outside-toplevel  # Keras 3: this rank's choice
     from tf_fusedemb.comm import get_communicator  # pylint: disable=import-outside-toplevel
     from tf_fusedemb.keras3 import DistributedOptimizer  # pylint: disable=import-outside-toplevel
     comm = get_communicator()
-    x, y = data()
+    x, y = data_unique_per_batch(comm.size * BATCH) if unique else data()
     xr, yr = rank_slices(x, y, comm.rank, comm.size, BATCH)
-    model, layer = functional(keras, True, "sgd")
+    model, layer = functional(keras, True, optimizer)
     load_weights(model, layer, weights)
-    opt, done = keras_optimizer(keras, "sgd"), []
+    opt, done = keras_optimizer(keras, optimizer), []
     try:
         out = fit(keras, model, DistributedOptimizer(opt) if wrap else opt, xr, yr, BATCH,
                   losses=done)

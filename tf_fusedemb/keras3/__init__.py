@@ -1,5 +1,5 @@
 """tf_fusedemb for Keras 3 (``import keras``, TensorFlow backend): the ``FusedEmbedding``
-layer, ``fuse_model`` for functional Keras 3 models, the optimizer wrapper a
+and ``ShardedEmbedding`` layers, ``fuse_model`` for Keras 3 models, the optimizer wrapper a
 multi-rank plain model or custom loop uses, and the ``fit`` checkpoint callback.
 
     import keras
@@ -7,7 +7,8 @@ multi-rank plain model or custom loop uses, and the ``fit`` checkpoint callback.
 """
 from tf_fusedemb.keras3.checkpoint_callback import ShardedCheckpoint
 from tf_fusedemb.keras3.fuse_model import fuse_model
-from tf_fusedemb.layers.keras3_embedding import FusedEmbedding
+from tf_fusedemb.layers.keras3_embedding import FusedEmbedding, ShardedEmbedding
 from tf_fusedemb.training.distributed_optimizer import DistributedOptimizer
 
-__all__ = ["DistributedOptimizer", "FusedEmbedding", "ShardedCheckpoint", "fuse_model"]
+__all__ = ["DistributedOptimizer", "FusedEmbedding", "ShardedCheckpoint", "ShardedEmbedding",
+           "fuse_model"]

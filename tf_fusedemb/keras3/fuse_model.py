@@ -1,17 +1,21 @@
 """``fuse_model`` for Keras 3: a functional ``keras.Model`` with N ``keras.layers.Embedding``
 layers becomes the same ``keras.Model`` with one Keras 3 FusedEmbedding (the rewrite of
-:mod:`tf_fusedemb.models.fuse_model`, on Keras 3's config format).
+:mod:`tf_fusedemb.models.fuse_model`, on Keras 3's config format). A subclassed Keras 3
+model is converted in place, each Embedding becoming a Keras 3 ShardedEmbedding (the walk
+of :mod:`tf_fusedemb.models.shard_embeddings`).
 
-The result is a plain functional ``keras.Model``: it trains with Keras 3's own ``compile``
-and ``fit`` (on N ranks with :class:`~tf_fusedemb.keras3.DistributedOptimizer`), as any
-model holding the layer does.
+The result is a plain ``keras.Model``: it trains with Keras 3's own ``compile`` and ``fit``
+(on N ranks with :class:`~tf_fusedemb.keras3.DistributedOptimizer`), as any model holding
+the layer does.
 """
 from typing import Any, Dict
 
 import keras
 
-from tf_fusedemb.layers.keras3_embedding import FusedEmbedding
-from tf_fusedemb.models.fuse_model import KerasDialect, fuse_functional
+from tf_fusedemb.layers.keras3_embedding import FusedEmbedding, ShardedEmbedding
+from tf_fusedemb.models.fuse_model import (KerasDialect, fuse_functional, is_functional,
+                                            refuse_layer_kwargs)
+from tf_fusedemb.models.shard_embeddings import ShardingDialect, shard_in_place
 from tf_fusedemb.specs import OptimizerSpec
 
 __all__ = ["fuse_model"]
@@ -38,17 +42,61 @@ KERAS3 = KerasDialect(
     serialize=keras.layers.serialize)
 
 
+def _put(holder: Any, key: Any, layer: Any) -> None:
+    """Keras 3 neither untracks a layer on ``delattr`` nor on item assignment, and it locks
+    a built layer's state; so the old layer is untracked and the new one tracked under the
+    unlocked tracker, as Keras 3 itself does to untrack a variable
+    (``Layer._untrack_variable``)."""
+    is_item = isinstance(holder, (list, dict))
+    tracker = holder.tracker if is_item else holder._tracker  # pylint: disable=protected-access
+    locked = bool(tracker and tracker.locked)
+    if tracker:
+        tracker.unlock()
+    try:
+        if isinstance(holder, list):
+            del holder[key]  # TrackedList untracks here and tracks on insert
+            holder.insert(key, layer)
+        elif isinstance(holder, dict):
+            holder.pop(key)  # TrackedDict untracks here and tracks on assignment
+            holder[key] = layer
+        else:
+            tracker.untrack(getattr(holder, key))
+            setattr(holder, key, layer)
+    finally:
+        if locked:
+            tracker.lock()
+
+
+def _symbolic_input(sequential: keras.Sequential) -> keras.KerasTensor:
+    spec = sequential.inputs[0]
+    return keras.Input(batch_shape=spec.shape, dtype=spec.dtype)
+
+
+KERAS3_SHARDING = ShardingDialect(
+    name="Keras 3", model_class=keras.Model, layer_class=keras.layers.Layer,
+    embedding_class=keras.layers.Embedding, sequential_class=keras.Sequential,
+    sharded_class=ShardedEmbedding,
+    built_shape=lambda layer: (getattr(layer, "_build_shapes_dict", None)
+                               or {}).get("input_shape"),
+    symbolic_input=_symbolic_input, put=_put)
+
+
 def fuse_model(model: keras.Model, optimizer: OptimizerSpec, dynamic: bool = False,
                name: str = "fused_embedding", **layer_kwargs: Any) -> keras.Model:
-    """The same Keras 3 model with its top-level Embedding layers fused into one
-    FusedEmbedding; arguments, features and errors as
-    :func:`tf_fusedemb.models.fuse_model` for a functional model or a ``Sequential`` built
-    on an ``Input``. A subclassed Keras 3 model is refused: put
-    :class:`tf_fusedemb.keras3.FusedEmbedding` in it in place of its Embeddings.
+    """The same Keras 3 model with its Embedding layers sharded; arguments, features and
+    errors as :func:`tf_fusedemb.models.fuse_model`: a functional model, or a
+    ``Sequential`` built on an ``Input``, has its top-level Embeddings fused into one
+    FusedEmbedding in a new model; a subclassed model (or one holding Sequential blocks)
+    has each Embedding replaced in place by a :class:`tf_fusedemb.keras3.ShardedEmbedding`.
 
     Returns:
-      A functional ``keras.Model`` (not compiled) whose predictions equal ``model``'s; it
-      shares no weights with ``model``. Under horovodrun every rank calls this with the
-      same model and keeps the rows it owns.
+      From a functional or Sequential model, a functional ``keras.Model`` (not compiled)
+      whose predictions equal ``model``'s and which shares no weights with it; from a
+      subclassed model, ``model``, converted. Under horovodrun every rank calls this with
+      the same model and keeps the rows it owns.
     """
+    if (isinstance(model, keras.Model) and not isinstance(model, keras.Sequential)
+            and not is_functional(model)):
+        refuse_layer_kwargs(model, layer_kwargs)
+        return shard_in_place(model, KERAS3_SHARDING, optimizer, dynamic)
     return fuse_functional(model, KERAS3, optimizer, dynamic, name, **layer_kwargs)

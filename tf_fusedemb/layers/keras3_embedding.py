@@ -1,6 +1,7 @@
-"""``FusedEmbedding`` as a Keras 3 layer (``import keras``, TensorFlow backend).
+"""``FusedEmbedding`` and ``ShardedEmbedding`` as Keras 3 layers (``import keras``,
+TensorFlow backend).
 
-The same layer as :class:`tf_fusedemb.layers.FusedEmbedding` (one ``FusedEmbeddingMixin``:
+The same layers as :class:`tf_fusedemb.layers.FusedEmbedding` (one ``FusedEmbeddingMixin``, one ``ShardedEmbeddingMixin``:
 fusion, sharding, the lookup and the row updates through its row-update marker), built on
 ``keras.layers.Layer``: usable in functional and subclassed ``keras.Model``s with Keras 3's
 own ``compile``/``fit``/``evaluate``/``predict`` and ``tf.GradientTape`` loops. Which Keras
@@ -13,6 +14,7 @@ from typing import Any, Dict, Mapping
 import keras
 
 from tf_fusedemb.layers.fused_embedding import FusedEmbeddingMixin
+from tf_fusedemb.layers.sharded_embedding import ShardedEmbeddingMixin
 
 
 @keras.saving.register_keras_serializable(package="tf_fusedemb")
@@ -37,3 +39,16 @@ class FusedEmbedding(FusedEmbeddingMixin, keras.layers.Layer):
                             training: Any = None) -> Dict[str, keras.KerasTensor]:
         shapes = self.output_shapes({k: v.shape for k, v in inputs.items()})
         return {name: keras.KerasTensor(shape, dtype="float32") for name, shape in shapes.items()}
+
+
+@keras.saving.register_keras_serializable(package="tf_fusedemb")
+class ShardedEmbedding(ShardedEmbeddingMixin, keras.layers.Layer):
+    """One sharded table looked up like ``keras.layers.Embedding``: the Keras 3 twin of
+    :class:`tf_fusedemb.layers.ShardedEmbedding` (arguments and call as there)."""
+    fused_class = FusedEmbedding
+
+    def build(self, input_shape: Any = None) -> None:
+        self.built = True  # its table is its FusedEmbedding's, which exists already
+
+    def compute_output_spec(self, ids: Any, training: Any = None) -> keras.KerasTensor:
+        return self.fused.compute_output_spec({self.feature.name: ids})[self.feature.name]

@@ -2,10 +2,11 @@
 their rows out), its table sharded over the ranks and trained by its row optimizer.
 
 It is a FusedEmbedding of one feature, so it trains on every Keras path as FusedEmbedding
-does; it is what ``tf_fusedemb.models.shard_embeddings`` puts in place of the Embeddings
-of a model whose layers cannot be rewired (a subclassed model, ``Sequential`` blocks). It
-does not fuse: each ShardedEmbedding makes its own exchanges, where one FusedEmbedding of
-all features makes one per group.
+does; it is what ``shard_embeddings`` puts in place of the Embeddings of a model whose
+layers cannot be rewired (a subclassed model, ``Sequential`` blocks). It does not fuse:
+each ShardedEmbedding makes its own exchanges, where one FusedEmbedding of all features
+makes one per group. The Keras 3 twin (``tf_fusedemb.keras3.ShardedEmbedding``) shares
+:class:`ShardedEmbeddingMixin` with it.
 """
 from typing import Any, Dict
 
@@ -16,9 +17,9 @@ from tf_fusedemb.layers.fused_embedding import FusedEmbedding
 from tf_fusedemb.specs import FeatureSpec
 
 
-@tf_keras.saving.register_keras_serializable(package="tf_fusedemb")
-class ShardedEmbedding(tf_keras.layers.Layer):
-    """One sharded table looked up like ``Embedding``.
+class ShardedEmbeddingMixin:
+    """One sharded table looked up like ``Embedding``, for a Keras whose FusedEmbedding
+    layer class is ``fused_class``.
 
     Args:
       feature: the FeatureSpec: combiner "sum" for IDs int[B] (gives [B, dim], the row
@@ -27,20 +28,28 @@ class ShardedEmbedding(tf_keras.layers.Layer):
 
     Call: ``ids`` int32/int64 [B] or [B, L] -> float32[B, dim] or [B, L, dim].
     """
+    fused_class: type
 
     def __init__(self, feature: FeatureSpec, **kwargs: Any):
         super().__init__(**kwargs)
         self.feature = feature
-        self.fused = FusedEmbedding([feature], name=f"{self.name}_table")
+        self.fused = self.fused_class([feature], name=f"{self.name}_table")  # type: ignore[attr-defined]
 
     def call(self, ids: tf.Tensor, training: Any = None) -> tf.Tensor:
         return self.fused({self.feature.name: ids}, training=training)[self.feature.name]
 
     def get_config(self) -> Dict[str, Any]:
-        return dict(super().get_config(), feature=self.feature.to_dict())
+        return dict(super().get_config(), feature=self.feature.to_dict())  # type: ignore[misc]
 
     @classmethod
-    def from_config(cls, config: Dict[str, Any]) -> "ShardedEmbedding":
+    def from_config(cls, config: Dict[str, Any]) -> Any:
         config = dict(config)
         config["feature"] = FeatureSpec.from_dict(config["feature"])
         return cls(**config)
+
+
+@tf_keras.saving.register_keras_serializable(package="tf_fusedemb")
+class ShardedEmbedding(ShardedEmbeddingMixin, tf_keras.layers.Layer):
+    """One sharded table looked up like ``tf_keras.layers.Embedding``; arguments and call
+    as :class:`ShardedEmbeddingMixin`."""
+    fused_class = FusedEmbedding

@@ -1,7 +1,7 @@
 """``fuse_model``: a functional Keras model with N ``Embedding`` layers becomes the same
 model with one FusedEmbedding, the Embeddings' weights carried into the tables. A
 ``Sequential`` model built on an ``Input`` is taken as the functional model of its layers;
-a subclassed tf_keras model, which has no config to rebuild from, is converted in place by
+a subclassed model, which has no config to rebuild from, is converted in place by
 :func:`~tf_fusedemb.models.shard_embeddings`.
 
 The rewrite works on the model's config (the documented functional format): the Embedding
@@ -25,7 +25,8 @@ from tf_fusedemb.models.fused_model import FusedModel
 from tf_fusedemb.models.shard_embeddings import shard_embeddings
 from tf_fusedemb.specs import FeatureSpec, OptimizerSpec
 
-__all__ = ["KerasDialect", "fuse_functional", "fuse_model"]
+__all__ = ["KerasDialect", "fuse_functional", "fuse_model", "is_functional",
+           "refuse_layer_kwargs"]
 
 
 class KerasDialect(NamedTuple):
@@ -97,7 +98,8 @@ def fuse_model(model: tf_keras.Model, optimizer: OptimizerSpec, dynamic: bool = 
           Recommenders shape): it has no config to rebuild from, so each Embedding is
           replaced in place by a ShardedEmbedding (:func:`shard_embeddings`) and ``model``
           itself is returned; ``name`` and ``layer_kwargs`` do not apply.
-        A Keras 3 model goes to ``tf_fusedemb.keras3.fuse_model`` (the error says so).
+        A Keras 3 model goes to ``tf_fusedemb.keras3.fuse_model`` (the error says so),
+        which takes the same shapes.
       optimizer: the row optimizer of every table (the dense layers keep the Keras
         optimizer given to ``compile``).
       dynamic: True for dynamic hash tables (any int64 ID) instead of static vocabularies.
@@ -114,16 +116,22 @@ def fuse_model(model: tf_keras.Model, optimizer: OptimizerSpec, dynamic: bool = 
         ``mask_zero=True``, a name clash, or ``layer_kwargs`` for a subclassed model.
     """
     if (isinstance(model, tf_keras.Model) and not isinstance(model, tf_keras.Sequential)
-            and not _is_functional(model)):
-        if layer_kwargs:
-            raise ValueError(f"fuse_model: {sorted(layer_kwargs)} configure one fused layer; "
-                             f"the subclassed model '{model.name}' has each Embedding sharded "
-                             "in place on its own (shard_embeddings), so they do not apply")
+            and not is_functional(model)):
+        refuse_layer_kwargs(model, layer_kwargs)
         return shard_embeddings(model, optimizer, dynamic)
     return fuse_functional(model, TF_KERAS, optimizer, dynamic, name, **layer_kwargs)
 
 
-def _is_functional(model: Any) -> bool:
+def refuse_layer_kwargs(model: Any, layer_kwargs: Dict[str, Any]) -> None:
+    """Raises ValueError if options of the one fused layer are given for a subclassed
+    model, whose Embeddings are sharded in place, each on its own."""
+    if layer_kwargs:
+        raise ValueError(f"fuse_model: {sorted(layer_kwargs)} configure one fused layer; "
+                         f"the subclassed model '{model.name}' has each Embedding sharded "
+                         "in place on its own (shard_embeddings), so they do not apply")
+
+
+def is_functional(model: Any) -> bool:
     """Whether ``model``'s config is a functional graph: a Sequential's config has no
     "input_layers", a subclassed model's no "layers" (or no config at all)."""
     try:
@@ -164,7 +172,7 @@ def _functional_config(model, dialect) -> Dict:
             f"({'a Keras 3 model' if keras3 else type(model).__module__}). "
             + ("For Keras 3 models use tf_fusedemb.keras3.fuse_model" if keras3 else
                "For tf_keras models use tf_fusedemb.models.fuse_model"))
-    if not _is_functional(model):
+    if not is_functional(model):
         names = [l.name for l in sublayers(model) if isinstance(l, dialect.embedding_class)]
         raise ValueError(
             f"fuse_model needs a functional {dialect.name} model (Model(inputs, outputs)) or a "
