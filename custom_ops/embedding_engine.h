@@ -7,7 +7,8 @@
 //
 // Layout (why: one probe and one cache-line run per key, at a few bytes over the payload):
 //  * A block is a 28-byte BlockHeader {key, id, count:48|table:16, last step:int32},
-//    followed in "full" blocks by the row float[dim] and the slots float[num_slots * dim].
+//    followed in "full" blocks by the row float[dim] (bfloat16[dim], padded to 4 bytes,
+//    with Config::bf16_rows) and the slots float[num_slots * dim].
 //    A key whose statistics are tracked but whose row is not stored (admission has not
 //    let it in yet) lives in a header-only "meta" block: tracking a rare key costs 28
 //    bytes, not a whole row. Whether a row is stored is which arena the block is in.
@@ -27,7 +28,9 @@
 //
 // The math mirrors tf_fusedemb.storage: initial rows are bit-equal to
 // initializers.init_rows (float64 math, one cast), the optimizers equal optimizers.py's
-// TF formulas operation for operation in float32.
+// TF formulas operation for operation in float32. With bfloat16 rows the optimizer still
+// runs in float32 on the row read back as float32, and the result is rounded to nearest
+// even (as TensorFlow's cast) when it is stored; initial rows are rounded the same way.
 #ifndef TF_FUSEDEMB_EMBEDDING_ENGINE_H_
 #define TF_FUSEDEMB_EMBEDDING_ENGINE_H_
 
@@ -83,6 +86,7 @@ struct Config {
   float initial_accumulator = 0.1f;  // adagrad, ftrl
   float beta1 = 0.9f, beta2 = 0.999f, epsilon = 1e-7f;  // adam
   float lr_power = -0.5f, l1 = 0.0f, l2 = 0.0f;         // ftrl
+  bool bf16_rows = false;  // rows stored as bfloat16; slots and the optimizer stay float32
   Init init = Init::kUniform;
   double init_loc = 0.0, init_scale = 0.0;  // uniform: (minval, maxval - minval); normal: (mean, stddev)
   int num_shards = 16;                      // a power of two
@@ -296,6 +300,23 @@ inline void CopyFloats(const float* from, int64_t n, float* to) {
   for (int64_t j = 0; j < n; ++j) to[j] = from[j];
 }
 
+// float32 -> bfloat16, rounded to nearest even: TensorFlow's (Eigen's) cast, so a row
+// equals tf.cast(row, tf.bfloat16) of the float32 row; a NaN stays a quiet NaN.
+inline uint16_t ToBfloat16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline float FromBfloat16(uint16_t b) {
+  const uint32_t bits = uint32_t{b} << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 // ------------------------------------------------------------------ blocks and arenas
 // The identity and statistics of a key, followed by row and slots in full blocks.
 // 28 bytes, 4-byte aligned (packed): the last step is an int32 (a step count past 2^31
@@ -483,7 +504,6 @@ class Shard {
                                                            : full_.At(ref));
   }
   static bool IsStored(uint32_t ref) { return (ref & kMetaBit) == 0; }
-  static float* Row(BlockHeader* h) { return reinterpret_cast<float*>(h + 1); }
 
   // Cache prefetches: the index's probe group of `key`; the first `bytes` of its block.
   void PrefetchIndex(int64_t key) const { index_.prefetch(KeyProbe{key}); }
@@ -684,8 +704,9 @@ class Engine {
       : config_(c), num_slots_(NumSlots(c.optimizer)), init_(c) {
     shard_shift_ = 64;
     for (int s = c.num_shards; s > 1; s >>= 1) --shard_shift_;
-    const size_t full = sizeof(BlockHeader) + sizeof(float) * c.dim * (1 + num_slots_);
-    block_bytes_ = full;  // a multiple of 4, the header's alignment
+    // Multiples of 4, the header's alignment: a bfloat16 row is padded to it.
+    row_bytes_ = c.bf16_rows ? (sizeof(uint16_t) * c.dim + 3) / 4 * 4 : sizeof(float) * c.dim;
+    block_bytes_ = sizeof(BlockHeader) + row_bytes_ + sizeof(float) * c.dim * num_slots_;
     for (int s = 0; s < c.num_shards; ++s) shards_.emplace_back(new Shard(block_bytes_));
   }
 
@@ -745,12 +766,12 @@ class Engine {
     const Shard& sh = *shards_[s];
     std::shared_lock<std::shared_mutex> lock(sh.mutex());
     const int d = dim();
-    Prefetched(sh, pos, keys, sizeof(BlockHeader) + d * sizeof(float), [&](int32_t i) {
+    Prefetched(sh, pos, keys, sizeof(BlockHeader) + row_bytes_, [&](int32_t i) {
       const uint32_t* ref = sh.Find(keys[i]);
       if (ref != nullptr && Shard::IsStored(*ref)) {
-        CopyFloats(Shard::Row(sh.Header(*ref)), d, out + int64_t{i} * d);
+        LoadRow(sh.Header(*ref), out + int64_t{i} * d);
       } else {
-        init_.Fill(init_keys[i], out + int64_t{i} * d);
+        InitialRow(init_keys[i], out + int64_t{i} * d);
       }
     }, out);
   }
@@ -782,17 +803,25 @@ class Engine {
             return;
           }
           if (static_cast<int64_t>(h->count()) < min_counts[h->table()]) {  // not admitted
-            init_.Fill(init_keys[i], row_out);
+            InitialRow(init_keys[i], row_out);
             return;
           }
         }
         h = sh.Promote(ref);
         created = true;
       }
-      if (created) InitRowAndSlots(h, init_keys[i]);
-      float* row = Shard::Row(h);
-      ApplyOptimizer(config_, step, row, row + d, grads + int64_t{i} * d);
-      CopyFloats(row, d, row_out);
+      if (created) InitRowAndSlots(h, init_keys[i], row_out);
+      const float* g = grads + int64_t{i} * d;
+      if (!config_.bf16_rows) {  // in place
+        float* row = FloatRow(h);
+        ApplyOptimizer(config_, step, row, Slots(h), g);
+        CopyFloats(row, d, row_out);
+      } else {  // on the float32 row in row_out; out gets the stored, rounded row
+        LoadRow(h, row_out);
+        ApplyOptimizer(config_, step, row_out, Slots(h), g);
+        StoreRow(row_out, h);
+        LoadRow(h, row_out);
+      }
     }, grads, out);
     return error;
   }
@@ -846,9 +875,9 @@ class Engine {
       if (ref == nullptr || !Shard::IsStored(*ref)) {
         return "key " + std::to_string(keys[i]) + " has no stored row";
       }
-      const float* row = Shard::Row(sh.Header(*ref));
-      CopyFloats(row, d, values + i * d);
-      CopyFloats(row + d, sd, slots + i * sd);  // sd may be 0 with a null slots array
+      BlockHeader* h = sh.Header(*ref);
+      LoadRow(h, values + i * d);
+      CopyFloats(Slots(h), sd, slots + i * sd);  // sd may be 0 with a null slots array
     }
     return "";
   }
@@ -864,8 +893,8 @@ class Engine {
       bool created;
       uint32_t* ref = sh.FindOrAddFull(keys[i], &created);
       BlockHeader* h = Shard::IsStored(*ref) ? sh.Header(*ref) : sh.Promote(ref);
-      CopyFloats(values + i * d, d, Shard::Row(h));
-      CopyFloats(slots + i * sd, sd, Shard::Row(h) + d);  // sd may be 0, slots null
+      StoreRow(values + i * d, h);
+      CopyFloats(slots + i * sd, sd, Slots(h));  // sd may be 0, slots null
     }
   }
 
@@ -1104,9 +1133,10 @@ class Engine {
     fields->push_back(f);
     if (values == nullptr) return;
     if (f.stored) {
-      const float* row = reinterpret_cast<const float*>(h + 1);
-      values->insert(values->end(), row, row + d);
-      slots->insert(slots->end(), row + d, row + d + sd);
+      values->resize(values->size() + d);
+      LoadRow(h, values->data() + values->size() - d);
+      const float* slot = Slots(h);
+      slots->insert(slots->end(), slot, slot + sd);
     } else {
       values->resize(values->size() + d, 0.0f);
       slots->resize(slots->size() + sd, 0.0f);
@@ -1191,18 +1221,64 @@ class Engine {
     return victims;
   }
 
-  void InitRowAndSlots(BlockHeader* h, int64_t init_key) const {
+  // A new block's row and slots; `scratch`: float[dim] the row may be built in.
+  void InitRowAndSlots(BlockHeader* h, int64_t init_key, float* scratch) const {
     const int d = dim();
-    float* row = Shard::Row(h);
-    init_.Fill(init_key, row);
-    for (int k = 0; k < num_slots_; ++k) {
-      std::fill(row + (k + 1) * d, row + (k + 2) * d, InitialSlotValue(config_, k));
+    if (config_.bf16_rows) {
+      init_.Fill(init_key, scratch);
+      StoreRow(scratch, h);
+    } else {
+      init_.Fill(init_key, FloatRow(h));
     }
+    float* slots = Slots(h);
+    for (int k = 0; k < num_slots_; ++k) {
+      std::fill(slots + k * d, slots + (k + 1) * d, InitialSlotValue(config_, k));
+    }
+  }
+
+  // ---- a block's row and slots (the row float32 or bfloat16, see Config::bf16_rows)
+  static float* FloatRow(BlockHeader* h) { return reinterpret_cast<float*>(h + 1); }
+  static uint16_t* Bf16Row(const BlockHeader* h) {
+    return reinterpret_cast<uint16_t*>(const_cast<BlockHeader*>(h) + 1);
+  }
+  float* Slots(const BlockHeader* h) const {
+    return reinterpret_cast<float*>(reinterpret_cast<char*>(const_cast<BlockHeader*>(h) + 1) +
+                                    row_bytes_);
+  }
+
+  // The stored row of h as float32[dim] at out.
+  void LoadRow(const BlockHeader* h, float* out) const {
+    const int d = dim();
+    if (!config_.bf16_rows) {
+      CopyFloats(reinterpret_cast<const float*>(h + 1), d, out);
+      return;
+    }
+    const uint16_t* row = Bf16Row(h);
+    for (int j = 0; j < d; ++j) out[j] = FromBfloat16(row[j]);
+  }
+
+  // Stores float32[dim] `row` as h's row (rounded with bfloat16 rows).
+  void StoreRow(const float* row, BlockHeader* h) const {
+    const int d = dim();
+    if (!config_.bf16_rows) {
+      CopyFloats(row, d, FloatRow(h));
+      return;
+    }
+    uint16_t* out = Bf16Row(h);
+    for (int j = 0; j < d; ++j) out[j] = ToBfloat16(row[j]);
+  }
+
+  // The initial row of init_key at out, float32[dim], as a stored block would hold it.
+  void InitialRow(int64_t init_key, float* out) const {
+    init_.Fill(init_key, out);
+    if (!config_.bf16_rows) return;
+    for (int j = 0; j < dim(); ++j) out[j] = FromBfloat16(ToBfloat16(out[j]));
   }
 
   Config config_;
   int num_slots_;
   int shard_shift_;
+  size_t row_bytes_;
   size_t block_bytes_;
   RowInitializer init_;
   std::vector<std::unique_ptr<Shard>> shards_;

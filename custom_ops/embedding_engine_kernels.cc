@@ -243,6 +243,9 @@ class EngineHandleOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("learning_rate_power", &c.lr_power));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("l1", &c.l1));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("l2", &c.l2));
+    std::string row_dtype;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("row_dtype", &row_dtype));
+    c.bf16_rows = row_dtype == "bfloat16";
     std::vector<std::string> params;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("init_params", &params));
     OP_REQUIRES(ctx, params.size() == 2 && ParseDouble(params[0], &c.init_loc) &&

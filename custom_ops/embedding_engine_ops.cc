@@ -54,6 +54,7 @@ REGISTER_OP("FusedEmb>EngineHandle")
     .Attr("num_shards: int = 16")
     .Attr("memory_budget_bytes: int = -1")
     .Attr("spill_path: string = ''")
+    .Attr("row_dtype: {'float32', 'bfloat16'} = 'float32'")
     .Attr("container: string = ''")
     .Attr("shared_name: string")
     .SetIsStateful()
@@ -77,6 +78,8 @@ memory_budget_bytes: -1: every block in DRAM. Else the DRAM bytes of blocks and 
   or a prefetch aside); the other blocks are spilled whole to a RocksDB store.
 spill_path: the store's directory, this engine's alone (emptied at creation, removed
   with the engine); required with a budget.
+row_dtype: how rows are stored: float32, or bfloat16 (rounded to nearest even on every
+  store; slots and the optimizer's math stay float32, rows travel as float32).
 shared_name: unique per table instance.
 )doc");
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO_ROOT
-from tf_fusedemb.benchmarks.storage import BACKENDS, ZipfKeys
+from tf_fusedemb.benchmarks.storage import BACKENDS, MEMORY_KINDS, ZipfKeys
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +34,14 @@ def test_structure(result):
             assert thr[kind][f"{op}s_per_s"] > 0 and thr[kind][f"{op}s_per_cpu_s"] > 0
         assert thr[kind]["rows"] >= 60_000
     assert thr["engine"]["rows"] == thr["tfra"]["rows"]  # same batches on both
-    for kind in BACKENDS:
+    for kind in MEMORY_KINDS:
         points = result["memory"][kind]["points"]
         assert points[-1]["rows"] >= 150_000 and points[-1]["bytes_per_row_rss"] > 0
     assert 0 < result["engine_bytes_held_vs_rss"] <= 1.5
+    f32, bf16 = (result["memory"][k]["points"][-1] for k in ("engine", "engine_bf16"))
+    # dim 16: the row takes 32 bytes less (RSS is measured, and noisier at 150k rows)
+    assert 28 <= f32["bytes_held_per_row"] - bf16["bytes_held_per_row"] <= 36
+    assert result["bf16_rows_memory_ratio"] > 0
     assert os.path.exists(result["plot"])
 
 

@@ -16,7 +16,9 @@ unique keys: a Zipf mix of hits (ranks of the stored keys, exponent 1.05) and ne
 * Memory, per backend (RSS is per process): a worker grows the table to ``--rows``
   (10M) with batches of 50% new keys, recording statistics, and reads the process's RSS
   at checkpoints: bytes per row = (RSS - RSS before the table) / stored rows; for the
-  engine also ``bytes_held`` (what ``memory()`` reports) against the RSS growth.
+  engine also ``bytes_held`` (what ``memory()`` reports) against the RSS growth. The
+  engine runs twice: float32 rows, and bfloat16 rows (``TableSpec.row_dtype``;
+  ``bf16_rows_memory_ratio`` is its RSS per row over float32's).
 The last line (``--json``) is one JSON object; ``--plot`` writes a PNG.
 """
 import argparse
@@ -39,6 +41,7 @@ from tf_fusedemb.benchmarks.timing import emit, time_side_by_side  # noqa: E402
 from tf_fusedemb.specs import InitializerSpec, OptimizerSpec  # noqa: E402
 
 BACKENDS = ("engine", "tfra")
+MEMORY_KINDS = ("engine", "engine_bf16", "tfra")  # engine_bf16: the engine, bfloat16 rows
 DIM = 16
 
 
@@ -98,8 +101,9 @@ class Backend:
         from tf_fusedemb.storage.engine_table import EngineGroupTable, EngineStatistics  # pylint: disable=import-outside-toplevel
         from tf_fusedemb.storage.tables import DynamicGroupTable  # pylint: disable=import-outside-toplevel
         args = (f"bench_{kind}", DIM, InitializerSpec(), OptimizerSpec.adagrad(0.05))
-        if kind == "engine":
-            self.table = EngineGroupTable(*args)
+        if kind.startswith("engine"):
+            self.table = EngineGroupTable(
+                *args, row_dtype="bfloat16" if kind == "engine_bf16" else "float32")
             self.stats = EngineStatistics("bench", ["c"], self.table.engine)
         else:
             self.table = DynamicGroupTable(*args)
@@ -215,7 +219,7 @@ def memory_worker(kind: str, rows: int, batch: int, checkpoints) -> dict:
             point = {"rows": stored, "rss_growth_bytes": rss_bytes() - base,
                      "seconds": round(time.perf_counter() - start, 1)}
             point["bytes_per_row_rss"] = round(point["rss_growth_bytes"] / stored, 1)
-            if kind == "engine":
+            if kind.startswith("engine"):
                 held = int(backend.table.bytes_held().numpy())
                 point["bytes_held_per_row"] = round(held / stored, 1)
                 point["bytes_held_vs_rss"] = round(held / point["rss_growth_bytes"], 3)
@@ -240,9 +244,9 @@ def plot(result: dict, path: str) -> str:
         pts = mem["points"]
         mem_ax.plot([p["rows"] for p in pts], [p["bytes_per_row_rss"] for p in pts], "o-",
                     label=f"{kind} (RSS)")
-        if kind == "engine":
+        if kind.startswith("engine"):
             mem_ax.plot([p["rows"] for p in pts], [p["bytes_held_per_row"] for p in pts], "x--",
-                        label="engine memory() (bytes_held)")
+                        label=f"{kind} memory() (bytes_held)")
     mem_ax.axhline(170, color="gray", linestyle=":", label="target 170")
     mem_ax.set_xscale("log")
     mem_ax.set(xlabel="stored rows", ylabel="bytes per row", title="memory, dim 16 Adagrad + statistics")
@@ -294,10 +298,12 @@ def main(argv=None):
         result["throughput"] = {f"threads_{t}": run_worker(["throughput", str(t)] + common)
                                 for t in args.threads}
     if "memory" in args.parts:
-        result["memory"] = {k: run_worker([k] + common) for k in BACKENDS}
+        result["memory"] = {k: run_worker([k] + common) for k in MEMORY_KINDS}
         last = {k: m["points"][-1] for k, m in result["memory"].items()}
         result["bytes_per_row_at_max"] = {k: v["bytes_per_row_rss"] for k, v in last.items()}
         result["engine_bytes_held_vs_rss"] = last["engine"].get("bytes_held_vs_rss")
+        result["bf16_rows_memory_ratio"] = round(
+            last["engine_bf16"]["bytes_per_row_rss"] / last["engine"]["bytes_per_row_rss"], 3)
     if args.plot:
         result["plot"] = plot(result, args.plot)
     emit(result, args.json)

@@ -100,12 +100,14 @@ class EmbeddingEngine(tf.saved_model.experimental.TrackableResource):
         spill_path: the store's directory, required with a budget: this engine's alone
             (emptied when the engine is made, removed when it is destroyed); see
             tf_fusedemb.storage.spill_dir for where the storage layer puts it.
+        row_dtype: "float32" or "bfloat16": how rows are stored (TableSpec.row_dtype);
+            lookups, gradients and slots are float32 either way.
     """
 
     def __init__(self, name: str, dim: int, initializer: InitializerSpec,
                  init_params: Tuple[float, float], optimizer: OptimizerSpec,
                  num_shards: int = DEFAULT_NUM_SHARDS, memory_budget_bytes: Optional[int] = None,
-                 spill_path: Optional[str] = None):
+                 spill_path: Optional[str] = None, row_dtype: str = "float32"):
         if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0:
             raise ValueError(f"engine {name!r}: dim must be an int > 0, got {dim!r}")
         if not isinstance(num_shards, int) or num_shards <= 0 or num_shards & (num_shards - 1):
@@ -121,7 +123,8 @@ class EmbeddingEngine(tf.saved_model.experimental.TrackableResource):
         self._attrs = dict(
             dim=dim, optimizer=optimizer.name, learning_rate=optimizer.learning_rate,
             initializer=initializer.name, init_params=[repr(float(loc)), repr(float(scale))],
-            num_shards=num_shards, shared_name=f"fusedemb_engine_{next(_instances)}_{name}")
+            num_shards=num_shards, row_dtype=row_dtype,
+            shared_name=f"fusedemb_engine_{next(_instances)}_{name}")
         self.memory_budget_bytes = memory_budget_bytes
         self.spill_path = spill_path
         if memory_budget_bytes is not None:

@@ -52,7 +52,7 @@ class FusedGroup:
             if f.table.fusion_key != first.table.fusion_key:
                 fail("FusedGroup", self.name, f"FeatureSpec {f.name!r} and FeatureSpec {first.name!r} have "
                                                f"different specs (dim, optimizer, initializer, key_dtype, "
-                                               f"storage, SSD tier) and cannot be fused")
+                                               f"storage, SSD tier, row_dtype) and cannot be fused")
 
     dim = property(lambda self: self.features[0].table.dim)
     optimizer = property(lambda self: self.features[0].table.optimizer)
@@ -77,6 +77,7 @@ class FusedGroup:
         return None if budgets[0] is None else sum(budgets)
 
     spill_dir = property(lambda self: self.features[0].table.spill_dir)
+    row_dtype = property(lambda self: self.features[0].table.row_dtype)
 
     @property
     def table_index(self) -> tuple:

@@ -14,6 +14,7 @@ POLICY_FIELDS = ("admission", "eviction")  # TableSpec fields outside the storag
 # TableSpec fields of the SSD tier: where rows live, not what they are (a checkpoint of a
 # tiered table restores onto an untiered one and back).
 TIER_FIELDS = ("memory_budget_bytes", "spill_dir")
+ROW_DTYPES = ("float32", "bfloat16")  # how the storage engine stores a table's rows
 # The storage backends of a dynamic table (tf_fusedemb.storage.backend); a static table
 # keeps its dense variables ("static"). Which backend holds the rows is outside the
 # storage layout too: a checkpoint written with one restores onto the other.
@@ -55,6 +56,12 @@ class TableSpec:
             any run or checkpoint directory is known; name a directory on a local SSD
             with room for the table. Nothing in it outlives the process (checkpoints
             hold every row): a killed run's leftovers may be deleted.
+        row_dtype: how the rows are stored, one of ``ROW_DTYPES``. "bfloat16" (engine
+            storage only) halves the row bytes of every block: each row is rounded to
+            nearest even (as ``tf.cast``) whenever it is stored, while its optimizer slots
+            and the optimizer's math stay float32 and lookups return float32. Training
+            then equals float32 training with that rounding after every update, not
+            float32 training itself. Tables of different row dtypes never fuse.
     """
     name: str
     dim: int
@@ -67,6 +74,7 @@ class TableSpec:
     storage: Optional[str] = None
     memory_budget_bytes: Optional[int] = None
     spill_dir: Optional[str] = None
+    row_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         check_name("TableSpec", self.name)
@@ -94,6 +102,17 @@ class TableSpec:
                                               f"memory is fixed")
         object.__setattr__(self, "storage", self._resolved_storage())
         self._check_tier()
+        self._check_row_dtype()
+
+    def _check_row_dtype(self) -> None:
+        """float32, or bfloat16 rows of an engine table."""
+        dtype = getattr(self.row_dtype, "name", self.row_dtype)  # tf.bfloat16 -> "bfloat16"
+        if dtype not in ROW_DTYPES:
+            fail("TableSpec", self.name, f"row_dtype {self.row_dtype!r} is not one of {ROW_DTYPES}")
+        if dtype != "float32" and self.storage != "engine":
+            fail("TableSpec", self.name, f"row_dtype {dtype!r} needs storage 'engine' (a dynamic "
+                                          f"table on the storage engine), got {self.storage!r}")
+        object.__setattr__(self, "row_dtype", dtype)
 
     def _check_tier(self) -> None:
         """A budget: an int >= 0 of an engine table; a spill_dir only with a budget."""
@@ -140,7 +159,8 @@ class TableSpec:
         optimizer compares with its learning rate and hyper-parameters: one group takes one
         optimizer step."""
         return (self.dim, self.optimizer, self.initializer, self.key_dtype, self.is_static,
-                self.storage, self.memory_budget_bytes is not None, self.spill_dir)
+                self.storage, self.memory_budget_bytes is not None, self.spill_dir,
+                self.row_dtype)
 
     def to_dict(self) -> dict:
         # Policies only when set: a plan without them keeps its old dict and fingerprint.
@@ -155,6 +175,8 @@ class TableSpec:
         for field in TIER_FIELDS:
             if getattr(self, field) is not None:
                 d[field] = getattr(self, field)
+        if self.row_dtype != "float32":
+            d["row_dtype"] = self.row_dtype
         return d
 
     @classmethod
@@ -164,7 +186,8 @@ class TableSpec:
                    d.get("key_dtype", "int64"),
                    AdmissionPolicy.from_dict(d["admission"]) if d.get("admission") else None,
                    EvictionPolicy.from_dict(d["eviction"]) if d.get("eviction") else None,
-                   d.get("storage"), d.get("memory_budget_bytes"), d.get("spill_dir"))
+                   d.get("storage"), d.get("memory_budget_bytes"), d.get("spill_dir"),
+                   d.get("row_dtype", "float32"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -231,7 +231,8 @@ class EngineBackend(StorageBackend):
         path = None if budget is None else make_spill_path(
             group.name, [t.name for t in group.tables], group.spill_dir)
         table = EngineGroupTable(table_name, group.dim, group.initializer, group.optimizer,
-                                 memory_budget_bytes=budget, spill_path=path)
+                                 memory_budget_bytes=budget, spill_path=path,
+                                 row_dtype=group.row_dtype)
         return GroupStorage(table, EngineStatistics(group.name, [t.name for t in group.tables],
                                                     table.engine))
 
