@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
+from tf_fusedemb.inference.export import export_saved_model
 from tf_fusedemb.layers import FusedEmbedding
 from tf_fusedemb.specs import FeatureSpec, InitializerSpec, OptimizerSpec, TableSpec
 from tf_fusedemb.storage.engine_table import EngineGroupTable
@@ -134,3 +135,21 @@ def test_fit_with_bf16_rows_equals_keras_fit_rounding_its_embedding():
     rows = emb.get_weights()[0]
     np.testing.assert_array_equal(stored["values"], rows[stored["ids"]])
     np.testing.assert_array_equal(stored["values"], bf16(stored["values"]))
+
+
+def test_export_serves_never_trained_keys_their_rounded_initial_rows(tmp_path):
+    """The SavedModel of a model with a bfloat16 table serves what the model predicts, for
+    trained keys and for keys it never saw (their initial row, rounded as stored)."""
+    table = TableSpec("t", 8, OptimizerSpec.sgd(0.5), row_dtype="bfloat16")
+    layer = FusedEmbedding([FeatureSpec("ids", table, combiner="sum")])
+    ids = tf_keras.Input((), dtype="int64", name="ids")
+    model = tf_keras.Model(ids, tf_keras.layers.Dense(1)(layer({"ids": ids})["ids"]))
+    model.compile(tf_keras.optimizers.SGD(0.5),
+                  tf_keras.losses.BinaryCrossentropy(from_logits=True))
+    x = np.arange(64, dtype=np.int64)
+    model.fit(x, (x % 2).astype(np.float32), batch_size=16, epochs=1, verbose=0)
+    query = np.concatenate([x[:8], np.arange(10**9, 10**9 + 8)])  # trained, never seen
+    want = model.predict(query, verbose=0).reshape(-1)
+    served = tf.saved_model.load(export_saved_model(model, str(tmp_path / "m"), {"ids": "scalar"}))
+    got = served.signatures["serving_default"](ids=tf.constant(query))["logits"].numpy()
+    np.testing.assert_allclose(got.reshape(-1), want, rtol=1e-6, atol=1e-6)

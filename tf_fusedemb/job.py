@@ -87,32 +87,41 @@ def make_data(name: str, path: Optional[str], batch_size: int, rank: int, size: 
     raise ValueError(f"--data must be one of {DATASETS}, got {name!r}")
 
 
-def with_memory_budget(specs: Sequence[FeatureSpec], budget_bytes: Optional[int],
-                       spill_dir: Optional[str] = None) -> List[FeatureSpec]:
-    """``specs`` whose tables keep at most ``budget_bytes`` of blocks in DRAM on each rank
-    altogether (split evenly over the distinct tables, whose fused group's budget is the
-    sum), the rest on the SSD tier under ``spill_dir``; None: unchanged."""
-    if budget_bytes is None:
-        return list(specs)
-    tables = sorted({f.table.name for f in specs})
-    share = budget_bytes // len(tables)
-    return [dataclasses.replace(f, table=dataclasses.replace(
-        f.table, memory_budget_bytes=share, spill_dir=spill_dir)) for f in specs]
+@dataclasses.dataclass(frozen=True)
+class TableStorage:
+    """How the job's tables are stored on each rank.
+
+    Fields:
+      memory_budget_bytes: None keeps every row in DRAM; else the DRAM bytes of blocks
+        the tables keep altogether (split evenly over the distinct tables, whose fused
+        group's budget is the sum), the rest on the SSD tier under ``spill_dir``.
+      spill_dir: TableSpec.spill_dir of every table (with a budget only).
+      row_dtype: TableSpec.row_dtype of every table: "float32" or "bfloat16".
+    """
+    memory_budget_bytes: Optional[int] = None
+    spill_dir: Optional[str] = None
+    row_dtype: str = "float32"
+
+    def apply(self, specs: Sequence[FeatureSpec]) -> List[FeatureSpec]:
+        """``specs`` with their tables stored this way."""
+        tables = sorted({f.table.name for f in specs})
+        share = None if self.memory_budget_bytes is None else \
+            self.memory_budget_bytes // len(tables)
+        return [dataclasses.replace(f, table=dataclasses.replace(
+            f.table, memory_budget_bytes=share, spill_dir=self.spill_dir,
+            row_dtype=self.row_dtype)) for f in specs]
 
 
 def make_model(model: str, feature_kinds: Mapping[str, str], dense_names: Sequence[str],
-               dim: int = 16, lr: float = 0.05, memory_budget_bytes: Optional[int] = None,
-               spill_dir: Optional[str] = None) -> FusedModel:
-    """A FusedModel by name over the data's features; with ``memory_budget_bytes`` its
-    tables are tiered (see :func:`with_memory_budget`)."""
+               dim: int = 16, lr: float = 0.05,
+               storage: TableStorage = TableStorage()) -> FusedModel:
+    """A FusedModel by name over the data's features, its tables stored as ``storage``
+    says (default: every row in DRAM, float32)."""
     optimizer = OptimizerSpec.adagrad(lr)
     if model == "sequence":
-        return SequenceModel(with_memory_budget(
-            movielens_feature_specs(dim=dim, optimizer=optimizer), memory_budget_bytes,
-            spill_dir))
-    specs = with_memory_budget(
-        criteo_feature_specs(dim=dim, optimizer=optimizer, names=tuple(feature_kinds)),
-        memory_budget_bytes, spill_dir)
+        return SequenceModel(storage.apply(movielens_feature_specs(dim=dim, optimizer=optimizer)))
+    specs = storage.apply(
+        criteo_feature_specs(dim=dim, optimizer=optimizer, names=tuple(feature_kinds)))
     if model == "dlrm":
         return models.DLRM(specs, list(dense_names), bottom_mlp=(64, dim), top_mlp=(128, 64))
     if model == "dcn":

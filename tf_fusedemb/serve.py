@@ -50,6 +50,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--data-path", default=None, help="file or folder of the dataset")
     p.add_argument("--model", default="dlrm", choices=MODELS, help="as in training")
     p.add_argument("--dim", type=int, default=16, help="embedding dim, as in training")
+    p.add_argument("--row-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="how the tables store their rows, as in training (a key never "
+                        "trained reads its initial row rounded the same way)")
     p.add_argument("--lag", type=int, default=2, help="BLS bound k (0 = synchronous)")
     p.add_argument("--batch-size", type=int, default=1024, help="global batch")
     p.add_argument("--max-batches", type=int, default=None)
@@ -97,7 +100,8 @@ def build(args: argparse.Namespace, rank: int, size: int,
     with this rank's shard restored, and the batches."""
     data, kinds, dense = global_batches(args)
     with for_rank(rank, size, comm):  # tables of this rank's rows only (static ones too)
-        model = job.make_model(args.model, kinds, dense, dim=args.dim)
+        model = job.make_model(args.model, kinds, dense, dim=args.dim,
+                               storage=job.TableStorage(row_dtype=args.row_dtype))
     first, _ = next(iter(data))
     model(tf.nest.map_structure(lambda t: t[:0], first))  # variables, no key recorded
     try:

@@ -82,6 +82,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "matmuls in bf16 (AVX-512 BF16 / AMX through oneDNN) on float32 "
                         "weights; the logit, the loss, the rows and their optimizer stay "
                         "float32")
+    p.add_argument("--row-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="how the tables store their rows (TableSpec.row_dtype): bfloat16 "
+                        "halves the row bytes; slots and the row optimizer stay float32")
     p.add_argument("--profile-steps", type=int, default=0, metavar="N",
                    help="profile N steps after the first 5 with TensorFlow's profiler and "
                         "report where each rank's step time goes (RESULT's profile_by_rank; "
@@ -114,10 +117,11 @@ def build(args: argparse.Namespace, comm: Communicator) -> Tuple[
         eval_rows=args.eval_rows, seed=args.seed)
     if args.cluster_samples:  # reorders samples inside each batch only (NestPipe V-C)
         train = cluster_dataset(train, sorted(kinds), args.pipeline.micro_batches)
+    storage = job.TableStorage(
+        None if args.memory_budget_mb is None else int(args.memory_budget_mb * 2**20),
+        args.spill_dir, args.row_dtype)
     model = _with_policy(args.dtype_policy, lambda: job.make_model(
-        args.model, kinds, dense, dim=args.dim, lr=args.lr,
-        memory_budget_bytes=None if args.memory_budget_mb is None
-        else int(args.memory_budget_mb * 2**20), spill_dir=args.spill_dir))
+        args.model, kinds, dense, dim=args.dim, lr=args.lr, storage=storage))
     x0, _ = next(iter(evaluation))
     model(tf.nest.map_structure(lambda t: t[:0], x0))  # build variables, record no key
     return model, train, evaluation, kinds, dense

@@ -270,121 +270,168 @@ def _pick(points):
     return min(points, key=lambda m: abs(points[m]["sync_comm_share"] - 0.4))
 
 
-def run(args):
-    comm = get_communicator()
-    rank, size = comm.rank, comm.size
-    load_start = os.getloadavg()
+class Variants:
+    """What one run times: the pipelines by mode, each with its batches (``runs``; a
+    mode's single-rank twin under ``local_<mode>``), the calls timed alone (``calls``:
+    collectives of one step, one batch's lookup), and ``cursor``, the first batch of the
+    current round (every block of a round starts there).
 
-    def log(msg):
-        if rank == 0:
-            print(f"[pipeline] {msg}", flush=True)
+    Args:
+      args: the worker's arguments. comm: this rank's communicator.
+      raw, clustered_raw: this rank's batches as numpy arrays, as drawn and clustered.
+    """
 
-    raw, source = load_batches(args, size, rank)
+    def __init__(self, args, comm, raw, clustered_raw):
+        self.args, self.comm, self.cursor = args, comm, 0
+        self.batches, clustered = as_tensors(raw), as_tensors(clustered_raw)
+        self.loss_fn = tf_keras.losses.BinaryCrossentropy(from_logits=True)
+        self.model, self.optimizer = build_model(comm, args)
+        self.modes = {m: REAL[m] for m in args.modes if m != "auto"}
+        self.auto: Any = _auto_factory() if "auto" in args.modes else None
+        self.runs: Dict[str, Tuple[Any, List]] = {}  # block -> (its pipeline, its batches)
+        for name, options in self.modes.items():
+            shared = self.runs.get(CLUSTERED_OF.get(name, ""))
+            pipeline = shared[0] if shared else NestedPipeline(
+                self.model, self.loss_fn, self.optimizer, options, communicator=comm)
+            self.runs[name] = (pipeline, clustered if name.endswith("_cluster") else self.batches)
+        self._add_twins(args)
+        self.calls = {f"alone_fwp{n}": _collectives_alone(
+            comm, _send_plan(raw[0][0], n, comm.size), self.model.trainable_variables)
+            for n in ALONE}
+        if "dbp" in self.runs:  # routing + retrieval of one batch alone (NestedPipeline.prefetch)
+            prefetch = self.runs["dbp"][0].prefetch
+            self.calls["lookup"] = lambda: tf.nest.map_structure(
+                lambda t: t.numpy(), prefetch(self.batches[self.cursor % len(self.batches)][0]))
 
-    # Clustering of this rank's batches: unique keys per micro-batch and the CPU cost.
-    cats = [{c: x[c] for c in CAT} for x, _ in raw]
-    unique, cluster_ms = _clustering_counts(cats)
-    clustered_raw = [_reorder(b, cluster_permutation(c, 4)) for b, c in zip(raw, cats)]
-    real_clustering = _real_clustering(args.real_data, args.batch_size) if rank == 0 else {}
+    def _add_twins(self, args):
+        local = LocalCommunicator()
+        model, optimizer = build_model(local, args)
+        for name in TWINNED:
+            if name in self.modes:
+                self.runs[f"local_{name}"] = (NestedPipeline(
+                    model, self.loss_fn, optimizer, REAL[name], communicator=local), self.batches)
 
-    batches, clustered = as_tensors(raw), as_tensors(clustered_raw)
-    loss_fn = tf_keras.losses.BinaryCrossentropy(from_logits=True)
-    model, optimizer = build_model(comm, args)
-    local = LocalCommunicator()
-    local_model, local_optimizer = build_model(local, args)
-    modes = {m: REAL[m] for m in args.modes if m != "auto"}
-    auto = _auto_factory() if "auto" in args.modes else None
-    runs: Dict[str, Tuple[NestedPipeline, Any]] = {}  # mode -> (its pipeline, its batches)
-    for name, options in modes.items():
-        shared = runs.get(CLUSTERED_OF.get(name, ""))
-        pipeline = shared[0] if shared else NestedPipeline(model, loss_fn, optimizer, options,
-                                                           communicator=comm)
-        runs[name] = (pipeline, clustered if name.endswith("_cluster") else batches)
-    for name in TWINNED:
-        if name in modes:
-            runs[f"local_{name}"] = (NestedPipeline(local_model, loss_fn, local_optimizer,
-                                                    REAL[name], communicator=local), batches)
-    state = {"cursor": 0}  # first batch of the current round
-    calls = {f"alone_fwp{n}": _collectives_alone(comm, _send_plan(raw[0][0], n, size),
-                                                 model.trainable_variables) for n in ALONE}
-    if "dbp" in runs:  # routing + retrieval of one batch alone (NestedPipeline.prefetch)
-        prefetch = runs["dbp"][0].prefetch
-        calls["lookup"] = lambda: tf.nest.map_structure(
-            lambda t: t.numpy(), prefetch(batches[state["cursor"] % len(batches)][0]))
+    def trace(self, log) -> float:
+        """Runs every pipeline and call once (tracing); returns the seconds it took."""
+        start = time.perf_counter()
+        for name, (pipeline, data) in self.runs.items():
+            if name in CLUSTERED_OF and CLUSTERED_OF[name] in self.runs:
+                continue  # traced with its unclustered twin
+            t0 = time.perf_counter()
+            time_run(pipeline, data, 0, 3)
+            log(f"  {name}: warm-up {time.perf_counter() - t0:.1f}s")
+        for fn in self.calls.values():
+            fn()
+        return time.perf_counter() - start
 
-    log(f"variants {list(runs) + list(calls)}; tracing")
-    t_trace = time.perf_counter()
-    for name, (pipeline, data) in runs.items():
-        if name in CLUSTERED_OF and CLUSTERED_OF[name] in runs:
-            continue  # traced with its unclustered twin
-        t0 = time.perf_counter()
-        time_run(pipeline, data, 0, 3)
-        log(f"  {name}: warm-up {time.perf_counter() - t0:.1f}s")
-    for fn in calls.values():
-        fn()
-    trace_s = time.perf_counter() - t_trace
+    def block_names(self) -> List[str]:
+        """The blocks of a round: modes (a twin runs in its mode's block), auto, calls."""
+        return ([n for n in self.runs if not n.startswith("local_")]
+                + (["auto"] if self.auto else []) + list(self.calls))
 
-    def timed_block(name):
-        if name in calls:
+    def timed_block(self, name, times, diffs):
+        """``block(round)`` timing ``name``: its steps go to ``times[name]``; a mode with a
+        twin runs back to back with it (alternating which goes first, so the load of this
+        shared machine is alike for both) and adds the block's T - P to ``diffs[name]``."""
+        steps = self.args.steps
+        if name in self.calls:
             return lambda _round: times[name].extend(
-                time_steps(lambda k: calls[name](), args.steps - 2))
+                time_steps(lambda k: self.calls[name](), steps - 2))
         twin = f"local_{name}"
-        if twin not in runs:
-            return lambda _round: times[name].extend(time_run(*runs[name], state["cursor"],
-                                                               args.steps))
-        flip = [False]
+        if twin not in self.runs:
+            return lambda _round: times[name].extend(time_run(*self.runs[name], self.cursor, steps))
 
-        def paired_block(_round):
-            # The mode and its twin back to back (alternating which goes first), so the
-            # load of this shared machine is alike for both: diffs[name] collects the
-            # per-block T - P.
-            order = (twin, name) if flip[0] else (name, twin)
-            flip[0] = not flip[0]
-            block = {n: time_run(*runs[n], state["cursor"], args.steps) for n in order}
+        def paired_block(round_index):
+            order = (twin, name) if round_index % 2 else (name, twin)
+            block = {n: time_run(*self.runs[n], self.cursor, steps) for n in order}
             for n, t in block.items():
                 times[n].extend(t)
             diffs[name].append(median_ms(block[name]) - median_ms(block[twin]))
         return paired_block
 
+    def settle_auto(self, log, label) -> dict:
+        """A fresh auto pipeline (it chooses from what it measures at this link speed)."""
+        t0 = time.perf_counter()
+        self.runs["auto"] = (self.auto(self.model, self.loss_fn, self.optimizer, self.comm),
+                             self.batches)
+        choice, k = _settle_auto(self.runs["auto"][0], self.batches)
+        log(f"{label} Mbit/s: auto chose {choice} after {k} steps")
+        return {"auto_choice": choice, "auto_settle_steps": k,
+                "auto_settle_s": round(time.perf_counter() - t0, 1)}
+
+
+def _measure_at(variants: Variants, mbit, log) -> dict:
+    """The figures at one link speed (None: the loopback as it is): every block timed in
+    ``args.rounds`` shuffled rounds, summarized."""
+    args, comm = variants.args, variants.comm
+    label = "loopback" if mbit is None else f"{mbit:g}"
+    if args.sweep:
+        request_link_rate(comm, mbit)
+    settled = variants.settle_auto(log, label) if variants.auto is not None else {}
+    times: Dict[str, List[float]] = {n: [] for n in list(variants.runs) + list(variants.calls)}
+    diffs: Dict[str, List[float]] = {n: [] for n in variants.runs
+                                     if f"local_{n}" in variants.runs}
+
+    def after_round(r):
+        variants.cursor += args.steps
+        log(f"{label} Mbit/s round {r + 1}/{args.rounds}: " + ", ".join(
+            f"{n} {median_ms(t):.1f}" for n, t in times.items()))
+    timed_rounds({n: variants.timed_block(n, times, diffs) for n in variants.block_names()},
+                 args.rounds, args.seed, barrier=lambda: comm.allgather_object(None),
+                 after_round=after_round)
+    step = {n: median_ms(t) for n, t in times.items()}
+    alone = {n: step.pop(f"alone_fwp{n}") for n in ALONE}
+    point = _summarize(step, {n: median_ms(d) for n, d in diffs.items()}, alone)
+    point["timed_steps_per_variant"] = len(times["sync"])
+    point.update(settled)
+    log(f"{label}: sync {step['sync']:.1f} ms, sync_comm_share {point['sync_comm_share']}, "
+        f"nested {point['speedup_nested_vs_sync']}x")
+    return point
+
+
+def run(args):
+    """This rank's part of the benchmark; rank 0 returns the result (the others None)."""
+    comm = get_communicator()
+    load_start = os.getloadavg()
+
+    def log(msg):
+        if comm.rank == 0:
+            print(f"[pipeline] {msg}", flush=True)
+
+    raw, source = load_batches(args, comm.size, comm.rank)
+    # Clustering of this rank's batches: unique keys per micro-batch and the CPU cost.
+    cats = [{c: x[c] for c in CAT} for x, _ in raw]
+    unique, cluster_ms = _clustering_counts(cats)
+    variants = Variants(args, comm, raw, [_reorder(b, cluster_permutation(c, 4))
+                                          for b, c in zip(raw, cats)])
+    log(f"variants {list(variants.runs) + list(variants.calls)}; tracing")
+    trace_s = variants.trace(log)
     rates = args.sweep_mbit if args.sweep else [args.link_mbit if args.hosts else None]
-    blocks = [n for n in runs if not n.startswith("local_")] + (["auto"] if auto else [])
-    blocks += list(calls)
-    points = {}
     t_timed = time.perf_counter()
-    for mbit in rates:
-        label = "loopback" if mbit is None else f"{mbit:g}"
-        if args.sweep:
-            request_link_rate(comm, mbit)
-        settled = {}
-        if auto is not None:  # a fresh one per link speed: it chooses from what it measures
-            t0 = time.perf_counter()
-            runs["auto"] = (auto(model, loss_fn, optimizer, comm), batches)
-            choice, k = _settle_auto(runs["auto"][0], batches)
-            settled = {"auto_choice": choice, "auto_settle_steps": k,
-                       "auto_settle_s": round(time.perf_counter() - t0, 1)}
-            log(f"{label} Mbit/s: auto chose {choice} after {k} steps")
-        times: Dict[str, List[float]] = {name: [] for name in list(runs) + list(calls)}
-        diffs: Dict[str, List[float]] = {name: [] for name in runs if f"local_{name}" in runs}
-
-        def after_round(r, label=label):
-            state["cursor"] += args.steps
-            log(f"{label} Mbit/s round {r + 1}/{args.rounds}: " + ", ".join(
-                f"{n} {median_ms(t):.1f}" for n, t in times.items()))
-        timed_rounds({n: timed_block(n) for n in blocks}, args.rounds, args.seed,
-                     barrier=lambda: comm.allgather_object(None), after_round=after_round)
-        step = {n: median_ms(t) for n, t in times.items()}
-        alone = {n: step.pop(f"alone_fwp{n}") for n in ALONE}
-        points[label] = _summarize(step, {n: median_ms(d) for n, d in diffs.items()}, alone)
-        points[label]["timed_steps_per_variant"] = len(times["sync"])
-        points[label].update(settled)
-        log(f"{label}: sync {step['sync']:.1f} ms, sync_comm_share "
-            f"{points[label]['sync_comm_share']}, nested "
-            f"{points[label]['speedup_nested_vs_sync']}x")
+    points = {"loopback" if m is None else f"{m:g}": _measure_at(variants, m, log)
+              for m in rates}
     timed_s = time.perf_counter() - t_timed
-    if rank != 0:
+    if comm.rank != 0:
         return None
+    result = _result(args, comm.size, source, points, variants)
+    result.update({
+        "unique_keys_per_batch": {str(n): {k: round(float(np.mean(v)), 1)
+                                           for k, v in unique[n].items()} for n in MICRO},
+        "clustering_unique_key_reduction": _reduction(unique, 4),
+        "clustering_unique_key_reduction_by_n": {str(n): _reduction(unique, n) for n in MICRO},
+        "cluster_ms_per_batch": median_ms(cluster_ms),
+        "tracing_s": round(trace_s, 1), "timed_s": round(timed_s, 1),
+        "loadavg_start": [round(v, 2) for v in load_start],
+    })
+    result.update(_real_clustering(args.real_data, args.batch_size))
+    return result
 
+
+def _result(args, size, source, points, variants: Variants) -> dict:
+    """The JSON result: the configuration, the figures at the chosen link speed, the
+    sweep, and the machine."""
     chosen = _pick(points)
+    auto = variants.auto
     result = {"benchmark": "pipeline", "world_size": size, "network": network_description(args),
               "batch_size_per_rank": args.batch_size, "hidden": list(args.hidden),
               "data": source, "rounds": args.rounds, "steps_per_block": args.steps,
@@ -396,23 +443,15 @@ def run(args):
         "best_vs_sync": {m: p["best_vs_sync"] for m, p in points.items()},
         "sweep": points,
         "exposed_comm_ratio_target": {str(n): round(1 / n + 0.1, 3) for n in MICRO},
-        "modes": list(modes) + (["auto"] if auto else []),
-        "unique_keys_per_batch": {str(n): {k: round(float(np.mean(v)), 1)
-                                           for k, v in unique[n].items()} for n in MICRO},
-        "clustering_unique_key_reduction": _reduction(unique, 4),
-        "clustering_unique_key_reduction_by_n": {str(n): _reduction(unique, n) for n in MICRO},
-        "cluster_ms_per_batch": median_ms(cluster_ms),
-        "tracing_s": round(trace_s, 1), "timed_s": round(timed_s, 1),
+        "modes": list(variants.modes) + (["auto"] if auto else []),
         "cpu_count": os.cpu_count(), "rank_cpus": os.environ.get("TF_FUSEDEMB_CPUS"),
         "intra_op_threads": (tf.config.threading.get_intra_op_parallelism_threads()
                              or os.environ.get("TF_NUM_INTRAOP_THREADS")),
         "inter_op_threads": (tf.config.threading.get_inter_op_parallelism_threads()
                              or os.environ.get("TF_NUM_INTEROP_THREADS")),
-        "loadavg_start": [round(v, 2) for v in load_start],
         "loadavg_end": [round(v, 2) for v in os.getloadavg()],
     })
     if auto is None:
         result["auto_vs_sync_note"] = (AUTO_NOTE if "auto" in args.modes else
                                        "auto was not among --modes")
-    result.update(real_clustering)
     return result

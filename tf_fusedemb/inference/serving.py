@@ -59,6 +59,8 @@ class ServingGroup(tf.Module):
             pos = tf.fill(tf.shape(pos), tf.constant(-1, tf.int64))
         stored = tf.gather(self.rows, tf.maximum(pos, 0))
         fresh = init_rows(keys, self.group.dim, self.group.initializer)
+        if self.group.row_dtype == "bfloat16":  # as the engine stores and looks them up
+            fresh = tf.cast(tf.cast(fresh, tf.bfloat16), tf.float32)
         return tf.where((pos >= 0)[:, None], stored, fresh)
 
     def __call__(self, flats: Sequence[FlatFeature], combiners: Combiners, context: Any = None,
