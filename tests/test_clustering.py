@@ -21,7 +21,8 @@ import tensorflow as tf  # noqa: E402
 
 from tf_fusedemb.data.synthetic import generate_criteo_like  # noqa: E402
 from tf_fusedemb.pipeline import clustering  # noqa: E402
-from tf_fusedemb.pipeline.clustering import (cluster_dataset, cluster_permutation,  # noqa: E402
+from tf_fusedemb.pipeline.clustered_dataset import cluster_dataset  # noqa: E402
+from tf_fusedemb.pipeline.clustering import (cluster_permutation,  # noqa: E402
                                              micro_batch_bounds, unique_keys_per_micro_batch)
 
 CATEGORICAL = [f"C{i}" for i in range(1, 27)]

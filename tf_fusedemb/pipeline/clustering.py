@@ -10,7 +10,8 @@ is unchanged) so that such samples meet in one micro-batch.
 
 NestPipe states the goal ("group samples that share more sparse keys into the same micro-batch,
 maximizing key redundancy within micro-batch"), that it must be lightweight, and that it runs
-asynchronously on the CPU in the data stage (here: `cluster_dataset`, a parallel tf.data map);
+asynchronously on the CPU in the data stage (here: `cluster_dataset` of
+tf_fusedemb.pipeline.clustered_dataset, a parallel tf.data map);
 it gives no algorithm. Finding the best order is balanced hypergraph partitioning (samples =
 vertices, keys shared by >= 2 samples = hyperedges, objective = sum over keys of the number of
 micro-batches holding it, i.e. exactly the rows the embedding All2Alls carry; the
@@ -23,27 +24,27 @@ comment above _POWER_ITERATIONS for the measurements behind the choice and the a
 reductions (on the real Criteo sample at N = 4: 22% fewer keys, 17.5% with the previous,
 bisection-only version).
 
-Only `cluster_dataset` uses TensorFlow (the package `tf_fusedemb.pipeline` imports it anyway).
+This module is numpy only; the tf.data transform is tf_fusedemb.pipeline.clustered_dataset.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
-import tensorflow as tf
 
-__all__ = ["micro_batch_bounds", "unique_keys_per_micro_batch", "cluster_permutation",
-           "cluster_dataset"]
+__all__ = ["RaggedIds", "micro_batch_bounds", "unique_keys_per_micro_batch",
+           "cluster_permutation"]
 
 # One feature of one batch: int[B] (one id per sample), int[B, k] (k ids per sample), or a
 # sequence of B per-sample id sequences (multi-hot, lengths may differ, may be empty), or,
-# from cluster_dataset, ragged ids in CSR form (_RaggedIds).
-FeatureValues = Union[np.ndarray, Sequence[Sequence[int]], "_RaggedIds"]
+# from cluster_dataset, ragged ids in CSR form (RaggedIds).
+FeatureValues = Union[np.ndarray, Sequence[Sequence[int]], "RaggedIds"]
 
 
-class _RaggedIds(NamedTuple):
+class RaggedIds(NamedTuple):
     """Multi-hot ids of B samples in CSR form (what a tf.RaggedTensor [B, None] holds): the ids
-    of sample i are values[row_splits[i]:row_splits[i + 1]]. Used by cluster_dataset."""
+    of sample i are values[row_splits[i]:row_splits[i + 1]]. What cluster_dataset hands
+    over for a ragged feature."""
     values: np.ndarray  # int[P]
     row_splits: np.ndarray  # int[B + 1], row_splits[0] = 0, nondecreasing
 
@@ -449,7 +450,7 @@ def _as_flat_features(features: Mapping[str, FeatureValues]
     sizes = {}
     rows: Optional[np.ndarray]  # None: id i is of row i (see the docstring)
     for name, v in features.items():
-        if isinstance(v, _RaggedIds):
+        if isinstance(v, RaggedIds):
             splits = np.asarray(v.row_splits, np.int64)
             values = np.asarray(v.values)
             _check_int(name, values)
@@ -484,105 +485,3 @@ def _as_flat_features(features: Mapping[str, FeatureValues]
 def _check_int(name: str, a: np.ndarray) -> None:
     if a.size and not np.issubdtype(a.dtype, np.integer):
         raise ValueError(f"feature {name!r}: ids must be integers, got dtype {a.dtype}")
-
-
-def cluster_dataset(dataset: tf.data.Dataset, feature_names: Sequence[str],
-                    num_micro_batches: int, num_parallel_calls: Optional[int] = None,
-                    seed: int = 0) -> tf.data.Dataset:
-    """tf.data transform: reorders the samples of every batch by `cluster_permutation`.
-
-    The permutation is computed on the CPU by `tf.numpy_function` from the named features, then
-    EVERY tensor of the element (all features, the label, the sample weight) is gathered by it,
-    so each sample keeps its label and weight. The map is parallel but deterministic, and the
-    result is prefetched, so the clustering runs asynchronously ahead of the training step.
-
-    Args:
-      dataset: a tf.data.Dataset of batches: `(x, y)`, `(x, y, sample_weight)` or a bare `x`,
-        where x is a dict of tensors of leading dimension B; y / sample_weight may be tensors
-        or nests of tensors of leading dimension B ([B], [B, 1], ...).
-      feature_names: keys of x to cluster on (e.g. "C1".."C26"); each an integer or string
-        tensor [B] or [B, k], or a tf.RaggedTensor [B, None] (multi-hot). Strings are hashed
-        with tf.strings.to_hash_bucket_fast first.
-      num_micro_batches: N >= 1, the frozen-window micro-batches per batch (1: no reordering,
-        the dataset is returned prefetched).
-      num_parallel_calls: parallelism of the map; None = tf.data.AUTOTUNE.
-      seed: passed to cluster_permutation.
-    Returns:
-      dataset with the same element_spec, each batch permuted: x'[j] = x[perm[j]] for every
-      tensor of the element.
-    Raises:
-      ValueError: a named feature is missing from x, feature_names is empty, x is not a dict,
-        num_micro_batches < 1.
-      TypeError: an element tensor is a tf.SparseTensor (not supported by tf.gather), or a
-        named feature is neither integer nor string.
-    """
-
-    n = int(num_micro_batches)
-    if n < 1:
-        raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
-    names = list(feature_names)
-    if not names:
-        raise ValueError("feature_names is empty: need at least one feature to cluster on")
-    spec = dataset.element_spec
-    if isinstance(spec, Mapping):
-        x_spec = spec
-    elif isinstance(spec, tuple) and len(spec) in (2, 3) and isinstance(spec[0], Mapping):
-        x_spec = spec[0]
-    else:
-        raise ValueError("cluster_dataset expects elements (x, y), (x, y, sample_weight) or x "
-                         f"with x a dict of tensors; got element_spec {spec}")
-    for name in names:
-        if name not in x_spec:
-            raise ValueError(f"feature {name!r} to cluster on is not in the batch (features: "
-                             f"{sorted(x_spec)})")
-        s = x_spec[name]
-        if not isinstance(s, (tf.TensorSpec, tf.RaggedTensorSpec)):
-            raise TypeError(f"feature {name!r}: expected a tensor or tf.RaggedTensor, got {s}")
-        if not (s.dtype.is_integer or s.dtype == tf.string):
-            raise TypeError(f"feature {name!r}: ids must be integers or strings, got {s.dtype}")
-    for s in tf.nest.flatten(spec):
-        if isinstance(s, tf.SparseTensorSpec):
-            raise TypeError("cluster_dataset cannot reorder tf.SparseTensor elements (tf.gather "
-                            "does not take them); use dense or ragged tensors")
-    if n == 1:
-        return dataset.prefetch(tf.data.AUTOTUNE)
-    ragged = [isinstance(x_spec[name], tf.RaggedTensorSpec) for name in names]
-    for name, is_ragged in zip(names, ragged):
-        if is_ragged and x_spec[name].ragged_rank != 1:
-            raise ValueError(f"feature {name!r}: only ragged [B, None] (ragged_rank 1) is "
-                             f"supported, got ragged_rank {x_spec[name].ragged_rank}")
-
-    def permutation_np(*arrays):
-        # Per feature: the id array, or (flat ids, row_splits) for a ragged feature (handed
-        # over as _RaggedIds, so B small per-sample arrays are never built).
-        feats, i = {}, 0
-        for name, is_ragged in zip(names, ragged):
-            if is_ragged:
-                feats[name] = _RaggedIds(arrays[i], arrays[i + 1])
-                i += 2
-            else:
-                feats[name] = arrays[i]
-                i += 1
-        return cluster_permutation(feats, n, seed)
-
-    def as_ids(t):
-        if t.dtype == tf.string:
-            return tf.strings.to_hash_bucket_fast(t, 2 ** 62)
-        return tf.cast(t, tf.int64)
-
-    def permute(*element):
-        x = element[0]  # a bare dict element arrives as the only argument
-        inputs = []
-        for name, is_ragged in zip(names, ragged):
-            t = x[name]
-            inputs += [as_ids(t.flat_values), t.row_splits] if is_ragged else [as_ids(t)]
-        perm = tf.numpy_function(permutation_np, inputs, tf.int64, stateful=False)
-        perm.set_shape(x_spec[names[0]].shape[:1])
-        # Every tensor of the element, labels and weights included, follows the same order.
-        permuted = tf.nest.map_structure(lambda t: tf.gather(t, perm), element)
-        return permuted[0] if len(element) == 1 else permuted
-
-    parallel = tf.data.AUTOTUNE if num_parallel_calls is None else num_parallel_calls
-    out = dataset.map(permute, num_parallel_calls=parallel, deterministic=True)
-    # Prefetch so the (CPU) clustering of the next batches overlaps the training step.
-    return out.prefetch(tf.data.AUTOTUNE)
