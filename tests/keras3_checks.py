@@ -216,7 +216,7 @@ def test_keras3_fuse_model_of_a_subclassed_model():
     (group,) = converted.watched.fused.groups
     stored = group.stored_rows()
     rows = np.zeros((20, 4), np.float32)
-    rows[stored["ids"]] = stored["values"]
+    rows[stored.ids] = stored.values
     assert np.abs(rows - ref.watched.get_weights()[0]).max() < TOL["atol"]
 
 

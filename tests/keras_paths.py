@@ -141,12 +141,12 @@ def fused_tables(layer, prefix="t_"):
     for group in layer.groups:
         rows = group.stored_rows()
         for t, spec in enumerate(group.group.tables):
-            mine = rows["tables"] == t
+            mine = rows.tables == t
             feature = spec.name[len(prefix):]
             tables[feature] = np.zeros((VOCAB, DIM), np.float32)
-            tables[feature][rows["ids"][mine]] = rows["values"][mine]
+            tables[feature][rows.ids[mine]] = rows.values[mine]
             owned[feature] = np.zeros(VOCAB, bool)
-            owned[feature][rows["ids"][mine]] = True
+            owned[feature][rows.ids[mine]] = True
     return tables, owned
 
 

@@ -133,8 +133,8 @@ def test_fit_with_bf16_rows_equals_keras_fit_rounding_its_embedding():
     (group,) = layer.groups
     stored = group.stored_rows()
     rows = emb.get_weights()[0]
-    np.testing.assert_array_equal(stored["values"], rows[stored["ids"]])
-    np.testing.assert_array_equal(stored["values"], bf16(stored["values"]))
+    np.testing.assert_array_equal(stored.values, rows[stored.ids])
+    np.testing.assert_array_equal(stored.values, bf16(stored.values))
 
 
 def test_export_serves_never_trained_keys_their_rounded_initial_rows(tmp_path):

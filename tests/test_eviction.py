@@ -161,7 +161,7 @@ def reference_run(x, y, steps):
 
 # ---------------------------------------------------------------- library side
 def by_table(rows):
-    """{table: {ID: (row, accumulator)}} of stored_rows() dicts (one per rank)."""
+    """{table: {ID: (row, accumulator)}} of StoredRows.arrays() dicts (one per rank)."""
     out = {n: {} for n in NAMES}
     for r in rows:
         for t, i, v, a in zip(r["tables"], r["ids"], r["values"], r["accumulator"]):
@@ -187,7 +187,7 @@ class StoredIds(tf_keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         rows = self.layer.groups[0].stored_rows()
-        self.per_step.append({n: sorted(rows["ids"][rows["tables"] == t].tolist())
+        self.per_step.append({n: sorted(rows.ids[rows.tables == t].tolist())
                               for t, n in enumerate(NAMES)})
 
 
@@ -201,7 +201,7 @@ def fit_rank(x, y, first, last, num_ranks=1, rank=0, model=None):
     model.fit(rank_dataset((xs, ys), rank_bounds(len(ys), shares, rank)), epochs=1, verbose=0,
               callbacks=[losses, ids])
     out = {"losses": losses.losses, "stored": ids.per_step,
-           "rows": layer.groups[0].stored_rows(), "stats": layer.groups[0].stats.export(),
+           "rows": layer.groups[0].stored_rows().arrays(), "stats": layer.groups[0].stats.export(),
            "step": int(layer.groups[0].table.step.numpy())}
     slots = getattr(layer.groups[0].table, "slots", None)  # TFRA: one more hash table each
     if slots is not None:  # (the engine keeps the slots in the row's block)
@@ -289,7 +289,7 @@ def test_checkpoint_restore_continues_the_policy_and_export_serves_initial_rows(
     for k, v in first["stats"].items():
         np.testing.assert_array_equal(restored.stats.export()[k], v, err_msg=f"stats {k}")
     for k, v in first["rows"].items():
-        np.testing.assert_array_equal(restored.stored_rows()[k], v, err_msg=f"rows {k}")
+        np.testing.assert_array_equal(restored.stored_rows().arrays()[k], v, err_msg=f"rows {k}")
 
     # Training on from the restore takes the same admission and eviction decisions.
     ref, losses, stored = reference_run(x, y, STEPS)
@@ -428,4 +428,4 @@ class TwoRankEvictionTest(DistributedTestCase):
         fresh({n: tf.zeros([0], tf.int64) for n in NAMES})
         CheckpointManager(os.path.join(work, "two"), fresh, fresh.optimizer).restore()
         group = fresh_layer.groups[0]
-        assert_matches(ref, [{"rows": group.stored_rows(), "stats": group.stats.export()}])
+        assert_matches(ref, [{"rows": group.stored_rows().arrays(), "stats": group.stats.export()}])

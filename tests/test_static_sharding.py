@@ -177,7 +177,7 @@ def _restore(directory):
     rows = {}
     for g in _static_lookups(model):
         stored = g.stored_rows()
-        for t, i, v in zip(stored["tables"], stored["ids"], stored["values"]):
+        for t, i, v in zip(stored.tables, stored.ids, stored.values):
             rows[(g.table_names[t], int(i))] = v
     return comm.rank, comm.size, rows
 

@@ -129,7 +129,7 @@ def test_checkpoint_and_export_do_not_trust_the_hash_table_iteration(tmp_path, m
         group.key_codec.decode(raw_keys, group.stats)
     # The stored rows come from lookups of the known keys: complete and exact.
     rows = group.stored_rows()
-    np.testing.assert_array_equal(rows["keys"], keys_before)
+    np.testing.assert_array_equal(rows.keys, keys_before)
 
     CheckpointManager(str(tmp_path / "ckpt"), model, model.optimizer).save(1)
     fresh, fresh_layer = _model("tfra")
@@ -168,8 +168,8 @@ def test_a_checkpoint_restores_onto_the_other_backend(tmp_path, src, dst):
     CheckpointManager(str(tmp_path / "ckpt"), fresh, fresh.optimizer).restore()
     a, b = layer.groups[0], fresh_layer.groups[0]
     assert type(a.table).__name__ != type(b.table).__name__
-    for k, v in a.stored_rows().items():
-        np.testing.assert_array_equal(b.stored_rows()[k], v, err_msg=k)
+    for k, v in a.stored_rows().arrays().items():
+        np.testing.assert_array_equal(b.stored_rows().arrays()[k], v, err_msg=k)
     for k, v in a.stats.export().items():
         np.testing.assert_array_equal(b.stats.export()[k], v, err_msg=k)
     assert int(b.table.step.numpy()) == int(a.table.step.numpy()) == 8
@@ -177,5 +177,5 @@ def test_a_checkpoint_restores_onto_the_other_backend(tmp_path, src, dst):
     history = [m.fit(x2, y2, batch_size=16, epochs=1, verbose=0, shuffle=False).history["loss"]
                for m in (model, fresh)]
     np.testing.assert_allclose(history[1], history[0], rtol=1e-6)
-    for k, v in a.stored_rows().items():
-        np.testing.assert_allclose(b.stored_rows()[k], v, rtol=1e-6, atol=1e-7, err_msg=k)
+    for k, v in a.stored_rows().arrays().items():
+        np.testing.assert_allclose(b.stored_rows().arrays()[k], v, rtol=1e-6, atol=1e-7, err_msg=k)

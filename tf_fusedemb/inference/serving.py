@@ -35,8 +35,8 @@ class ServingGroup(tf.Module):
             self.index = None
             return
         stored = lookup.stored_rows()
-        values = stored["values"]
-        _, hashed = lookup.key_codec.storage_keys(stored["ids"], stored["tables"])  # init keys
+        values = stored.values
+        _, hashed = lookup.key_codec.storage_keys(stored.ids, stored.tables)  # init keys
         if not len(hashed):
             # A group that never trained stores no row: every key reads its initial row.
             # (A lookup table cannot be initialised from empty tensors, so one row whose

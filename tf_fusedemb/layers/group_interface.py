@@ -19,8 +19,8 @@ else (they never read or replace a group's attributes).
 Shapes: n fused IDs of this rank, u unique per feature, u_l unique keys on the owner,
 m key messages received by the owner.
 """
-from typing import (Any, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union,
-                    runtime_checkable)
+from typing import (Any, Dict, List, Mapping, NamedTuple, Optional, Protocol, Sequence, Tuple,
+                    Union, runtime_checkable)
 
 import numpy as np
 import tensorflow as tf
@@ -31,6 +31,26 @@ from tf_fusedemb.specs import FusedGroup
 
 Combiners = Sequence[Optional[str]]
 GroupState = Dict[str, np.ndarray]
+
+
+class StoredRows(NamedTuple):
+    """The rows one rank stores for a group and their identities, s rows.
+
+    Fields:
+      keys: int64[s], the storage keys, sorted.  values: float32[s, dim].
+      slots: {optimizer slot name: float32[s, dim]}.
+      tables: int64[s], each row's table index in the group.  ids: int64[s], its ID.
+    """
+    keys: np.ndarray
+    values: np.ndarray
+    slots: Mapping[str, np.ndarray]
+    tables: np.ndarray
+    ids: np.ndarray
+
+    def arrays(self) -> Dict[str, np.ndarray]:
+        """{name: array} as a checkpoint shard stores them (each slot under its name)."""
+        return dict(self.slots, keys=self.keys, values=self.values, tables=self.tables,
+                    ids=self.ids)
 
 
 @runtime_checkable
@@ -101,7 +121,7 @@ class DistributedGroupLookup(GroupEmbeddings, Protocol):
         ``save_state`` (any number of them) and, for shards of a tiered table, of the
         ``directories`` they were saved to (one per saving rank)."""
 
-    def stored_rows(self) -> GroupState:
+    def stored_rows(self) -> StoredRows:
         """The rows this rank stores and their identities: keys int64[s], values
         float32[s, dim], one float32[s, dim] per slot, tables int64[s], ids int64[s]."""
 

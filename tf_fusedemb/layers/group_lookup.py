@@ -16,7 +16,7 @@ from tf_fusedemb import ops
 from tf_fusedemb.comm import CommCounters, Communicator
 from tf_fusedemb.layers.exchange import (EXCHANGES, FlatExchange, bad_input, decode_report,
                                          input_report, received_report)
-from tf_fusedemb.layers.group_interface import Combiners, GroupState, KeyExchange
+from tf_fusedemb.layers.group_interface import Combiners, GroupState, KeyExchange, StoredRows
 from tf_fusedemb.layers.group_keys import GroupKeys
 from tf_fusedemb.layers.group_snapshot import GroupSnapshot
 from tf_fusedemb.layers.hierarchical_exchange import HierarchicalExchange
@@ -109,7 +109,7 @@ class GroupLookup(tf.Module):
     def _static_layout(self) -> StaticLayout:
         return StaticLayout(self.key_codec.static_keys, self.comm.rank, self.comm.size)
 
-    def stored_rows(self) -> dict:
+    def stored_rows(self) -> StoredRows:
         """The rows this rank stores and their identities (``GroupSnapshot.stored_rows``)."""
         return self._snapshot.stored_rows()
 

@@ -11,6 +11,7 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
+from tf_fusedemb.layers.group_interface import StoredRows
 from tf_fusedemb.layers.group_keys import GroupKeys
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FusedGroup
@@ -32,25 +33,25 @@ class GroupSnapshot:
     def __init__(self, group: FusedGroup, storage: GroupStorage, key_codec: GroupKeys):
         self.group, self.storage, self.key_codec = group, storage, key_codec
 
-    def stored_rows(self) -> dict:
+    def stored_rows(self) -> StoredRows:
         """The rows this rank stores and their identities: the unit a checkpoint or an
         export reads (eager). A dynamic table's rows are read by lookups of the keys
         whose identity is recorded, never by iterating the hash table (see
         ``DynamicGroupTable.export``), and must account for every stored row.
 
         Returns:
-          dict of numpy arrays: ``keys`` int64[s] (sorted), ``values`` float32[s, dim], one
-          float32[s, dim] per optimizer slot, ``tables`` int64[s], ``ids`` int64[s].
+          The StoredRows, keys sorted.
         """
         known = None if self.group.is_static else self.storage.stats.known_keys()
-        rows = {k: v.numpy() for k, v in self.storage.table.export(known).items()}
+        slots = {k: v.numpy() for k, v in self.storage.table.export(known).items()}
+        keys, values = slots.pop("keys"), slots.pop("values")
         stored = int(self.storage.table.size().numpy())
-        if len(rows["keys"]) != stored:
+        if len(keys) != stored:
             raise ValueError(f"group '{self.group.name}': the table stores {stored} rows but "
-                             f"{len(rows['keys'])} of them have a recorded (table, ID); every "
+                             f"{len(keys)} of them have a recorded (table, ID); every "
                              "path that stores a row records its identity")
-        rows["tables"], rows["ids"] = self.key_codec.decode(rows["keys"], self.storage.stats)
-        return rows
+        tables, ids = self.key_codec.decode(keys, self.storage.stats)
+        return StoredRows(keys, values, slots, tables, ids)
 
     def load_rows(self, table: str, ids: np.ndarray, rows: np.ndarray, rank: int,
                   size: int) -> None:
@@ -96,7 +97,7 @@ class GroupSnapshot:
         if directory is not None and isinstance(table, EngineGroupTable) and table.tiered:
             table.write_checkpoint(directory)
             return {"step": step, SSD_CHECKPOINT: np.array(True)}
-        state = self.stored_rows()
+        state = self.stored_rows().arrays()
         state["step"] = step
         state.update({"stats/" + k: v for k, v in self.storage.stats.export().items()})
         return state
