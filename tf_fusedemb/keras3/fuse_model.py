@@ -13,9 +13,8 @@ from typing import Any, Dict
 import keras
 
 from tf_fusedemb.layers.keras3_embedding import FusedEmbedding, ShardedEmbedding
-from tf_fusedemb.models.fuse_model import (KerasDialect, fuse_functional, is_functional,
-                                            refuse_layer_kwargs)
-from tf_fusedemb.models.shard_embeddings import ShardingDialect, shard_in_place
+from tf_fusedemb.models.fuse_model import KerasDialect, fuse_or_shard
+from tf_fusedemb.models.shard_embeddings import ShardingDialect
 from tf_fusedemb.specs import OptimizerSpec
 
 __all__ = ["fuse_model"]
@@ -28,18 +27,6 @@ def _call_input(node: Any) -> Dict:
             or not isinstance(args[0], dict) or args[0].get("class_name") != "__keras_tensor__"):
         raise ValueError(f"fuse_model: the call {node} is not a plain call on one tensor")
     return args[0]
-
-
-KERAS3 = KerasDialect(
-    name="Keras 3", model_class=keras.Model, sequential_class=keras.Sequential,
-    embedding_class=keras.layers.Embedding,
-    input_layer_class=keras.layers.InputLayer, fused_class=FusedEmbedding,
-    fused_path="tf_fusedemb.keras3.FusedEmbedding",
-    call_input=_call_input, fused_node=lambda refs: {"args": [refs], "kwargs": {}},
-    call_tensor=lambda layer, k: layer._inbound_nodes[k].input_tensors[0],  # pylint: disable=protected-access
-    from_config=lambda config: keras.Model.from_config(
-        config, custom_objects={"FusedEmbedding": FusedEmbedding}),
-    serialize=keras.layers.serialize)
 
 
 def _put(holder: Any, key: Any, layer: Any) -> None:
@@ -73,12 +60,24 @@ def _symbolic_input(sequential: keras.Sequential) -> keras.KerasTensor:
 
 
 KERAS3_SHARDING = ShardingDialect(
-    name="Keras 3", model_class=keras.Model, layer_class=keras.layers.Layer,
-    embedding_class=keras.layers.Embedding, sequential_class=keras.Sequential,
+    layer_class=keras.layers.Layer, embedding_class=keras.layers.Embedding,
+    sequential_class=keras.Sequential,
     sharded_class=ShardedEmbedding,
     built_shape=lambda layer: (getattr(layer, "_build_shapes_dict", None)
                                or {}).get("input_shape"),
     symbolic_input=_symbolic_input, put=_put)
+
+
+KERAS3 = KerasDialect(
+    name="Keras 3", model_class=keras.Model, sequential_class=keras.Sequential,
+    embedding_class=keras.layers.Embedding,
+    input_layer_class=keras.layers.InputLayer, fused_class=FusedEmbedding,
+    fused_path="tf_fusedemb.keras3.FusedEmbedding",
+    call_input=_call_input, fused_node=lambda refs: {"args": [refs], "kwargs": {}},
+    call_tensor=lambda layer, k: layer._inbound_nodes[k].input_tensors[0],  # pylint: disable=protected-access
+    from_config=lambda config: keras.Model.from_config(
+        config, custom_objects={"FusedEmbedding": FusedEmbedding}),
+    serialize=keras.layers.serialize, sharding=KERAS3_SHARDING)
 
 
 def fuse_model(model: keras.Model, optimizer: OptimizerSpec, dynamic: bool = False,
@@ -95,8 +94,4 @@ def fuse_model(model: keras.Model, optimizer: OptimizerSpec, dynamic: bool = Fal
       subclassed model, ``model``, converted. Under horovodrun every rank calls this with
       the same model and keeps the rows it owns.
     """
-    if (isinstance(model, keras.Model) and not isinstance(model, keras.Sequential)
-            and not is_functional(model)):
-        refuse_layer_kwargs(model, layer_kwargs)
-        return shard_in_place(model, KERAS3_SHARDING, optimizer, dynamic)
-    return fuse_functional(model, KERAS3, optimizer, dynamic, name, **layer_kwargs)
+    return fuse_or_shard(model, KERAS3, optimizer, dynamic, name, **layer_kwargs)

@@ -1,8 +1,9 @@
 """``FusedEmbedding`` and ``ShardedEmbedding`` as Keras 3 layers (``import keras``,
 TensorFlow backend).
 
-The same layers as :class:`tf_fusedemb.layers.FusedEmbedding` (one ``FusedEmbeddingMixin``, one ``ShardedEmbeddingMixin``:
-fusion, sharding, the lookup and the row updates through its row-update marker), built on
+The same layers as :class:`tf_fusedemb.layers.FusedEmbedding` and ``ShardedEmbedding``
+(one ``FusedEmbeddingMixin``, one ``ShardedEmbeddingMixin``: fusion, sharding, the lookup
+and the row updates through its row-update marker), built on
 ``keras.layers.Layer``: usable in functional and subclassed ``keras.Model``s with Keras 3's
 own ``compile``/``fit``/``evaluate``/``predict`` and ``tf.GradientTape`` loops. Which Keras
 a model uses is the user's choice, by the module they import: ``tf_fusedemb.keras3`` for

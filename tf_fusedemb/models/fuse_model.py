@@ -22,11 +22,11 @@ import tf_keras
 from tf_fusedemb.layers.converter import embedding_table_spec
 from tf_fusedemb.layers.fused_embedding import FusedEmbedding, sublayers
 from tf_fusedemb.models.fused_model import FusedModel
-from tf_fusedemb.models.shard_embeddings import shard_embeddings
+from tf_fusedemb.models.shard_embeddings import (TF_KERAS_SHARDING, ShardingDialect,
+                                                 shard_in_place)
 from tf_fusedemb.specs import FeatureSpec, OptimizerSpec
 
-__all__ = ["KerasDialect", "fuse_functional", "fuse_model", "is_functional",
-           "refuse_layer_kwargs"]
+__all__ = ["KerasDialect", "fuse_functional", "fuse_model", "fuse_or_shard"]
 
 
 class KerasDialect(NamedTuple):
@@ -44,9 +44,10 @@ class KerasDialect(NamedTuple):
       call_tensor: (Embedding, call index) -> the symbolic tensor it was called on.
       from_config: (config) -> the rebuilt model.
       serialize: (layer) -> its config entry.
+      sharding: how that Keras's subclassed models are sharded in place.
     """
     name: str
-    model_class: type
+    model_class: Any  # Any, as sequential_class
     sequential_class: Any  # Any: isinstance against a plain type would narrow to object
     embedding_class: type
     input_layer_class: type
@@ -57,6 +58,7 @@ class KerasDialect(NamedTuple):
     call_tensor: Callable[[Any, int], Any]
     from_config: Callable[[Dict], Any]
     serialize: Callable[[Any], Dict]
+    sharding: ShardingDialect
 
 
 def _tf_keras_call_input(node):
@@ -76,7 +78,7 @@ TF_KERAS = KerasDialect(
     call_tensor=lambda layer, k: layer.get_input_at(k),
     from_config=lambda config: FusedModel.from_config(
         config, custom_objects={"FusedEmbedding": FusedEmbedding}),
-    serialize=tf_keras.layers.serialize)
+    serialize=tf_keras.layers.serialize, sharding=TF_KERAS_SHARDING)
 
 
 def fuse_model(model: tf_keras.Model, optimizer: OptimizerSpec, dynamic: bool = False,
@@ -115,23 +117,24 @@ def fuse_model(model: tf_keras.Model, optimizer: OptimizerSpec, dynamic: bool = 
         nested model holding Embeddings, float or ragged Embedding inputs,
         ``mask_zero=True``, a name clash, or ``layer_kwargs`` for a subclassed model.
     """
-    if (isinstance(model, tf_keras.Model) and not isinstance(model, tf_keras.Sequential)
-            and not is_functional(model)):
-        refuse_layer_kwargs(model, layer_kwargs)
-        return shard_embeddings(model, optimizer, dynamic)
-    return fuse_functional(model, TF_KERAS, optimizer, dynamic, name, **layer_kwargs)
+    return fuse_or_shard(model, TF_KERAS, optimizer, dynamic, name, **layer_kwargs)
 
 
-def refuse_layer_kwargs(model: Any, layer_kwargs: Dict[str, Any]) -> None:
-    """Raises ValueError if options of the one fused layer are given for a subclassed
-    model, whose Embeddings are sharded in place, each on its own."""
-    if layer_kwargs:
-        raise ValueError(f"fuse_model: {sorted(layer_kwargs)} configure one fused layer; "
-                         f"the subclassed model '{model.name}' has each Embedding sharded "
-                         "in place on its own (shard_embeddings), so they do not apply")
+def fuse_or_shard(model: Any, dialect: KerasDialect, optimizer: OptimizerSpec, dynamic: bool,
+                  name: str, **layer_kwargs: Any) -> Any:
+    """``fuse_model`` for the Keras that ``dialect`` describes (arguments as there): a
+    subclassed model is sharded in place, any other is fused into a new model."""
+    if (isinstance(model, dialect.model_class) and not isinstance(model, dialect.sequential_class)
+            and not _is_functional(model)):
+        if layer_kwargs:
+            raise ValueError(f"fuse_model: {sorted(layer_kwargs)} configure one fused layer; "
+                             f"the subclassed model '{model.name}' has each Embedding sharded "
+                             "in place on its own (shard_embeddings), so they do not apply")
+        return shard_in_place(model, dialect.sharding, optimizer, dynamic)
+    return fuse_functional(model, dialect, optimizer, dynamic, name, **layer_kwargs)
 
 
-def is_functional(model: Any) -> bool:
+def _is_functional(model: Any) -> bool:
     """Whether ``model``'s config is a functional graph: a Sequential's config has no
     "input_layers", a subclassed model's no "layers" (or no config at all)."""
     try:
@@ -172,7 +175,7 @@ def _functional_config(model, dialect) -> Dict:
             f"({'a Keras 3 model' if keras3 else type(model).__module__}). "
             + ("For Keras 3 models use tf_fusedemb.keras3.fuse_model" if keras3 else
                "For tf_keras models use tf_fusedemb.models.fuse_model"))
-    if not is_functional(model):
+    if not _is_functional(model):
         names = [l.name for l in sublayers(model) if isinstance(l, dialect.embedding_class)]
         raise ValueError(
             f"fuse_model needs a functional {dialect.name} model (Model(inputs, outputs)) or a "

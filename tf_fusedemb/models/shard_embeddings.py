@@ -31,16 +31,13 @@ class ShardingDialect(NamedTuple):
     """What differs between tf_keras and Keras 3 for the in-place conversion.
 
     Fields:
-      name: "tf_keras" or "Keras 3", for messages.
-      model_class, layer_class, embedding_class, sequential_class: that Keras's classes.
+      layer_class, embedding_class, sequential_class: that Keras's classes.
       sharded_class: its ShardedEmbedding class.
       built_shape: (Embedding) -> the input shape it was built for, None if never built.
       symbolic_input: (a built Sequential) -> an ``Input`` like the one it was built on.
       put: (holder, key, layer) -> None: ``layer`` in place of the holder's attribute or
         item ``key``, the old layer untracked (its weights leave the model).
     """
-    name: str
-    model_class: type
     layer_class: type
     embedding_class: Any  # Any: isinstance against a plain type would narrow to object
     sequential_class: Any
@@ -61,8 +58,8 @@ def _tf_keras_put(holder: Any, key: Any, layer: Any) -> None:
 
 
 TF_KERAS_SHARDING = ShardingDialect(
-    name="tf_keras", model_class=tf_keras.Model, layer_class=tf_keras.layers.Layer,
-    embedding_class=tf_keras.layers.Embedding, sequential_class=tf_keras.Sequential,
+    layer_class=tf_keras.layers.Layer, embedding_class=tf_keras.layers.Embedding,
+    sequential_class=tf_keras.Sequential,
     sharded_class=ShardedEmbedding,
     built_shape=lambda layer: getattr(layer, "_build_input_shape", None),
     symbolic_input=lambda seq: tf_keras.Input(type_spec=seq.inputs[0].type_spec),
