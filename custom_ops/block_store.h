@@ -33,7 +33,7 @@ class BlockStore {
   virtual std::string MultiGet(const int64_t* keys, size_t n,
                                std::vector<std::string>* values) = 0;
 
-  // Writes `puts` and deletes `deletes` in one atomic batch.
+  // Deletes `deletes`, then writes `puts`, in one atomic batch (a key in both keeps its put).
   virtual std::string Write(const std::vector<BlockRef>& puts,
                             const std::vector<int64_t>& deletes) = 0;
 

@@ -603,6 +603,9 @@ class Shard {
     uint32_t pin_calls = 0;
     size_t pins_after_prune = 0;
     int64_t blocks = 0, stored = 0, tracked = 0, bytes = 0;
+    // Keys whose DRAM block was erased since the last Unpin (see Engine::EraseBlock): their
+    // store entries, stale copies where there are any, are deleted with Unpin's batch.
+    std::vector<int64_t> erased;
     // Cumulative I/O: blocks and bytes read back, blocks and bytes spilled (benchmarks).
     int64_t io[4] = {0, 0, 0, 0};
     void Add(const BlockHeader& h, size_t bytes_of_block, bool stored_row, int sign) {
@@ -910,7 +913,7 @@ class Engine {
       if (sh.Header(*ref)->tracked()) {
         sh.Demote(ref);
       } else {
-        sh.Erase(key);
+        EraseBlock(sh, key);
       }
     }
   }
@@ -929,7 +932,7 @@ class Engine {
       if (Shard::IsStored(*ref)) {
         h->Reset(key);
       } else {
-        sh.Erase(key);
+        EraseBlock(sh, key);
       }
     }
   }
@@ -950,7 +953,8 @@ class Engine {
       });
     }
     if (store_ == nullptr) return "";
-    return store_->ForEach([&](int64_t, const char* data, size_t size) {
+    return store_->ForEach([&](int64_t key, const char* data, size_t size) {
+      if (shards_[ShardOf(key)]->Find(key) != nullptr) return;  // a stale copy: see Pin
       const bool stored = size == block_bytes_;
       if (stored_only && !stored) return;
       const BlockHeader* h = reinterpret_cast<const BlockHeader*>(data);
@@ -991,20 +995,22 @@ class Engine {
     std::vector<std::string> blocks;
     std::string error = store_->MultiGet(missing.data(), missing.size(), &blocks);
     if (!error.empty()) return error;
-    std::vector<int64_t> read;
+    // The store keeps its copy of each block read back: deleting it would cost a write per
+    // read (half the store's writes). The copy is stale while the block is in DRAM, which
+    // is authoritative: a spill overwrites the copy, an erasure deletes it (EraseBlock),
+    // Export skips it and a checkpoint writes the DRAM blocks over it.
     for (size_t i = 0; i < missing.size(); ++i) {
       if (blocks[i].empty()) continue;
       const BlockHeader* h = sh.Adopt(blocks[i]);
       sh.spilled().Add(*h, blocks[i].size(), blocks[i].size() == block_bytes_, -1);
       sh.spilled().io[0] += 1;
       sh.spilled().io[1] += static_cast<int64_t>(blocks[i].size());
-      read.push_back(missing[i]);
     }
-    // One tier holds a block at a time, so that erasing it in DRAM erases it.
-    return read.empty() ? "" : store_->Write({}, read);
+    return "";
   }
 
-  // Releases Pin's pins of the keys at `pos`, then spills while the shard is over budget.
+  // Releases Pin's pins of the keys at `pos`, then spills while the shard is over budget
+  // (and deletes the store entries of blocks erased meanwhile, in the same batch).
   std::string Unpin(int s, Span pos, const int64_t* keys) {
     Shard& sh = *shards_[s];
     std::unique_lock<std::shared_mutex> lock(sh.mutex());
@@ -1059,7 +1065,7 @@ class Engine {
       }
       if (const uint32_t* ref = sh.Find(key)) {
         if (sh.Header(*ref)->tracked()) --sh.tracked();
-        sh.Erase(key);
+        EraseBlock(sh, key);
       }
       sh.Adopt(block);
     }
@@ -1168,10 +1174,14 @@ class Engine {
   // on every access), then the least counted: a block seen long ago and rarely is the
   // one least likely to be needed by the next batches.
   std::string Spill(Shard& sh) {
-    if (sh.live_bytes() <= shard_budget_) return "";
-    std::vector<BlockRef> victims = Victims(sh, shard_budget_ - shard_budget_ / 10);
-    std::string error = store_->Write(victims, {});
+    std::vector<int64_t>& erased = sh.spilled().erased;
+    const bool over = sh.live_bytes() > shard_budget_;
+    if (!over && erased.empty()) return "";
+    std::vector<BlockRef> victims;
+    if (over) victims = Victims(sh, shard_budget_ - shard_budget_ / 10);
+    std::string error = store_->Write(victims, erased);
     if (!error.empty()) return error;  // nothing erased: every block still in DRAM
+    erased.clear();
     auto& pins = sh.spilled().pins;
     for (const BlockRef& v : victims) {
       pins.erase(v.key);
@@ -1219,6 +1229,14 @@ class Engine {
       bytes -= static_cast<int64_t>(size);
     }
     return victims;
+  }
+
+  // Erases key's block in DRAM other than by a spill; with a store, Unpin deletes the
+  // store's entry too (a stale copy of a block read back, see Pin), so the key does not
+  // come back from it.
+  void EraseBlock(Shard& sh, int64_t key) {
+    sh.Erase(key);
+    if (store_ != nullptr) sh.spilled().erased.push_back(key);
   }
 
   // A new block's row and slots; `scratch`: float[dim] the row may be built in.

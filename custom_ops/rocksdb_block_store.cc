@@ -64,6 +64,17 @@ rocksdb::Options StoreOptions() {
   return o;
 }
 
+// Reads of blocks: no checksum verification (scratch space on a local disk, see the file
+// comment; it cost 2.4% of a tiered step's CPU) and no block-cache fill (keys come in
+// random order, so a data block read once is rarely read again from the cache: the DRAM
+// tier is the cache).
+rocksdb::ReadOptions BlockReads() {
+  rocksdb::ReadOptions ro;
+  ro.verify_checksums = false;
+  ro.fill_cache = false;
+  return ro;
+}
+
 // Writes `blocks` to `db` in batches, without a WAL.
 rocksdb::Status WriteBlocks(rocksdb::DB* db, const std::vector<BlockRef>& blocks) {
   rocksdb::WriteOptions no_wal;
@@ -114,7 +125,7 @@ class RocksDbBlockStore : public BlockStore {
     }
     std::vector<rocksdb::PinnableSlice> found(n);
     std::vector<rocksdb::Status> statuses(n);
-    db_->MultiGet(rocksdb::ReadOptions(), db_->DefaultColumnFamily(), n, slices.data(),
+    db_->MultiGet(BlockReads(), db_->DefaultColumnFamily(), n, slices.data(),
                   found.data(), statuses.data());
     values->assign(n, std::string());
     for (size_t i = 0; i < n; ++i) {
@@ -128,13 +139,13 @@ class RocksDbBlockStore : public BlockStore {
   std::string Write(const std::vector<BlockRef>& puts, const std::vector<int64_t>& deletes) override {
     rocksdb::WriteBatch batch;
     char k[8];
+    for (int64_t key : deletes) {  // first: a later put of the same key wins
+      EncodeKey(key, k);
+      batch.Delete(rocksdb::Slice(k, 8));
+    }
     for (const BlockRef& b : puts) {
       EncodeKey(b.key, k);
       batch.Put(rocksdb::Slice(k, 8), rocksdb::Slice(b.data, b.size));
-    }
-    for (int64_t key : deletes) {
-      EncodeKey(key, k);
-      batch.Delete(rocksdb::Slice(k, 8));
     }
     const rocksdb::Status s = db_->Write(write_, &batch);
     return s.ok() ? "" : Failure("write", s);

@@ -24,14 +24,19 @@ def test_keras3_fit(shape):
     assert_same_training(got, want, layer, embeds, initial)
 
 
-def _pair_from_zero_tables(k, optimizer):
-    """pair_functional with every table starting at zero, as FTRL tables usually do (and
-    the hidden bias at 0.1, so that rows of zeros still get a gradient through the relu)."""
-    ref, embeds, fused, layer, initial = pair_functional(k, optimizer)
+def _zero_tables(ref, embeds):
+    """Every table of the reference at zero, as FTRL tables usually start (and the hidden
+    bias at 0.1, so that rows of zeros still get a gradient through the relu)."""
     for emb in embeds.values():
         emb.set_weights([np.zeros_like(emb.get_weights()[0])])
     kernel, bias = ref.get_layer("hidden").get_weights()
     ref.get_layer("hidden").set_weights([kernel, np.full_like(bias, 0.1)])
+
+
+def _pair_from_zero_tables(k, optimizer):
+    """pair_functional with _zero_tables."""
+    ref, embeds, fused, layer, initial = pair_functional(k, optimizer)
+    _zero_tables(ref, embeds)
     initial = kpth.initial_weights(ref, embeds)
     kpth.load_weights(fused, layer, initial)
     return ref, embeds, fused, layer, initial
@@ -183,21 +188,48 @@ def _ranking_class():
     return RankingModel, users
 
 
+def _ranking_data(rows=slice(None)):
+    """(x, y) of 128 samples for _ranking_class's model, or of their ``rows``: (user names
+    as a string tensor, movies, histories of 3 movies) and a rating; IDs repeat within
+    batches."""
+    _, users = _ranking_class()
+    rng = np.random.default_rng(0)
+    names = np.array([users[i] for i in rng.integers(0, 30, 128)])
+    movies, histories = rng.integers(0, 20, 128), rng.integers(0, 20, (128, 3))
+    y = ((movies % 5) + (histories[:, 0] % 3) * 0.5).astype(np.float32)
+    return (tf.constant(names[rows]), movies[rows], histories[rows]), y[rows]
+
+
+def _built_ranking_model(weights=None):
+    """A called _ranking_class model (with ``weights``, when given)."""
+    cls, _ = _ranking_class()
+    x, _ = _ranking_data()
+    model = cls()
+    model(tuple(v[:2] for v in x))
+    if weights is not None:
+        model.set_weights(weights)
+    return model
+
+
+def _watched_rows(model):
+    """float32[20, 4] of the converted model's sequence table, as this rank stores it
+    (zeros where another rank owns the row)."""
+    (group,) = model.watched.fused.groups
+    stored = group.stored_rows()
+    rows = np.zeros((20, 4), np.float32)
+    rows[stored.ids] = stored.values
+    return rows
+
+
 def test_keras3_fuse_model_of_a_subclassed_model():
     """A subclassed Keras 3 model is converted in place: every Embedding becomes a
     ShardedEmbedding (their weights leave the model), and Keras 3 fit of it equals Keras 3
     fit of the unconverted model to 1e-5."""
     from tf_fusedemb.keras3 import ShardedEmbedding, fuse_model
     from tf_fusedemb.specs import OptimizerSpec
-    cls, users = _ranking_class()
-    rng = np.random.default_rng(0)
-    x = (tf.constant([users[i] for i in rng.integers(0, 30, 128)]), rng.integers(0, 20, 128),
-         rng.integers(0, 20, (128, 3)))
-    y = ((x[1] % 5) + (x[2][:, 0] % 3) * 0.5).astype(np.float32)
-    ref, converted = cls(), cls()
-    ref(tuple(v[:2] for v in x))
-    converted(tuple(v[:2] for v in x))
-    converted.set_weights(ref.get_weights())
+    x, y = _ranking_data()
+    ref = _built_ranking_model()
+    converted = _built_ranking_model(ref.get_weights())
     n_weights = len(converted.weights)
     assert fuse_model(converted, OptimizerSpec.sgd(0.1)) is converted
     assert not any(isinstance(l, keras.layers.Embedding) for l in converted._flatten_layers())
@@ -213,11 +245,24 @@ def test_keras3_fuse_model_of_a_subclassed_model():
     assert want_loss[1] < want_loss[0]
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got_pred, want_pred, rtol=1e-5, atol=1e-5)
-    (group,) = converted.watched.fused.groups
-    stored = group.stored_rows()
-    rows = np.zeros((20, 4), np.float32)
-    rows[stored.ids] = stored.values
-    assert np.abs(rows - ref.watched.get_weights()[0]).max() < TOL["atol"]
+    assert np.abs(_watched_rows(converted) - ref.watched.get_weights()[0]).max() < TOL["atol"]
+
+
+def _subclassed_on_rank(weights):
+    """One rank: _ranking_class's model from ``weights``, converted by fuse_model, fit with
+    DistributedOptimizer(SGD) on this rank's half of every global batch of 64; global
+    predictions and this rank's rows of the sequence table."""
+    from tf_fusedemb.comm import get_communicator
+    from tf_fusedemb.keras3 import DistributedOptimizer, fuse_model
+    from tf_fusedemb.specs import OptimizerSpec
+    comm = get_communicator()
+    x, _ = _ranking_data()
+    xr, yr = _ranking_data(np.arange(128).reshape(-1, comm.size, 32)[:, comm.rank].reshape(-1))
+    model = fuse_model(_built_ranking_model(weights), OptimizerSpec.sgd(0.1))
+    model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    model.fit(xr, yr, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    return {"predictions": model.predict(x, batch_size=32, verbose=0),
+            "watched": _watched_rows(model)}
 
 
 def test_keras3_fuse_model_refuses_what_it_cannot_rewire():
@@ -254,9 +299,34 @@ class TwoRankKeras3Test(DistributedTestCase):
         test_keras3_fit_with_adagrad_and_ftrl)."""
         self._check_two_ranks("adagrad", kpth.data_unique_per_batch(2 * kpth.BATCH))
 
-    def _check_two_ranks(self, optimizer, data):
+    @pytest.mark.timeout(700)
+    def test_keras3_fit_with_ftrl(self):
+        """From zero tables, on global batches whose IDs do not repeat (see
+        test_keras3_fit_with_adagrad_and_ftrl)."""
+        self._check_two_ranks("ftrl", kpth.data_unique_per_batch(2 * kpth.BATCH), _zero_tables)
+
+    @pytest.mark.timeout(700)
+    def test_keras3_fuse_model_of_a_subclassed_model(self):
+        """The subclassed ranking model converted by fuse_model on 2 ranks equals Keras 3 fit
+        of the unconverted model on the global batches in one process."""
+        ref = _built_ranking_model()
+        initial, initial_watched = ref.get_weights(), ref.watched.get_weights()[0]
+        x, y = _ranking_data()
+        ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        ref.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+        want = ref.predict(x, batch_size=32, verbose=0)
+        ranks = self.run_ranks(_subclassed_on_rank, 2, (initial,))
+        for r in ranks:
+            np.testing.assert_allclose(r["predictions"], want, **TOL)
+        rows = sum(r["watched"] for r in ranks)
+        assert np.abs(ref.watched.get_weights()[0] - initial_watched).max() > 1e-3
+        np.testing.assert_allclose(rows, ref.watched.get_weights()[0], **TOL)
+
+    def _check_two_ranks(self, optimizer, data, start=None):
         x, y = data
         ref, embeds = kpth.functional(keras, False, optimizer)
+        if start is not None:
+            start(ref, embeds)
         initial = kpth.initial_weights(ref, embeds)
         want = kpth.fit(keras, ref, kpth.keras_optimizer(keras, optimizer), x, y,
                         2 * kpth.BATCH)

@@ -103,6 +103,29 @@ def test_pinned_blocks_stay_in_dram_until_unpinned():
     assert_same_export(plain, tiered)
 
 
+def test_a_block_read_back_then_erased_does_not_come_back_from_the_store():
+    """A block read back from the store leaves a stale copy there (the DRAM block is
+    authoritative): an export while it is pinned holds it once, with its new row; once it
+    is erased in DRAM (a row without statistics removed) a later lookup does not find the
+    stale copy."""
+    plain, tiered = engines(budget=0)  # everything unpinned is spilled after each call
+    keys = np.arange(50, dtype=np.int64)
+    block = 28 + 2 * 4 * DIM
+    for e in (plain, tiered):
+        e.apply_gradients(keys, keys, np.ones((50, DIM), np.float32), 1)
+    tiered.pin(keys[:20])  # read back into DRAM; the store keeps its copies
+    for e in (plain, tiered):
+        e.apply_gradients(keys[:20], keys[:20], np.full((20, DIM), 2.0, np.float32), 2)
+    assert_same_export(plain, tiered)  # each block once, the DRAM one
+    for e in (plain, tiered):
+        e.remove_rows(keys[:10])  # untracked: the blocks are erased
+    tiered.unpin(keys[:20])
+    assert int(tiered.size().ssd_bytes) == 40 * block
+    assert_same_export(plain, tiered)
+    np.testing.assert_array_equal(plain.lookup(keys, keys).numpy(),
+                                  tiered.lookup(keys, keys).numpy())
+
+
 def trained_engines(budget):
     """engines(budget) after the same statistics and updates of 3,000 keys, with
     admission leaving some keys tracked without a row (header-only blocks)."""

@@ -6,7 +6,7 @@ import dataclasses
 import hashlib
 import json
 import math
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from tf_fusedemb.specs.hyperparameters import INITIALIZERS, OptimizerSpec
 from tf_fusedemb.specs.tables import POLICY_FIELDS, TIER_FIELDS, TableSpec, FeatureSpec
@@ -253,6 +253,19 @@ def plan_fusion(features: Sequence[FeatureSpec], overrides: Optional[Mapping[str
             one table's features overridden to two groups.
     """
     features = tuple(features)
+    overrides = _checked_overrides(features, overrides, max_group_features)
+    chunks = _chunks(_buckets(features, overrides), max_group_features)
+    order = {f.name: i for i, f in enumerate(features)}
+    chunks = [(n, sorted(fs, key=lambda f: order[f.name])) for n, fs in chunks]
+    chunks.sort(key=lambda c: order[c[1][0].name])
+    return FusionPlan(tuple(
+        FusedGroup(n or f"g{i}_d{fs[0].table.dim}_{fs[0].table.optimizer.name}", tuple(fs))
+        for i, (n, fs) in enumerate(chunks)))
+
+
+def _checked_overrides(features: Tuple[FeatureSpec, ...], overrides: Optional[Mapping[str, str]],
+                       max_group_features: Optional[int]) -> Dict[str, str]:
+    """plan_fusion's arguments checked (see its Raises); ``overrides`` as a dict."""
     seen: dict = {}
     for f in features:
         if not isinstance(f, FeatureSpec):
@@ -267,8 +280,12 @@ def plan_fusion(features: Sequence[FeatureSpec], overrides: Optional[Mapping[str
         check_name(f"overrides[{name!r}]", group)
     if max_group_features is not None and (not is_int(max_group_features) or max_group_features <= 0):
         raise ValueError(f"plan_fusion: max_group_features must be an int > 0, got {max_group_features!r}")
+    return overrides
 
-    # The unit of placement is a table: its features must share one group.
+
+def _buckets(features: Tuple[FeatureSpec, ...], overrides: Dict[str, str]) -> dict:
+    """{("override", group name) or ("auto", fusion key): [each table's features]}, in
+    first-occurrence order. The unit of placement is a table: its features share a group."""
     buckets: dict = {}  # bucket key -> [table feature lists], in first-occurrence order
     for fs in _check_tables(features).values():
         chosen = {overrides[f.name]: f for f in fs if f.name in overrides}
@@ -283,8 +300,12 @@ def plan_fusion(features: Sequence[FeatureSpec], overrides: Optional[Mapping[str
                   f"override group {key[1]!r}: different specs (dim, optimizer, initializer, key_dtype, "
                   f"storage, SSD tier)")
         units.append(fs)
+    return buckets
 
-    order = {f.name: i for i, f in enumerate(features)}
+
+def _chunks(buckets: dict, max_group_features: Optional[int]) -> list:
+    """[(override group name or None, features)]: each bucket, automatic ones split into
+    chunks of at most ``max_group_features`` features (whole tables)."""
     chunks = []  # (override name or None, features in input order)
     for (kind, value), units in buckets.items():
         limit = max_group_features if kind == "auto" and max_group_features else math.inf
@@ -298,11 +319,7 @@ def plan_fusion(features: Sequence[FeatureSpec], overrides: Optional[Mapping[str
                 current = []
             current = current + list(fs)
         chunks.append((value if kind == "override" else None, current))
-    chunks = [(n, sorted(fs, key=lambda f: order[f.name])) for n, fs in chunks]
-    chunks.sort(key=lambda c: order[c[1][0].name])
-    return FusionPlan(tuple(
-        FusedGroup(n or f"g{i}_d{fs[0].table.dim}_{fs[0].table.optimizer.name}", tuple(fs))
-        for i, (n, fs) in enumerate(chunks)))
+    return chunks
 
 
 def unfused_plan(features: Sequence[FeatureSpec]) -> FusionPlan:

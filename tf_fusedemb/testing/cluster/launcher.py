@@ -118,6 +118,38 @@ def _status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def _start_pumps(proc: subprocess.Popen, rank: int, sinks: Tuple[Optional[TextSink], ...],
+                 lines: Tuple[List[str], ...], lock: threading.Lock) -> List[threading.Thread]:
+    """Threads that copy the rank's stdout and stderr, line by line, into ``lines`` (and
+    prefixed into ``sinks``, where not None), in that order."""
+    pumps = []
+    for pipe, sink, into, tag in zip((proc.stdout, proc.stderr), sinks, lines, ("stdout", "stderr")):
+        t = threading.Thread(target=_pump, daemon=True,
+                             args=(pipe, f"[{rank}]<{tag}>:", sink, into, lock))
+        t.start()
+        pumps.append(t)
+    return pumps
+
+
+def _wait(procs: Sequence[subprocess.Popen], start: float, timeout: Optional[float],
+          exited_at: Dict[int, float]) -> Tuple[Optional[int], Optional[List[int]]]:
+    """Polls the ranks until one fails, all exit or ``timeout`` (seconds after ``start``)
+    runs out, noting each rank's exit time in ``exited_at``. Returns (the lowest failed
+    rank or None, the ranks still running at the timeout or None)."""
+    while True:
+        codes = [p.poll() for p in procs]
+        now = time.monotonic()
+        for r, c in enumerate(codes):
+            if c is not None:
+                exited_at.setdefault(r, now)
+        failed = next((r for r, c in enumerate(codes) if c), None)
+        if failed is not None or all(c is not None for c in codes):
+            return failed, None
+        if timeout is not None and now - start > timeout:
+            return None, [r for r, c in enumerate(codes) if c is None]
+        time.sleep(_POLL_S)
+
+
 def run_job(command: Sequence[str], plan: Sequence, rendezvous_address: str,
             cpus: Optional[Sequence[Tuple[int, ...]]] = None,
             env: Optional[Mapping[str, str]] = None,
@@ -160,8 +192,6 @@ def run_job(command: Sequence[str], plan: Sequence, rendezvous_address: str,
     err: Dict[int, List[str]] = {}
     lock = threading.Lock()
     start = time.monotonic()
-    timed_out: Optional[List[int]] = None  # ranks still running at the timeout
-    failed: Optional[int] = None
     exited_at: Dict[int, float] = {}
     try:
         server.init(plan)
@@ -181,25 +211,9 @@ def run_job(command: Sequence[str], plan: Sequence, rendezvous_address: str,
                                  stderr=subprocess.PIPE, start_new_session=True)
             procs.append(p)
             out[slot.rank], err[slot.rank] = [], []
-            for pipe, sink, lines, tag in ((p.stdout, stdout, out[slot.rank], "stdout"),
-                                           (p.stderr, stderr, err[slot.rank], "stderr")):
-                t = threading.Thread(target=_pump, daemon=True,
-                                     args=(pipe, f"[{slot.rank}]<{tag}>:", sink, lines, lock))
-                t.start()
-                pumps.append(t)
-        while True:
-            codes = [p.poll() for p in procs]
-            now = time.monotonic()
-            for r, c in enumerate(codes):
-                if c is not None:
-                    exited_at.setdefault(r, now)
-            failed = next((r for r, c in enumerate(codes) if c), None)  # lowest failed rank
-            if failed is not None or all(c is not None for c in codes):
-                break
-            if timeout is not None and time.monotonic() - start > timeout:
-                timed_out = [r for r, c in enumerate(codes) if c is None]
-                break
-            time.sleep(_POLL_S)
+            pumps += _start_pumps(p, slot.rank, (stdout, stderr), (out[slot.rank], err[slot.rank]),
+                                  lock)
+        failed, timed_out = _wait(procs, start, timeout, exited_at)
     finally:
         _kill_all(procs, grace_s)  # ranks left after a failure, a timeout, an exception, a signal
         for t in pumps:
