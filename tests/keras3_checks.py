@@ -24,19 +24,10 @@ def test_keras3_fit(shape):
     assert_same_training(got, want, layer, embeds, initial)
 
 
-def _zero_tables(ref, embeds):
-    """Every table of the reference at zero, as FTRL tables usually start (and the hidden
-    bias at 0.1, so that rows of zeros still get a gradient through the relu)."""
-    for emb in embeds.values():
-        emb.set_weights([np.zeros_like(emb.get_weights()[0])])
-    kernel, bias = ref.get_layer("hidden").get_weights()
-    ref.get_layer("hidden").set_weights([kernel, np.full_like(bias, 0.1)])
-
-
 def _pair_from_zero_tables(k, optimizer):
-    """pair_functional with _zero_tables."""
+    """pair_functional with kpth.zero_tables."""
     ref, embeds, fused, layer, initial = pair_functional(k, optimizer)
-    _zero_tables(ref, embeds)
+    kpth.zero_tables(ref, embeds)
     initial = kpth.initial_weights(ref, embeds)
     kpth.load_weights(fused, layer, initial)
     return ref, embeds, fused, layer, initial
@@ -303,7 +294,7 @@ class TwoRankKeras3Test(DistributedTestCase):
     def test_keras3_fit_with_ftrl(self):
         """From zero tables, on global batches whose IDs do not repeat (see
         test_keras3_fit_with_adagrad_and_ftrl)."""
-        self._check_two_ranks("ftrl", kpth.data_unique_per_batch(2 * kpth.BATCH), _zero_tables)
+        self._check_two_ranks("ftrl", kpth.data_unique_per_batch(2 * kpth.BATCH), kpth.zero_tables)
 
     @pytest.mark.timeout(700)
     def test_keras3_fuse_model_of_a_subclassed_model(self):

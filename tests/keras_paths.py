@@ -22,6 +22,15 @@ def data(n=BATCH * STEPS, seed=0):
     return x, y
 
 
+def zero_tables(ref, embeds):
+    """Every table of the functional reference at zero, as FTRL tables usually start (and
+    the hidden bias at 0.1, so that rows of zeros still get a gradient through the relu)."""
+    for emb in embeds.values():
+        emb.set_weights([np.zeros_like(emb.get_weights()[0])])
+    kernel, bias = ref.get_layer("hidden").get_weights()
+    ref.get_layer("hidden").set_weights([kernel, np.full_like(bias, 0.1)])
+
+
 def data_unique_per_batch(batch=BATCH):
     """Like ``data``, but no ID repeats within a batch of ``batch`` (<= VOCAB) rows."""
     rng = np.random.default_rng(1)

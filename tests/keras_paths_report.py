@@ -41,7 +41,7 @@ def one_rank_rows():
     x, y = kpth.data()
     rows = []
 
-    def pair(k, subclassed=False, optimizer="sgd", base=None, compiled=False):
+    def pair(k, subclassed=False, optimizer="sgd", base=None, compiled=False, start=None):
         if subclassed:
             ref = kpth.build(kpth.subclassed_class(k, compiled_call=compiled)(False), x)
             fused = kpth.build(kpth.subclassed_class(k, base, compiled)(True, optimizer), x)
@@ -49,13 +49,15 @@ def one_rank_rows():
         else:
             ref, embeds = kpth.functional(k, False)
             fused, layer = kpth.functional(k, True, optimizer)
+        if start is not None:
+            start(ref, embeds)
         kpth.load_weights(fused, layer, kpth.initial_weights(ref, embeds))
         return ref, embeds, fused, layer
 
-    def run(name, k, runner, optimizer, **kwargs):
+    def run(name, k, runner, optimizer, data=(x, y), **kwargs):
         ref, embeds, fused, layer = pair(k, optimizer=optimizer, **kwargs)
-        want = runner(k, ref, kpth.keras_optimizer(k, optimizer), x, y, kpth.BATCH)
-        got = runner(k, fused, kpth.keras_optimizer(k, optimizer), x, y, kpth.BATCH)
+        want = runner(k, ref, kpth.keras_optimizer(k, optimizer), *data, kpth.BATCH)
+        got = runner(k, fused, kpth.keras_optimizer(k, optimizer), *data, kpth.BATCH)
         dense = max(max_diff(a.numpy(), b.numpy()) for a, b in zip(
             [v for v in fused.trainable_variables if "row_update_marker" not in v.name],
             [v for v in ref.trainable_variables if "embeddings" not in v.name]))
@@ -87,6 +89,11 @@ def one_rank_rows():
         subclassed=True)
     run(f"Keras {keras.__version__} GradientTape loop (sgd)", keras, kpth.custom_loop, "sgd")
     run(f"Keras {keras.__version__} functional Model.fit (adagrad)", keras, kpth.fit, "adagrad")
+    unique = kpth.data_unique_per_batch()
+    run(f"Keras {keras.__version__} functional Model.fit (adagrad, IDs unique per batch)",
+        keras, kpth.fit, "adagrad", data=unique)
+    run(f"Keras {keras.__version__} functional Model.fit (ftrl from zero tables, IDs unique "
+        "per batch)", keras, kpth.fit, "ftrl", data=unique, start=kpth.zero_tables)
     return rows
 
 
@@ -96,8 +103,11 @@ def two_rank_rows():
     x, y = kpth.data()
     rows = []
 
-    def run(name, k, runner, optimizer, wrap=True):
+    def run(name, k, runner, optimizer, wrap=True, data=(x, y), start=None):
+        x, y = data
         ref, embeds = kpth.functional(k, False)
+        if start is not None:
+            start(ref, embeds)
         initial = comm.allgather_object(kpth.initial_weights(ref, embeds))[0]
         want = None
         if comm.rank == 0:  # the reference (rank 0's draw): plain Keras on the global batch
@@ -128,6 +138,14 @@ def two_rank_rows():
     run("GradientTape loop, DistributedOptimizer (sgd)", tf_keras, kpth.custom_loop, "sgd")
     run(f"Keras {keras.__version__} functional fit, DistributedOptimizer (sgd)", keras,
         kpth.fit, "sgd")
+    run("tf_keras functional Model.fit, DistributedOptimizer (ftrl)", tf_keras, kpth.fit,
+        "ftrl")
+    unique = kpth.data_unique_per_batch(2 * kpth.BATCH)
+    run(f"Keras {keras.__version__} functional fit, DistributedOptimizer (adagrad, IDs unique "
+        "per batch)", keras, kpth.fit, "adagrad", data=unique)
+    run(f"Keras {keras.__version__} functional fit, DistributedOptimizer (ftrl from zero "
+        "tables, IDs unique per batch)", keras, kpth.fit, "ftrl", data=unique,
+        start=kpth.zero_tables)
     run("tf_keras Model.fit, bare optimizer (sgd)", tf_keras, kpth.fit, "sgd", wrap=False)
     run("GradientTape loop, bare optimizer (sgd)", tf_keras, kpth.custom_loop, "sgd",
         wrap=False)

@@ -102,7 +102,7 @@ def test_keras3_paths_in_a_fresh_process():
     env = {k: v for k, v in os.environ.items() if k != "TF_USE_LEGACY_KERAS"}
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           str(pathlib.Path(__file__).with_name("keras3_checks.py"))],
-                         capture_output=True, text=True, timeout=600, env=env)
+                         capture_output=True, text=True, timeout=840, env=env)  # under the 900 s test limit
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert " passed" in out.stdout and " failed" not in out.stdout, out.stdout[-2000:]
 
