@@ -25,6 +25,10 @@
 //    blocks a shard spilled to stay within its share of the budget. Each batch operation
 //    runs between Pin (blocks of its keys read back into DRAM) and Unpin (spill), so the
 //    operations below only ever see DRAM blocks and a budget cannot change a result.
+//    A block read back leaves its copy in the store (a delete per read would double the
+//    store's writes): while the block is in DRAM that copy is stale and the DRAM block is
+//    the one that counts. A spill overwrites it, an erasure in DRAM (EraseBlock) deletes
+//    it with the next spill batch, and Export skips a stored key that DRAM holds.
 //
 // The math mirrors tf_fusedemb.storage: initial rows are bit-equal to
 // initializers.init_rows (float64 math, one cast), the optimizers equal optimizers.py's

@@ -275,26 +275,55 @@ def test_keras3_fuse_model_refuses_what_it_cannot_rewire():
         fuse_model(tfk, OptimizerSpec.sgd(0.1))
 
 
+# The 2-rank fit cases, run one after another in one 2-rank job (a job's start-up costs
+# more than a case): (optimizer, global batches whose IDs do not repeat, start from zero
+# tables). Adagrad and FTRL on unique IDs: see test_keras3_fit_with_adagrad_and_ftrl.
+FIT_CASES = (("sgd", False, False), ("adagrad", True, False), ("ftrl", True, True))
+
+
+def _fit_cases_on_rank(initials):
+    """One rank: keras3_on_ranks for each of FIT_CASES from its initial weights, then once
+    with the bare optimizer (last: it fails the step on every rank)."""
+    got = [kpth.keras3_on_ranks(w, True, opt, unique)
+           for w, (opt, unique, _) in zip(initials, FIT_CASES)]
+    return got + [kpth.keras3_on_ranks(initials[0], False)]
+
+
 class TwoRankKeras3Test(DistributedTestCase):
     """Keras 3 fit on 2 ranks (each half of every global batch) equals Keras 3 on the global
     batch in one process; a bare optimizer fails the first step on every rank."""
     timeout = 400
 
     @pytest.mark.timeout(700)
-    def test_keras3_fit(self):
-        self._check_two_ranks("sgd", kpth.data())
+    def test_keras3_fit_with_sgd_adagrad_ftrl_and_a_bare_optimizer(self):
+        refs = [self._reference(*case) for case in FIT_CASES]
+        ranks = self.run_ranks(_fit_cases_on_rank, 2, ([initial for _, _, initial in refs],))
+        for i, (want, embeds, initial) in enumerate(refs):
+            got = [r[i] for r in ranks]
+            for r in got:
+                np.testing.assert_allclose(r["predictions"], want["predictions"], **TOL,
+                                           err_msg=FIT_CASES[i][0])
+            for f, emb in embeds.items():
+                rows = sum(r["tables"][f] for r in got)
+                assert np.abs(emb.get_weights()[0] - initial["tables"][f]).max() > 1e-4
+                np.testing.assert_allclose(rows, emb.get_weights()[0], **TOL,
+                                           err_msg=f"{FIT_CASES[i][0]}: {f}")
+        for r in ranks:
+            assert "DistributedOptimizer" in r[-1].get("error", ""), r[-1].keys()
+            assert r[-1]["steps_done"] == 0  # refused inside the first step
 
-    @pytest.mark.timeout(700)
-    def test_keras3_fit_with_adagrad(self):
-        """On global batches whose IDs do not repeat (see
-        test_keras3_fit_with_adagrad_and_ftrl)."""
-        self._check_two_ranks("adagrad", kpth.data_unique_per_batch(2 * kpth.BATCH))
-
-    @pytest.mark.timeout(700)
-    def test_keras3_fit_with_ftrl(self):
-        """From zero tables, on global batches whose IDs do not repeat (see
-        test_keras3_fit_with_adagrad_and_ftrl)."""
-        self._check_two_ranks("ftrl", kpth.data_unique_per_batch(2 * kpth.BATCH), kpth.zero_tables)
+    @staticmethod
+    def _reference(optimizer, unique, from_zero):
+        """Keras 3 fit on the global batches in this process: (result, embeddings, the
+        initial weights)."""
+        x, y = kpth.data_unique_per_batch(2 * kpth.BATCH) if unique else kpth.data()
+        ref, embeds = kpth.functional(keras, False, optimizer)
+        if from_zero:
+            kpth.zero_tables(ref, embeds)
+        initial = kpth.initial_weights(ref, embeds)
+        want = kpth.fit(keras, ref, kpth.keras_optimizer(keras, optimizer), x, y,
+                        2 * kpth.BATCH)
+        return want, embeds, initial
 
     @pytest.mark.timeout(700)
     def test_keras3_fuse_model_of_a_subclassed_model(self):
@@ -312,29 +341,3 @@ class TwoRankKeras3Test(DistributedTestCase):
         rows = sum(r["watched"] for r in ranks)
         assert np.abs(ref.watched.get_weights()[0] - initial_watched).max() > 1e-3
         np.testing.assert_allclose(rows, ref.watched.get_weights()[0], **TOL)
-
-    def _check_two_ranks(self, optimizer, data, start=None):
-        x, y = data
-        ref, embeds = kpth.functional(keras, False, optimizer)
-        if start is not None:
-            start(ref, embeds)
-        initial = kpth.initial_weights(ref, embeds)
-        want = kpth.fit(keras, ref, kpth.keras_optimizer(keras, optimizer), x, y,
-                        2 * kpth.BATCH)
-        ranks = self.run_ranks(kpth.keras3_on_ranks, 2,
-                               (initial, True, optimizer, optimizer != "sgd"))
-        for r in ranks:
-            np.testing.assert_allclose(r["predictions"], want["predictions"], **TOL)
-        for f, emb in embeds.items():
-            rows = sum(r["tables"][f] for r in ranks)
-            assert np.abs(emb.get_weights()[0] - initial["tables"][f]).max() > 1e-4
-            np.testing.assert_allclose(rows, emb.get_weights()[0], **TOL, err_msg=f)
-
-    @pytest.mark.timeout(700)
-    def test_keras3_bare_optimizer_fails_first_step(self):
-        ref, embeds = kpth.functional(keras, False)
-        ranks = self.run_ranks(kpth.keras3_on_ranks, 2, (kpth.initial_weights(ref, embeds),
-                                                         False))
-        for r in ranks:
-            assert "DistributedOptimizer" in r.get("error", ""), r.keys()
-            assert r["steps_done"] == 0  # refused inside the first step

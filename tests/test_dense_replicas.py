@@ -86,13 +86,8 @@ def dlrm_model():
     return DLRM(_specs(), ("numeric",), bottom_mlp=(8, DIM), top_mlp=(8,), seed=None)
 
 
-def dcn_model():
-    from tf_fusedemb.models import DCNv2
-    return DCNv2(_specs(), ("numeric",), num_cross_layers=1, deep=(8,), seed=None)
-
-
 MODELS = {"functional": functional_model, "subclassed": subclassed_model,
-          "converted": converted_model, "dlrm": dlrm_model, "dcn": dcn_model,
+          "converted": converted_model, "dlrm": dlrm_model,
           "pipelined": functional_model, "custom_loop": functional_model}
 PIPELINES = {"pipelined": "dbp,fwp=2"}
 
@@ -109,7 +104,7 @@ def _by_position(weights):
 
 
 def _x_for(kind, x):
-    if kind in ("dlrm", "dcn"):  # dense features by name, [B] each
+    if kind == "dlrm":  # dense features by name, [B] each
         x = dict(x)
         x["numeric"] = x["numeric"][:, 0]
     return x
@@ -205,8 +200,9 @@ class DenseReplicasTest(DistributedTestCase):
                             "the test would not see a missing broadcast")
 
     def test_unseeded_models_end_equal_on_two_ranks(self):
-        kinds = ["functional", "subclassed", "converted", "dlrm", "dcn", "pipelined",
-                 "custom_loop"]
+        # Subclassed models run on 3 ranks below; DLRM stands for the library's model zoo
+        # (DCNv2 keeps its dense variables as DLRM does): each kind is a minute of the suite.
+        kinds = ["functional", "converted", "dlrm", "pipelined", "custom_loop"]
         ranks = self.run_ranks(_fit_rank, 2, (kinds,))
         self._check_ranks(ranks, kinds)
         for rank, got in enumerate(ranks):  # the conversion took rank 0's Embeddings

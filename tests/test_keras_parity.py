@@ -138,29 +138,34 @@ def test_lazy_adam_equals_keras_adam_on_touched_rows():
                                rtol=1e-4, atol=1e-5)
 
 
+# The 2-rank configurations (optimizers, rows per rank per step, rows, pipeline), run one
+# after another in one 2-rank job (a job's start-up costs more than a configuration):
+# even slices; different batch sizes per rank with an uneven last batch and an empty
+# batch on rank 1; pipelined fit.
+TWO_RANK_CONFIGS = ((("sgd", "adagrad", "ftrl"), (16, 16), 96, None),
+                    (("adagrad",), (20, 12), 100, None),
+                    (("adagrad",), (16, 16), 96, "dbp,fwp=4"))
+
+
+def _configs_on_rank():
+    """One rank: kp.fit_on_ranks for each of TWO_RANK_CONFIGS."""
+    return [kp.fit_on_ranks(list(opts), shares, rows, pipeline)
+            for opts, shares, rows, pipeline in TWO_RANK_CONFIGS]
+
+
 class TwoRankParityTest(DistributedTestCase):
     """FusedModel fit/evaluate/predict on 2 ranks (``run_ranks``) = plain Keras on the
     global batch in one process."""
     timeout = 800
 
-    def _check(self, shares, rows, pipeline, optimizers=("adagrad",)):
-        ranks = self.run_ranks(kp.fit_on_ranks, 2, (list(optimizers), shares, rows, pipeline))
-        self.assertEqual([r["optimizer"] for r in ranks[0]], list(optimizers))
-        for result in ranks[0]:
-            compare(result, kp.keras_global(result["optimizer"], rows, sum(shares)))
-
     @pytest.mark.timeout(900)
-    def test_even_slices(self):
-        self._check((16, 16), 96, None, ("sgd", "adagrad", "ftrl"))
-
-    @pytest.mark.timeout(900)
-    def test_uneven_slices_and_an_empty_rank_batch(self):
-        # different batch sizes per rank, uneven last batch, an empty batch on rank 1
-        self._check((20, 12), 100, None)
-
-    @pytest.mark.timeout(900)
-    def test_pipelined_fit(self):
-        self._check((16, 16), 96, "dbp,fwp=4")
+    def test_even_and_uneven_slices_and_pipelined_fit(self):
+        ranks = self.run_ranks(_configs_on_rank, 2)
+        for config, results in zip(TWO_RANK_CONFIGS, ranks[0]):
+            optimizers, shares, rows, _ = config
+            self.assertEqual([r["optimizer"] for r in results], list(optimizers))
+            for result in results:
+                compare(result, kp.keras_global(result["optimizer"], rows, sum(shares)))
 
 
 def test_auto_micro_batches_choose_by_measurement_and_equal_keras():

@@ -107,24 +107,37 @@ def test_keras3_paths_in_a_fresh_process():
     assert " passed" in out.stdout and " failed" not in out.stdout, out.stdout[-2000:]
 
 
+# The 2-rank cases, run one after another in one 2-rank job (a job's start-up costs more
+# than a case): (path, optimizer, wrapped in DistributedOptimizer). The bare optimizer's
+# cases come last: they fail the first step on every rank.
+TWO_RANK_CASES = (("fit", "adagrad", True), ("loop", "sgd", True), ("fit", "sgd", False),
+                  ("loop", "sgd", False))
+
+
+def _cases_on_rank(initials):
+    """One rank: kpth.plain_on_ranks for each of TWO_RANK_CASES from its initial weights."""
+    return [kpth.plain_on_ranks(w, path, opt, wrap)
+            for w, (path, opt, wrap) in zip(initials, TWO_RANK_CASES)]
+
+
 class TwoRankKerasPathsTest(DistributedTestCase):
     """Plain tf_keras fit and a custom loop on 2 ranks (each rank half of every global
     batch, DistributedOptimizer) equal plain Keras on the global batch in one process; a
     bare optimizer fails the first step on every rank with the fix named."""
     timeout = 600
 
-    def _reference(self, path, optimizer):
+    @staticmethod
+    def _reference(path, optimizer):
         x, y = kpth.data()
         ref, embeds = kpth.functional(tf_keras, False)
         initial = kpth.initial_weights(ref, embeds)
         run = kpth.fit if path == "fit" else kpth.custom_loop
         want = run(tf_keras, ref, kpth.keras_optimizer(tf_keras, optimizer), x, y,
                    2 * kpth.BATCH)
-        return initial, want, ref, embeds, x
+        return initial, want, ref, embeds
 
-    def _check(self, path, optimizer):
-        initial, want, ref, embeds, _ = self._reference(path, optimizer)
-        ranks = self.run_ranks(kpth.plain_on_ranks, 2, (initial, path, optimizer))
+    def _check(self, path, reference, ranks):
+        _, want, ref, embeds = reference
         for r in ranks:
             self.assertNotIn("error", r)
             np.testing.assert_allclose(r["predictions"], want["predictions"], **TOL)
@@ -139,16 +152,17 @@ class TwoRankKerasPathsTest(DistributedTestCase):
             np.testing.assert_allclose(rows, emb.get_weights()[0], **TOL, err_msg=f)
 
     @pytest.mark.timeout(700)
-    def test_fit_and_custom_loop(self):
-        self._check("fit", "adagrad")
-        self._check("loop", "sgd")
-
-    @pytest.mark.timeout(700)
-    def test_bare_optimizer_fails_on_every_rank(self):
-        initial, _, _, _, _ = self._reference("fit", "sgd")
-        for path in ("fit", "loop"):
-            ranks = self.run_ranks(kpth.plain_on_ranks, 2, (initial, path, "sgd", False))
-            for r in ranks:
+    def test_fit_custom_loop_and_bare_optimizer(self):
+        refs = [self._reference(path, opt) if wrap else None
+                for path, opt, wrap in TWO_RANK_CASES]
+        initials = [ref[0] if ref else refs[0][0] for ref in refs]
+        ranks = self.run_ranks(_cases_on_rank, 2, (initials,))
+        for i, (path, _, wrap) in enumerate(TWO_RANK_CASES):
+            got = [r[i] for r in ranks]
+            if wrap:
+                self._check(path, refs[i], got)
+                continue
+            for r in got:
                 self.assertIn("error", r, path)
                 self.assertIn("DistributedOptimizer", r["error"], path)
                 self.assertEqual(r["steps_done"], 0, path)  # refused inside the first step

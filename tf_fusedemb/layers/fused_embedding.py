@@ -119,6 +119,11 @@ class FusedEmbeddingMixin(_KerasLayer):
                 "must pass the same")
         self._agreed = True
 
+    # AutoGraph is off from here down (here, call, and what they call): the layer is written
+    # with TensorFlow's own control flow, and converting it in a user's tf.function (a
+    # custom loop, Keras's train function, a @tf.function call) cost seconds of tracing
+    # per model for nothing.
+    @tf.autograph.experimental.do_not_convert
     def __call__(self, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         # Keras converts Python/numpy leaves of the input dict one element at a time before
         # call(), so e.g. a list holding 2**63 would fail with no feature named: convert
@@ -166,6 +171,7 @@ class FusedEmbeddingMixin(_KerasLayer):
         return [lookup.route(self._flat_features(lookup, inputs), context)
                 for lookup in self.groups]
 
+    @tf.autograph.experimental.do_not_convert
     def call(self, inputs: Mapping[str, tf.Tensor],
              training: Optional[bool] = None) -> Dict[str, tf.Tensor]:
         # Access statistics count training lookups (and direct calls), never those of

@@ -169,6 +169,7 @@ def loss_totals(loss: KerasLoss, partials: Sequence[LossPartial], reg: Optional[
     return loss.combine(partials[0], comm.allreduce_sum(summed, LOSS_STATS), reg)
 
 
+@tf.autograph.experimental.do_not_convert  # TensorFlow control flow already: see FusedEmbedding
 def train_step(model: tf_keras.Model, x: Any, y: Any, loss: LossLike,
                optimizer: tf_keras.optimizers.Optimizer, sample_weight: Any = None,
                communicator: Optional[Communicator] = None,
