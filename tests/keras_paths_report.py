@@ -103,16 +103,24 @@ def two_rank_rows():
     x, y = kpth.data()
     rows = []
 
-    def run(name, k, runner, optimizer, wrap=True, data=(x, y), start=None):
+    def models(k, optimizer, subclassed, compiled):
+        """(reference, its embeddings, fused model, its layer), functional or subclassed."""
+        if not subclassed:
+            return (*kpth.functional(k, False), *kpth.functional(k, True, optimizer))
+        ref = kpth.build(kpth.subclassed_class(k, compiled_call=compiled)(False), x)
+        fused = kpth.build(kpth.subclassed_class(k, None, compiled)(True, optimizer), x)
+        return ref, ref.embedding(), fused, fused.embedding()
+
+    def run(name, k, runner, optimizer, wrap=True, data=(x, y), start=None, subclassed=False,
+            compiled=False):
         x, y = data
-        ref, embeds = kpth.functional(k, False)
+        ref, embeds, fused, layer = models(k, optimizer, subclassed, compiled)
         if start is not None:
             start(ref, embeds)
         initial = comm.allgather_object(kpth.initial_weights(ref, embeds))[0]
         want = None
         if comm.rank == 0:  # the reference (rank 0's draw): plain Keras on the global batch
             want = runner(k, ref, kpth.keras_optimizer(k, optimizer), x, y, 2 * kpth.BATCH)
-        fused, layer = kpth.functional(k, True, optimizer)
         kpth.load_weights(fused, layer, initial)
         xr, yr = kpth.rank_slices(x, y, comm.rank, comm.size, kpth.BATCH)
         opt, done = kpth.keras_optimizer(k, optimizer), []
@@ -140,6 +148,12 @@ def two_rank_rows():
         kpth.fit, "sgd")
     run("tf_keras functional Model.fit, DistributedOptimizer (ftrl)", tf_keras, kpth.fit,
         "ftrl")
+    run("tf_keras subclassed Model.fit, DistributedOptimizer (adagrad)", tf_keras, kpth.fit,
+        "adagrad", subclassed=True)
+    run("call decorated with tf.function, tf_keras.Model, DistributedOptimizer (adagrad)",
+        tf_keras, kpth.fit, "adagrad", subclassed=True, compiled=True)
+    run(f"Keras {keras.__version__} subclassed fit, DistributedOptimizer (sgd)", keras,
+        kpth.fit, "sgd", subclassed=True)
     unique = kpth.data_unique_per_batch(2 * kpth.BATCH)
     run(f"Keras {keras.__version__} functional fit, DistributedOptimizer (adagrad, IDs unique "
         "per batch)", keras, kpth.fit, "adagrad", data=unique)

@@ -349,37 +349,58 @@ def _refine_swaps(rows: np.ndarray, kid: np.ndarray, num_keys: int, part: np.nda
         gain = leave[:, None] - enter.reshape(b, n)
         gain[samples, part] = -np.inf
         target = gain.argmax(axis=1)
-        best = gain[samples, target]
-        # Candidates grouped by (from, to), best gain first (lexsort is stable: ties by row).
-        group = part * n + target
-        by_group = np.lexsort((-best, group))
-        starts = np.searchsorted(group[by_group], np.arange(n * n + 1))
-        swaps = []
-        for a in range(n):
-            for q in range(a + 1, n):
-                out_a = by_group[starts[a * n + q]:starts[a * n + q + 1]]
-                out_q = by_group[starts[q * n + a]:starts[q * n + a + 1]]
-                m = min(len(out_a), len(out_q))
-                # Both lists are sorted, so the pair sums decrease: a prefix is positive.
-                m = int(np.count_nonzero(best[out_a[:m]] + best[out_q[:m]] > 0))
-                if m:
-                    swaps.append((out_a[:m], out_q[:m], a, q))
+        swaps = _paired_swaps(part, target, gain[samples, target], n)
         if not swaps:
             break
-        for halving in range(_REFINE_HALVINGS + 1):
-            new_part = part.copy()
-            for out_a, out_q, a, q in swaps:
-                m = max(1, len(out_a) >> halving)
-                new_part[out_a[:m]] = q
-                new_part[out_q[:m]] = a
-            new_count = np.bincount(kn + new_part[rows], minlength=num_keys * n)
-            new_objective = np.count_nonzero(new_count)
-            if new_objective < objective:
-                break
-        else:
+        better = _first_better(part, swaps, rows, kn, num_keys * n, objective)
+        if better is None:
             break
-        part, count, objective = new_part, new_count, new_objective
+        part, count, objective = better
     return part
+
+
+Swap = Tuple[np.ndarray, np.ndarray, int, int]  # (samples a -> q, samples q -> a, a, q)
+
+
+def _paired_swaps(part: np.ndarray, target: np.ndarray, best: np.ndarray,
+                  n: int) -> List[Swap]:
+    """intp[B] micro-batch, intp[B] best target and float[B] its gain of every sample ->
+    for each pair of micro-batches (a, q), its candidates a -> q and q -> a paired best with
+    best while the pair's summed gain is positive (pairs without such a swap left out)."""
+    # Candidates grouped by (from, to), best gain first (lexsort is stable: ties by row).
+    group = part * n + target
+    by_group = np.lexsort((-best, group))
+    starts = np.searchsorted(group[by_group], np.arange(n * n + 1))
+    swaps = []
+    for a in range(n):
+        for q in range(a + 1, n):
+            out_a = by_group[starts[a * n + q]:starts[a * n + q + 1]]
+            out_q = by_group[starts[q * n + a]:starts[q * n + a + 1]]
+            m = min(len(out_a), len(out_q))
+            # Both lists are sorted, so the pair sums decrease: a prefix is positive.
+            m = int(np.count_nonzero(best[out_a[:m]] + best[out_q[:m]] > 0))
+            if m:
+                swaps.append((out_a[:m], out_q[:m], a, q))
+    return swaps
+
+
+def _first_better(part: np.ndarray, swaps: List[Swap], rows: np.ndarray, kn: np.ndarray,
+                  size: int, objective: int
+                  ) -> Optional[Tuple[np.ndarray, np.ndarray, int]]:
+    """All of ``swaps`` applied to ``part``, else the best 1/2, 1/4, ... of each pair's
+    (_REFINE_HALVINGS times): the first whose recounted objective is below ``objective``,
+    as (part, count, objective); None if none is."""
+    for halving in range(_REFINE_HALVINGS + 1):
+        new_part = part.copy()
+        for out_a, out_q, a, q in swaps:
+            m = max(1, len(out_a) >> halving)
+            new_part[out_a[:m]] = q
+            new_part[out_q[:m]] = a
+        new_count = np.bincount(kn + new_part[rows], minlength=size)
+        new_objective = np.count_nonzero(new_count)
+        if new_objective < objective:
+            return new_part, new_count, new_objective
+    return None
 
 
 def _shared_key_pins(feats: List[Tuple[np.ndarray, Optional[np.ndarray]]], b: int,
