@@ -15,6 +15,9 @@ VARIANTS = ("fused", "fused_bf16", "fused_tfra_backend", "unfused", "tfra", "tfr
 # The variants without TFRA: all that runs on a stack without it (docs/guide/stacks.md).
 OWN_VARIANTS = ("fused", "fused_bf16", "unfused")
 RUN_VARIANTS = VARIANTS if STACK == "tf216" else OWN_VARIANTS
+# One pytest-xdist worker for the whole file: the benchmark runs once per worker that
+# needs its result (a module fixture), about two minutes on the TFRA stack.
+pytestmark = pytest.mark.xdist_group("benchmark_lookup")
 PER_VARIANT = ("step_ms", "alltoall_rounds_per_step", "graph_alltoall_ops", "bytes_per_step",
                "mean_message_bytes", "messages_per_step", "groups", "loss_first", "loss_last")
 
