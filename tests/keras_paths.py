@@ -258,13 +258,13 @@ def multi_output(fused, optimizer="sgd", model_class=None):
     return (model_class or tf_keras.Model)(inputs, outputs), embed
 
 
-def fit_multi_output(model, optimizer, x, y):
+def fit_multi_output(model, optimizer, x, y, batch_size=BATCH):
     """compile with per-output losses and loss weights, fit on a dict of labels."""
     model.compile(optimizer=optimizer,
                   loss={"click": tf_keras.losses.BinaryCrossentropy(from_logits=True),
                         "rating": "mse"}, loss_weights={"click": 1.0, "rating": 0.5})
     labels = {"click": y, "rating": (y * 3 + 1).astype(np.float32)}
-    history = model.fit(x, labels, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    history = model.fit(x, labels, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
     predictions = model.predict(x, batch_size=BATCH, verbose=0)
     return history.history, predictions
 

@@ -160,12 +160,48 @@ def two_rank_rows():
     run(f"Keras {keras.__version__} functional fit, DistributedOptimizer (ftrl from zero "
         "tables, IDs unique per batch)", keras, kpth.fit, "ftrl", data=unique,
         start=kpth.zero_tables)
+    multi_output_on_ranks(comm, x, y, rows)
     run("tf_keras Model.fit, bare optimizer (sgd)", tf_keras, kpth.fit, "sgd", wrap=False)
     run("GradientTape loop, bare optimizer (sgd)", tf_keras, kpth.custom_loop, "sgd",
         wrap=False)
     run(f"Keras {keras.__version__} functional fit, bare optimizer (sgd)", keras, kpth.fit,
         "sgd", wrap=False)
     return rows
+
+
+def multi_output_on_ranks(comm, x, y, rows):
+    """Two outputs, dict labels, on N ranks with DistributedOptimizer against rank 0's
+    reference on the global batches: max difference of the global predictions (losses are
+    per rank) and of the weights."""
+    ref, embeds = kpth.multi_output(False)
+    initial = comm.allgather_object({
+        "dense": {n: ref.get_layer(n).get_weights() for n in ("hidden", "click", "rating")},
+        "tables": {f: e.get_weights()[0] for f, e in embeds.items()}})[0]
+    fused, layer = kpth.multi_output(True, "sgd")
+    for n, w in initial["dense"].items():
+        fused.get_layer(n).set_weights(w)
+    layer.set_embedding_weights(initial["tables"])
+    want = None
+    if comm.rank == 0:
+        for n, w in initial["dense"].items():
+            ref.get_layer(n).set_weights(w)
+        for f, e in embeds.items():
+            e.set_weights([initial["tables"][f]])
+        want = kpth.fit_multi_output(ref, kpth.keras_optimizer(tf_keras, "sgd"), x, y,
+                                     2 * kpth.BATCH)
+    xr, yr = kpth.rank_slices(x, y, comm.rank, comm.size, kpth.BATCH)
+    kpth.fit_multi_output(fused, DistributedOptimizer(kpth.keras_optimizer(tf_keras, "sgd")),
+                          xr, yr)
+    got = fused.predict(x, batch_size=kpth.BATCH, verbose=0)
+    tables = table_diff(layer, embeds, comm)
+    if comm.rank == 0:
+        dense = max(max_diff(a, b) for n in ("hidden", "click", "rating")
+                    for a, b in zip(fused.get_layer(n).get_weights(),
+                                    ref.get_layer(n).get_weights()))
+        rows.append(("two outputs, dict labels, tf_keras.Model, DistributedOptimizer (sgd); "
+                     "loss column: global predictions", max(max_diff(got[k], want[1][k])
+                                                            for k in want[1]),
+                     max(dense, tables)))
 
 
 def main():
