@@ -182,11 +182,7 @@ def multi_output_on_ranks(comm, x, y, rows):
         fused.get_layer(n).set_weights(w)
     layer.set_embedding_weights(initial["tables"])
     want = None
-    if comm.rank == 0:
-        for n, w in initial["dense"].items():
-            ref.get_layer(n).set_weights(w)
-        for f, e in embeds.items():
-            e.set_weights([initial["tables"][f]])
+    if comm.rank == 0:  # its reference already holds the initial weights (rank 0's draw)
         want = kpth.fit_multi_output(ref, kpth.keras_optimizer(tf_keras, "sgd"), x, y,
                                      2 * kpth.BATCH)
     xr, yr = kpth.rank_slices(x, y, comm.rank, comm.size, kpth.BATCH)
