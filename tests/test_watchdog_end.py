@@ -19,7 +19,8 @@ SIZE = 3
 
 
 def make_watchdogs(size=SIZE, exit_wait_s=30.0):
-    """``size`` watchdogs of one job, made concurrently (their constructor is collective)."""
+    """``size`` watchdogs of one job, made concurrently (``PeerWatchdog.connect`` is
+    collective)."""
     table, barrier = [None] * size, threading.Barrier(size)
 
     def allgather(rank):
@@ -32,8 +33,8 @@ def make_watchdogs(size=SIZE, exit_wait_s=30.0):
 
     def build(rank):
         try:
-            made[rank] = PeerWatchdog(rank, size, allgather(rank), timeout_s=None,
-                                      exit_process=False, exit_wait_s=exit_wait_s)
+            made[rank] = PeerWatchdog.connect(rank, size, allgather(rank), timeout_s=None,
+                                              exit_process=False, exit_wait_s=exit_wait_s)
         except Exception as e:  # pylint: disable=broad-except
             errors.append(e)
     threads = [threading.Thread(target=build, args=(r,)) for r in range(size)]

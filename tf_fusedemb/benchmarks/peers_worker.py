@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import time
+from typing import Callable, List, NamedTuple, Tuple
 
 import numpy as np
 
@@ -33,48 +34,70 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def main(argv=None):
-    # torch and torchrec exist only in the peer environment: imported here, so that the
-    # package's import checks (which import every module) need neither.
+class DumpShape(NamedTuple):
+    """The model's shape, as the driver dumped it beside the batches."""
+    features: List[str]  # one table per feature, in the dump's order
+    table_sizes: List[int]  # rows of each feature's table (its distinct IDs)
+    dim: int  # embedding dimension of every table
+    hidden: Tuple[int, ...]  # widths of the hidden layers of the MLP
+    num_dense: int  # dense (numeric) columns of a batch
+
+
+def dump_shape(data) -> DumpShape:
+    """The model's shape read from a rank's dump (``rank<R>.npz``, opened)."""
+    return DumpShape(features=[str(f) for f in data["features"]],
+                     table_sizes=[int(n) for n in data["table_sizes"]], dim=int(data["dim"]),
+                     hidden=tuple(int(h) for h in data["hidden"]),
+                     num_dense=data["b0_dense"].shape[1])
+
+
+def build_model(shape: DumpShape, bf16: bool):
+    """The DLRM, unsharded: its tables (``EmbeddingBagConfig``, one per feature) on the
+    meta device (DistributedModelParallel materializes only each rank's shards), and its
+    MLP, seeded so that every run starts from the same dense weights. Returns (model,
+    tables)."""
+    # torch and torchrec exist only in the peer environment (module doc): imported in the
+    # functions that use them, so that the package's import checks need neither.
     import torch  # pylint: disable=import-outside-toplevel
+    from torchrec import (EmbeddingBagCollection, EmbeddingBagConfig,  # pylint: disable=import-outside-toplevel
+                          PoolingType)
+
+    class Net(torch.nn.Module):
+        """Pooled rows of every table concatenated with the dense columns, then the MLP;
+        the MLP under bf16 autocast with ``bf16``, its logit back in float32."""
+
+        def __init__(self, ebc):
+            super().__init__()
+            self.ebc = ebc
+            widths = (len(shape.features) * shape.dim + shape.num_dense,) + shape.hidden
+            layers = []
+            for a, b in zip(widths, widths[1:]):
+                layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+            self.mlp = torch.nn.Sequential(*layers, torch.nn.Linear(shape.hidden[-1], 1))
+
+        def forward(self, kjt, dense):
+            h = torch.cat([self.ebc(kjt).values(), dense], 1)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                return self.mlp(h).float()
+
+    torch.manual_seed(0)
+    tables = [EmbeddingBagConfig(name=f"t_{c}", embedding_dim=shape.dim, num_embeddings=n,
+                                 feature_names=[c], pooling=PoolingType.SUM)
+              for c, n in zip(shape.features, shape.table_sizes)]
+    return Net(EmbeddingBagCollection(tables=tables, device=torch.device("meta"))), tables
+
+
+def sharding_plan(model, tables, sharding: str, lr: float, world_size: int):
+    """Collective: every table sharded ``sharding`` ("table_wise" or "row_wise") with
+    FBGEMM's fused kernel, its rows trained by the kernel's EXACT_ADAGRAD at ``lr``.
+    Returns (plan, sharder)."""
+    # torch and torchrec exist only in the peer environment (module doc).
     import torch.distributed as dist  # pylint: disable=import-outside-toplevel
     from fbgemm_gpu.split_embedding_configs import EmbOptimType  # pylint: disable=import-outside-toplevel
-    from torchrec import (EmbeddingBagCollection, EmbeddingBagConfig,  # pylint: disable=import-outside-toplevel
-                          KeyedJaggedTensor, PoolingType)
-    from torchrec.distributed import DistributedModelParallel  # pylint: disable=import-outside-toplevel
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel  # pylint: disable=import-outside-toplevel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder  # pylint: disable=import-outside-toplevel
     from torchrec.distributed.planner import (EmbeddingShardingPlanner,  # pylint: disable=import-outside-toplevel
                                               ParameterConstraints, Topology)
-
-    args = parse_args(argv)
-    dist.init_process_group("gloo")
-    rank, size = dist.get_rank(), dist.get_world_size()
-    data = np.load(os.path.join(args.batches, f"rank{rank}.npz"))
-    sizes, features = data["table_sizes"], [str(f) for f in data["features"]]
-    dim, hidden = int(data["dim"]), tuple(int(h) for h in data["hidden"])
-    num_dense = data["b0_dense"].shape[1]
-
-    class Net(torch.nn.Module):
-        def __init__(self, ebc):
-            super().__init__()
-            self.ebc = ebc
-            widths = (len(features) * dim + num_dense,) + hidden
-            layers = []
-            for a, b in zip(widths, widths[1:]):
-                layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
-            self.mlp = torch.nn.Sequential(*layers, torch.nn.Linear(hidden[-1], 1))
-
-        def forward(self, kjt, dense):
-            h = torch.cat([self.ebc(kjt).values(), dense], 1)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-                return self.mlp(h).float()
-
-    torch.manual_seed(0)
-    tables = [EmbeddingBagConfig(name=f"t_{c}", embedding_dim=dim, num_embeddings=int(n),
-                                 feature_names=[c], pooling=PoolingType.SUM)
-              for c, n in zip(features, sizes)]
-    model = Net(EmbeddingBagCollection(tables=tables, device=torch.device("meta")))
 
     class Sharder(EmbeddingBagCollectionSharder):
         """TorchRec's sharder; on CPU it offers row-wise sharding too (it lists it for GPUs
@@ -84,20 +107,23 @@ def main(argv=None):
             return list(dict.fromkeys(super().sharding_types(compute_device_type) + ["row_wise"]))
 
     sharder = Sharder(fused_params={"optimizer": EmbOptimType.EXACT_ADAGRAD,
-                                    "learning_rate": args.lr})
+                                    "learning_rate": lr})
     constraints = {t.name: ParameterConstraints(
-        sharding_types=[args.sharding], compute_kernels=[EmbeddingComputeKernel.FUSED.value])
+        sharding_types=[sharding], compute_kernels=[EmbeddingComputeKernel.FUSED.value])
         for t in tables}
     planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=size, compute_device="cpu"), constraints=constraints)
-    plan = planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan,
-                                   sharders=[sharder])
-    dense_params = [p for n, p in dmp.named_parameters() if ".ebc." not in f".{n}"]
-    dense_opt = torch.optim.Adagrad(dense_params, lr=args.lr)
-    loss_fn = torch.nn.BCEWithLogitsLoss()
+        topology=Topology(world_size=world_size, compute_device="cpu"), constraints=constraints)
+    return planner.collective_plan(model, [sharder], dist.GroupMember.WORLD), sharder
 
-    batches = []  # built before timing, as a data loader would hand them over
+
+def load_batches(data, features: List[str]) -> list:
+    """Every batch of the dump as (KeyedJaggedTensor of one ID per sample and feature,
+    dense float32[B, 13], label float32[B, 1]), built before timing, as a data loader
+    would hand them over."""
+    # torch and torchrec exist only in the peer environment (module doc).
+    import torch  # pylint: disable=import-outside-toplevel
+    from torchrec import KeyedJaggedTensor  # pylint: disable=import-outside-toplevel
+    batches = []
     for t in range(int(data["num_batches"])):
         ids = [torch.from_numpy(data[f"b{t}_{c}"]) for c in features]
         kjt = KeyedJaggedTensor.from_lengths_sync(
@@ -105,30 +131,91 @@ def main(argv=None):
             lengths=torch.ones(sum(len(i) for i in ids), dtype=torch.int32))
         batches.append((kjt, torch.from_numpy(data[f"b{t}_dense"]),
                         torch.from_numpy(data[f"b{t}_label"])))
+    return batches
 
-    def step(t):
-        kjt, dense, label = batches[t % len(batches)]
-        loss = loss_fn(dmp(kjt, dense), label)
-        dense_opt.zero_grad()
+
+class TrainStep:
+    """One training step of the sharded model on the dump's batches, in turn."""
+
+    def __init__(self, dmp, lr: float, batches: list):
+        # torch exists only in the peer environment (module doc).
+        import torch  # pylint: disable=import-outside-toplevel
+        self.dmp, self.batches = dmp, batches
+        # The rows train inside the backward (fused); this optimizer is for the MLP only.
+        dense_params = [p for n, p in dmp.named_parameters() if ".ebc." not in f".{n}"]
+        self.dense_opt = torch.optim.Adagrad(dense_params, lr=lr)
+        self.loss_fn = torch.nn.BCEWithLogitsLoss()
+
+    def __call__(self, t: int) -> float:
+        """Step ``t`` (on batch ``t`` modulo their number); returns its loss."""
+        kjt, dense, label = self.batches[t % len(self.batches)]
+        loss = self.loss_fn(self.dmp(kjt, dense), label)
+        self.dense_opt.zero_grad()
         loss.backward()  # the rows' fused Adagrad runs inside the backward
-        dense_opt.step()
+        self.dense_opt.step()
         return float(loss.detach())
 
-    for t in range(args.warmup):
+
+def timed_steps(step: Callable[[int], float], warmup: int, steps: int) -> List[float]:
+    """Runs ``warmup`` untimed steps, then ``steps`` timed ones, each started together on
+    every rank (a barrier first, so a rank's time is not another's lag); returns their
+    milliseconds."""
+    import torch.distributed as dist  # pylint: disable=import-outside-toplevel  (peer env only)
+    for t in range(warmup):
         step(t)
     times = []
-    for t in range(args.warmup, args.warmup + args.steps):
+    for t in range(warmup, warmup + steps):
         dist.barrier()
         start = time.perf_counter()
         step(t)
         times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+class PeerResult(NamedTuple):
+    """What rank 0 prints for the driver (its PEER_RESULT line, these fields in order)."""
+    sharding: str
+    bf16: bool
+    ranks: int
+    step_ms: float  # median of the timed steps
+    p10_ms: float
+    p90_ms: float
+    steps: int  # timed steps
+    torch: str  # torch's version
+    threads: int  # torch's intra-op threads per rank
+
+
+def peer_result(args: argparse.Namespace, times: List[float], world_size: int) -> PeerResult:
+    """The run's result from the timed steps' milliseconds."""
+    import torch  # pylint: disable=import-outside-toplevel  (peer environment only)
+    ms = np.array(times)
+    return PeerResult(sharding=args.sharding, bf16=args.bf16, ranks=world_size,
+                      step_ms=float(np.median(ms)), p10_ms=float(np.percentile(ms, 10)),
+                      p90_ms=float(np.percentile(ms, 90)), steps=len(ms),
+                      torch=torch.__version__, threads=torch.get_num_threads())
+
+
+def main(argv=None):
+    """One rank: the model built and sharded, the batches loaded, the steps timed; rank 0
+    prints the result."""
+    # torch and torchrec exist only in the peer environment (module doc).
+    import torch  # pylint: disable=import-outside-toplevel
+    import torch.distributed as dist  # pylint: disable=import-outside-toplevel
+    from torchrec.distributed import DistributedModelParallel  # pylint: disable=import-outside-toplevel
+
+    args = parse_args(argv)
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    data = np.load(os.path.join(args.batches, f"rank{rank}.npz"))
+    shape = dump_shape(data)
+    model, tables = build_model(shape, args.bf16)
+    plan, sharder = sharding_plan(model, tables, args.sharding, args.lr, size)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan,
+                                   sharders=[sharder])
+    step = TrainStep(dmp, args.lr, load_batches(data, shape.features))
+    times = timed_steps(step, args.warmup, args.steps)
     if rank == 0:
-        ms = np.array(times)
-        print("PEER_RESULT " + json.dumps({
-            "sharding": args.sharding, "bf16": args.bf16, "ranks": size,
-            "step_ms": float(np.median(ms)), "p10_ms": float(np.percentile(ms, 10)),
-            "p90_ms": float(np.percentile(ms, 90)), "steps": len(ms),
-            "torch": torch.__version__, "threads": torch.get_num_threads()}), flush=True)
+        print("PEER_RESULT " + json.dumps(peer_result(args, times, size)._asdict()), flush=True)
     dist.destroy_process_group()
 
 

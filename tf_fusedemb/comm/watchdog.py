@@ -58,7 +58,8 @@ import struct
 import sys
 import threading
 import time
-from typing import Any, Callable, Collection, Dict, Iterator, List, Mapping, Optional, Set
+from typing import (Any, Callable, Collection, Dict, Iterable, Iterator, List, Mapping,
+                    Optional, Set, Tuple)
 
 EXIT_PEER_LOST = 75  # EX_TEMPFAIL: the job can be rerun and resumes from its checkpoint
 TIMEOUT_ENV = "TF_FUSEDEMB_PEER_LOSS_TIMEOUT_S"
@@ -160,13 +161,83 @@ def timeout_from_env(name: str = TIMEOUT_ENV,
     return seconds
 
 
+def _listen(size: int) -> Tuple[Optional[socket.socket], Optional[Tuple[str, int, str]], str]:
+    """A socket listening for the higher ranks' watchdog connections and this rank's
+    (address, port, host name) to tell the others; (None, None, the error) when it cannot
+    listen."""
+    try:
+        address = _local_address()
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind((address, 0))
+        listener.listen(max(1, size))
+        return listener, (address, listener.getsockname()[1], socket.gethostname()), ""
+    except OSError as e:
+        return None, None, f"{type(e).__name__}: {e}"
+
+
+def _connect_mesh(rank: int, size: int, peers: List[Any],
+                  listener: socket.socket) -> Dict[int, socket.socket]:
+    """Collective: connects to every lower rank (at its ``peers`` entry: address, port,
+    host) and accepts every higher one on ``listener``, which it closes. Returns {peer:
+    socket}.
+
+    Raises:
+      RuntimeError: a connection failed; the peers reached so far were told not to watch
+        this rank.
+    """
+    conns: Dict[int, socket.socket] = {}
+    try:
+        for peer in range(rank):  # connect to lower ranks, accept the higher ones
+            sock = socket.create_connection(peers[peer][:2], timeout=_CONNECT_TIMEOUT_S)
+            sock.sendall(struct.pack("!I", rank))
+            conns[peer] = sock
+        listener.settimeout(_CONNECT_TIMEOUT_S)
+        for _ in range(size - 1 - rank):
+            sock, _ = listener.accept()
+            sock.settimeout(_CONNECT_TIMEOUT_S)
+            conns[_read_rank(sock)] = sock
+    except OSError as e:
+        # Not fatal for the job: tell the peers reached so far not to watch us.
+        _say_goodbye(conns.values(), b"")
+        raise RuntimeError(f"peer watchdog of rank {rank} could not connect: {e}") from e
+    finally:
+        listener.close()
+    return conns
+
+
+def _read_rank(sock: socket.socket) -> int:
+    """The rank a peer that just connected sends first (4 bytes, network order)."""
+    header = b""
+    while len(header) < 4:
+        chunk = sock.recv(4 - len(header))
+        if not chunk:
+            raise ConnectionError("a peer closed its watchdog connection at set-up")
+        header += chunk
+    return struct.unpack("!I", header)[0]
+
+
+def _say_goodbye(socks: Iterable[socket.socket], reason: bytes) -> None:
+    """Sends the goodbye (``reason``: empty for a normal exit) on every socket and closes
+    its sending side; a peer already gone is skipped."""
+    for sock in list(socks):
+        try:
+            sock.setblocking(True)
+            sock.settimeout(1.0)
+            sock.sendall(_BYE + reason)
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+
 class PeerWatchdog:
     """Watches every other rank over its own TCP connections (see the module doc).
 
+    Made by :meth:`connect`, a collective; the constructor takes the connections made.
+
     Args:
       rank, size: this rank and the world size.
-      allgather_object: ``obj -> [obj of rank 0, ..., obj of rank size-1]``, called once
-        (every rank must construct the watchdog at the same point of its program).
+      conns: {peer: its connected socket}, one for every other rank.
+      hosts: every rank's host name (named in loss messages).
       timeout_s: seconds from a loss to the forced exit; None: never forced.
       exit_process: whether to end the process (at exit, or after ``timeout_s``) once a
         peer is lost; False in tests that run several watchdogs in one process.
@@ -174,10 +245,10 @@ class PeerWatchdog:
         Horovod's shutdown (0: no wait; None: no limit). Needed with process sets only.
     """
 
-    def __init__(self, rank: int, size: int, allgather_object: Callable[[Any], List[Any]],
+    def __init__(self, rank: int, size: int, conns: Dict[int, socket.socket], hosts: List[str],
                  timeout_s: Optional[float] = DEFAULT_TIMEOUT_S, exit_process: bool = True,
                  exit_wait_s: Optional[float] = 0.0):
-        self.rank, self.size = rank, size
+        self.rank, self.size, self.hosts = rank, size, hosts
         self.timeout_s, self._exit_process = timeout_s, exit_process
         self.exit_wait_s = exit_wait_s
         self._lock = threading.Lock()
@@ -196,15 +267,28 @@ class PeerWatchdog:
         self._closing = False
         self._timer: Optional[threading.Timer] = None
         self._pid = os.getpid()  # a forked child inherits the sockets: it must not use them
-        listener, mine = None, None
-        try:
-            address = _local_address()
-            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            listener.bind((address, 0))
-            listener.listen(max(1, size))
-            mine = (address, listener.getsockname()[1], socket.gethostname())
-        except OSError as e:
-            error = f"{type(e).__name__}: {e}"
+        self._conns = conns
+        for sock in self._conns.values():
+            _keepalive(sock)
+            sock.setblocking(False)
+        self._thread = threading.Thread(target=self._run, name="tf_fusedemb-peer-watchdog",
+                                        daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def connect(cls, rank: int, size: int, allgather_object: Callable[[Any], List[Any]],
+                timeout_s: Optional[float] = DEFAULT_TIMEOUT_S, exit_process: bool = True,
+                exit_wait_s: Optional[float] = 0.0) -> "PeerWatchdog":
+        """Collective (every rank must call it at the same point of its program): connects
+        this rank to every other and starts watching them. ``allgather_object``: ``obj ->
+        [obj of rank 0, ..., obj of rank size-1]``, called once, to exchange the addresses;
+        the other arguments are the constructor's.
+
+        Raises:
+          RuntimeError: some rank could not listen, or this one could not connect (the
+            peers it had reached are told not to watch it).
+        """
+        listener, mine, error = _listen(size)
         peers = allgather_object(mine)  # every rank takes part, even one that failed
         if any(p is None for p in peers):
             if listener is not None:
@@ -213,36 +297,9 @@ class PeerWatchdog:
             raise RuntimeError(f"peer watchdog: rank(s) {bad} could not listen" + (
                 f" ({error})" if mine is None else ""))
         assert listener is not None  # every rank listens: checked just above
-        self.hosts = [p[2] for p in peers]
-        self._conns: Dict[int, socket.socket] = {}
-        try:
-            for peer in range(rank):  # connect to lower ranks, accept the higher ones
-                sock = socket.create_connection(peers[peer][:2], timeout=_CONNECT_TIMEOUT_S)
-                sock.sendall(struct.pack("!I", rank))
-                self._conns[peer] = sock
-            listener.settimeout(_CONNECT_TIMEOUT_S)
-            for _ in range(size - 1 - rank):
-                sock, _ = listener.accept()
-                sock.settimeout(_CONNECT_TIMEOUT_S)
-                header = b""
-                while len(header) < 4:
-                    chunk = sock.recv(4 - len(header))
-                    if not chunk:
-                        raise ConnectionError("a peer closed its watchdog connection at set-up")
-                    header += chunk
-                self._conns[struct.unpack("!I", header)[0]] = sock
-        except OSError as e:
-            # Not fatal for the job: tell the peers reached so far not to watch us.
-            self._say_goodbye(b"")
-            raise RuntimeError(f"peer watchdog of rank {rank} could not connect: {e}") from e
-        finally:
-            listener.close()
-        for sock in self._conns.values():
-            _keepalive(sock)
-            sock.setblocking(False)
-        self._thread = threading.Thread(target=self._run, name="tf_fusedemb-peer-watchdog",
-                                        daemon=True)
-        self._thread.start()
+        conns = _connect_mesh(rank, size, peers, listener)
+        return cls(rank, size, conns, [p[2] for p in peers], timeout_s, exit_process,
+                   exit_wait_s)
 
     # ---- what the main thread does ---------------------------------------------------
     @contextlib.contextmanager
@@ -344,7 +401,7 @@ class PeerWatchdog:
         if os.getpid() != self._pid or self._closing:
             return
         self._closing = True
-        self._say_goodbye(reason.encode("utf-8", "replace")[:1000])
+        _say_goodbye(self._conns.values(), reason.encode("utf-8", "replace")[:1000])
 
     def at_exit(self) -> None:
         """Interpreter exit: goodbye (with the uncaught exception, if any), then, when a
@@ -385,16 +442,6 @@ class PeerWatchdog:
                     f" {_was(self.lost())} lost afterwards; exiting without Horovod's shutdown")
             _flush_std()
             os._exit(0)  # pylint: disable=protected-access
-
-    def _say_goodbye(self, reason):
-        for sock in list(self._conns.values()):
-            try:
-                sock.setblocking(True)
-                sock.settimeout(1.0)
-                sock.sendall(_BYE + reason)
-                sock.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
 
     # ---- the watching thread ---------------------------------------------------------
     def _run(self):
@@ -513,8 +560,8 @@ def start_watchdog(rank: int, size: int, allgather_object: Callable[[Any], List[
         return None
     try:
         exit_wait = timeout_from_env(EXIT_WAIT_ENV, DEFAULT_EXIT_WAIT_S) if wait_at_exit else 0
-        _WATCHDOG = PeerWatchdog(rank, size, allgather_object, timeout_from_env(),
-                                 exit_wait_s=exit_wait)
+        _WATCHDOG = PeerWatchdog.connect(rank, size, allgather_object, timeout_from_env(),
+                                         exit_wait_s=exit_wait)
     except RuntimeError as e:
         _stderr(f"tf_fusedemb: WARNING: {e}; running without the peer watchdog")
         return None

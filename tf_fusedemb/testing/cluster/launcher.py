@@ -150,6 +150,65 @@ def _wait(procs: Sequence[subprocess.Popen], start: float, timeout: Optional[flo
         time.sleep(_POLL_S)
 
 
+class _Ranks:
+    """A job's rank processes, the threads that copy their output, and that output."""
+
+    def __init__(self, sinks: Tuple[Optional[TextSink], Optional[TextSink]]):
+        self.procs: List[subprocess.Popen] = []  # in the order started (run_job: by rank)
+        self.stdout: Dict[int, List[str]] = {}
+        self.stderr: Dict[int, List[str]] = {}
+        self._sinks = sinks  # where prefixed stdout and stderr lines go (None: nowhere)
+        self._pumps: List[threading.Thread] = []
+        self._lock = threading.Lock()  # one prefixed line at a time into a shared sink
+
+    def start(self, rank: int, argv: List[str], env: Mapping[str, str],
+              cwd: Optional[str]) -> None:
+        """Starts ``rank``'s process in a session of its own (so that it is stopped with
+        its children) and the threads that copy its output."""
+        p = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             start_new_session=True)
+        self.procs.append(p)
+        self.stdout[rank], self.stderr[rank] = [], []
+        self._pumps += _start_pumps(p, rank, self._sinks, (self.stdout[rank], self.stderr[rank]),
+                                    self._lock)
+
+    def stop(self, grace_s: float) -> None:
+        """Kills what still runs (:func:`_kill_all`) and waits up to 5 s per thread for the
+        last of the output."""
+        _kill_all(self.procs, grace_s)
+        for t in self._pumps:
+            t.join(timeout=5)
+
+
+def _slot_argv(slot, cpus: Optional[Sequence[Tuple[int, ...]]]) -> List[str]:
+    """The argv prefix that runs a command in ``slot``'s host (its namespace), pinned to its
+    rank's cores when ``cpus`` is given."""
+    argv = ["ip", "netns", "exec", slot.hostname]
+    if cpus is not None:
+        argv += ["taskset", "-c", ",".join(str(c) for c in cpus[slot.rank])]
+    return argv
+
+
+def _slot_env(slot, base: Mapping[str, str], run_env: Mapping[str, Any],
+              cpus: Optional[Sequence[Tuple[int, ...]]], inter_op_threads: Optional[int],
+              env: Optional[Mapping[str, str]]) -> Dict[str, str]:
+    """The environment of ``slot``'s rank, each layer over the one before: ``base``, the
+    thread counts of its pinning (with ``cpus``), the caller's ``env``, then Horovod's
+    (``run_env``, from create_run_env_vars, and the slot's own)."""
+    # Horovod is optional: testing.cluster imports without it (unavailable_reason).
+    from horovod.runner.gloo_run import (  # pylint: disable=import-outside-toplevel
+        create_slot_env_vars)
+    rank_env = dict(base)
+    if cpus is not None:
+        rank_env.update(thread_env(cpus[slot.rank], inter_op_threads))
+    rank_env.update(env or {})  # the caller's settings win over the defaults above
+    rank_env.update({k: str(v) for k, v in run_env.items()})
+    rank_env.update(create_slot_env_vars(slot))
+    rank_env["PYTHONUNBUFFERED"] = "1"  # lines reach the prefixer as they are printed
+    return rank_env
+
+
 def run_job(command: Sequence[str], plan: Sequence, rendezvous_address: str,
             cpus: Optional[Sequence[Tuple[int, ...]]] = None,
             env: Optional[Mapping[str, str]] = None,
@@ -181,48 +240,28 @@ def run_job(command: Sequence[str], plan: Sequence, rendezvous_address: str,
     """
     # Horovod is optional: testing.cluster imports without it (unavailable_reason).
     from horovod.runner.gloo_run import (  # pylint: disable=import-outside-toplevel
-        create_run_env_vars, create_slot_env_vars)
-    plan = sorted(plan, key=lambda slot: slot.rank)  # procs[r] is rank r
+        create_run_env_vars)
+    plan = sorted(plan, key=lambda slot: slot.rank)  # ranks.procs[r] is rank r
     base = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}
     server = _rendezvous_server(rendezvous_address)
     port = server.start()
-    procs: List[subprocess.Popen] = []
-    pumps: List[threading.Thread] = []
-    out: Dict[int, List[str]] = {}
-    err: Dict[int, List[str]] = {}
-    lock = threading.Lock()
+    ranks = _Ranks((stdout, stderr))
     start = time.monotonic()
     exited_at: Dict[int, float] = {}
     try:
         server.init(plan)
         run_env = create_run_env_vars(rendezvous_address, [HOST_IFACE], port)
         for slot in plan:
-            argv = ["ip", "netns", "exec", slot.hostname]
-            rank_env = dict(base)
-            if cpus is not None:
-                rank_env.update(thread_env(cpus[slot.rank], inter_op_threads))
-                argv += ["taskset", "-c", ",".join(str(c) for c in cpus[slot.rank])]
-            rank_env.update(env or {})  # the caller's settings win over the defaults above
-            rank_env.update({k: str(v) for k, v in run_env.items()})
-            rank_env.update(create_slot_env_vars(slot))
-            rank_env["PYTHONUNBUFFERED"] = "1"  # lines reach the prefixer as they are printed
-            p = subprocess.Popen(argv + list(command), env=rank_env, cwd=cwd,
-                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, start_new_session=True)
-            procs.append(p)
-            out[slot.rank], err[slot.rank] = [], []
-            pumps += _start_pumps(p, slot.rank, (stdout, stderr), (out[slot.rank], err[slot.rank]),
-                                  lock)
-        failed, timed_out = _wait(procs, start, timeout, exited_at)
+            ranks.start(slot.rank, _slot_argv(slot, cpus) + list(command),
+                        _slot_env(slot, base, run_env, cpus, inter_op_threads, env), cwd)
+        failed, timed_out = _wait(ranks.procs, start, timeout, exited_at)
     finally:
-        _kill_all(procs, grace_s)  # ranks left after a failure, a timeout, an exception, a signal
-        for t in pumps:
-            t.join(timeout=5)
+        ranks.stop(grace_s)  # ranks left after a failure, a timeout, an exception, a signal
         server.stop()
     seconds = time.monotonic() - start
     if timed_out is not None:
         raise ClusterTimeout(f"job timed out after {timeout:g} s with ranks {timed_out} still "
                              f"running; every rank was killed: {list(command)}",
-                             JobResult(124, None, seconds, out, err, exited_at))
-    code = 0 if failed is None else _status(procs[failed].returncode)
-    return JobResult(code, failed, seconds, out, err, exited_at)
+                             JobResult(124, None, seconds, ranks.stdout, ranks.stderr, exited_at))
+    code = 0 if failed is None else _status(ranks.procs[failed].returncode)
+    return JobResult(code, failed, seconds, ranks.stdout, ranks.stderr, exited_at)
