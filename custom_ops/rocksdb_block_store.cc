@@ -205,7 +205,7 @@ class RocksDbBlockStore : public BlockStore {
 // the budget (3 M rows at a 10% budget: RSS growth 209 MiB, 87 MiB with this). Setting
 // both thresholds to glibc's defaults turns the raise off: large buffers are mapped and
 // unmapped, the heaps are trimmed. The price is page faults on every large buffer,
-// TensorFlow's tensors included (that step ~25% longer, docs/guide/tables-larger-than-
+// TensorFlow's tensors included (that step 25-40% longer, docs/guide/tables-larger-than-
 // memory.md). Process-wide, as malloc is: set by the first engine with an SSD tier
 // (untiered processes keep glibc's behaviour).
 void ReturnFreedMemory() {
