@@ -19,13 +19,10 @@
 //    keeps no WAL either way: a checkpoint never reads one.
 #include "rocksdb_block_store.h"
 
-#include <malloc.h>
-
 #include <algorithm>
 #include <filesystem>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -197,30 +194,9 @@ class RocksDbBlockStore : public BlockStore {
   rocksdb::WriteOptions write_;
 };
 
-// glibc's malloc raises its mmap threshold to the size of each mmapped block freed (up to
-// 32 MiB on 64 bits) and its trim threshold to twice that: once TensorFlow has freed one
-// large tensor, buffers up to that size come from the heaps, and a heap keeps up to
-// twice it of free memory resident. A tiered step frees MiBs of store buffers (data
-// blocks read, write batches, memtables) and of tensors, so the heaps kept ~120 MB over
-// the budget (3 M rows at a 10% budget: RSS growth 209 MiB, 87 MiB with this). Setting
-// both thresholds to glibc's defaults turns the raise off: large buffers are mapped and
-// unmapped, the heaps are trimmed. The price is page faults on every large buffer,
-// TensorFlow's tensors included (that step 25-40% longer, docs/guide/tables-larger-than-
-// memory.md). Process-wide, as malloc is: set by the first engine with an SSD tier
-// (untiered processes keep glibc's behaviour).
-void ReturnFreedMemory() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    constexpr int kThreshold = 128 * 1024;  // glibc's default for both
-    mallopt(M_MMAP_THRESHOLD, kThreshold);
-    mallopt(M_TRIM_THRESHOLD, kThreshold);
-  });
-}
-
 }  // namespace
 
 std::unique_ptr<BlockStore> OpenRocksDbBlockStore(const std::string& path, std::string* error) {
-  ReturnFreedMemory();
   const rocksdb::Options options = StoreOptions();
   rocksdb::DestroyDB(path, options);  // the directory is this engine's alone: start empty
   rocksdb::DB* raw = nullptr;

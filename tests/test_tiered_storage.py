@@ -211,46 +211,6 @@ def test_the_spill_directory_is_private_and_removed_with_its_engine(tmp_path):
     assert not os.path.exists(path)
 
 
-# In a fresh process: malloc's thresholds are process-wide, and this file's other tests
-# have already made tiered engines.
-_FREED_MEMORY_CHECK = """
-import ctypes, sys
-libc = ctypes.CDLL("libc.so.6")
-class Info(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-libc.mallinfo2.restype = Info
-libc.malloc.restype = ctypes.c_void_p
-libc.free.argtypes = [ctypes.c_void_p]
-def mapped_by_a_malloc(nbytes):
-    before = libc.mallinfo2().hblkhd
-    p = libc.malloc(nbytes)
-    mapped = libc.mallinfo2().hblkhd - before
-    libc.free(p)
-    return mapped >= nbytes
-libc.free(libc.malloc(16 << 20))  # as a large tensor freed: glibc raises its thresholds
-assert not mapped_by_a_malloc(1 << 20)  # the raise this test relies on
-from tf_fusedemb.ops.embedding_engine import EmbeddingEngine
-from tf_fusedemb.specs import InitializerSpec, OptimizerSpec
-from tf_fusedemb.storage import initializers
-init = InitializerSpec()
-engine = EmbeddingEngine("t", 4, init, initializers._params(init), OptimizerSpec.adagrad(0.1),
-                         memory_budget_bytes=1000, spill_path=sys.argv[1])
-engine.size()  # the engine (and its store) is made on first use
-assert mapped_by_a_malloc(1 << 20)
-"""
-
-
-def test_a_tiered_engine_makes_malloc_return_freed_buffers(tmp_path):
-    """With an SSD tier, a 1 MiB buffer is mapped (and unmapped when freed) even after a
-    large free raised glibc's thresholds: freed buffers do not stay resident in the heaps
-    (rocksdb_block_store.cc, ReturnFreedMemory)."""
-    import subprocess  # pylint: disable=import-outside-toplevel
-    import sys  # pylint: disable=import-outside-toplevel
-    out = subprocess.run([sys.executable, "-c", _FREED_MEMORY_CHECK, str(tmp_path / "spill")],
-                         capture_output=True, text=True, check=False)
-    assert out.returncode == 0, out.stderr[-3000:]
-
-
 def test_an_unusable_spill_dir_fails_at_construction_naming_table_and_path(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
