@@ -150,26 +150,12 @@ docs: $(DOCS_STAMP)
 # Two pytest-xdist workers: most tests spend their time in one Python thread (tracing,
 # process start-up, waiting on ranks), so two at once use two cores; the tests that need
 # the machine alone run one after another on one worker (tests/conftest.py: SERIAL_FILES).
-# On tf221 the tf216 stack is set up while the suite runs, at the lowest CPU priority
-# (`nice -n 19`, in its own process group, log in build/tf216-setup.log): its downloads and
-# its Horovod build use the cycles the suite leaves idle (ranks waiting on each other or on
-# an emulated link) instead of adding about 8 minutes after it. It starts after this stack's
-# setup, so the system packages are there and no two apt-gets meet; a failed suite stops it.
+TEST_SELECT := $(if $(filter tf216,$(STACK)),,-m "not tfra")
 TEST_WORKERS ?= 2
 PYTEST_RUN = $(PY) -m pytest -q -rs --timeout=900 -n $(TEST_WORKERS) --dist loadgroup --durations=25
-TF216_SETUP_LOG := build/tf216-setup.log
 test: typecheck $(DOCS_STAMP) setup
-ifeq ($(STACK),tf216)
-	$(PYTEST_RUN) tests
-else
-	@mkdir -p build; echo "setting up the tf216 stack in the background (log: $(TF216_SETUP_LOG))"
-	setsid nice -n 19 $(MAKE) STACK=tf216 setup > $(TF216_SETUP_LOG) 2>&1 & setup_pid=$$!; \
-	$(PYTEST_RUN) -m "not tfra" tests || { kill -- -$$setup_pid 2>/dev/null; exit 1; }; \
-	echo "waiting for the tf216 stack's setup (log: $(TF216_SETUP_LOG))"; \
-	wait $$setup_pid || { tail -n 40 $(TF216_SETUP_LOG); \
-		echo "the tf216 stack's setup failed: $(TF216_SETUP_LOG)"; exit 1; }
-	$(MAKE) STACK=tf216 pytest-tfra
-endif
+	$(PYTEST_RUN) $(TEST_SELECT) tests
+	$(if $(filter tf216,$(STACK)),,$(MAKE) test-tf216)
 
 # The TF 2.16 stack's share of CI: the tests marked `tfra` (the TFRA backend, the
 # benchmarks' TFRA baselines, the checkpoint round trip between the two backends, and the
