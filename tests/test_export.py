@@ -11,7 +11,9 @@ import tensorflow as tf
 import tf_keras
 
 from tf_fusedemb.inference import export_saved_model
+from tf_fusedemb.inference.export import serving_context
 from tf_fusedemb.layers import FusedEmbedding
+from tf_fusedemb.layers.fused_embedding import use_context
 from tf_fusedemb.models import FusedModel
 from tf_fusedemb.specs import FeatureSpec, InitializerSpec, OptimizerSpec, TableSpec
 from tf_fusedemb.training.checkpoint import CheckpointManager
@@ -187,3 +189,40 @@ def test_export_serves_the_models_own_head(tmp_path, head, names):
     if "probability" in names:
         np.testing.assert_allclose(served["probability"].numpy(),
                                    tf.sigmoid(want["logit"]).numpy(), rtol=1e-5, atol=1e-6)
+
+
+class _TwoTables(tf_keras.Model):
+    """A subclassed model with two FusedEmbedding layers whose table groups share a name
+    (each has a table "u"): the serving copies must tell them apart by their layer."""
+
+    def __init__(self, first: str, second: str):
+        super().__init__()
+        opt = OptimizerSpec.sgd(0.5)
+        self.first = FusedEmbedding([FeatureSpec("u", TableSpec("u", 4, opt))], name=first)
+        self.second = FusedEmbedding([FeatureSpec("u", TableSpec("u", 4, opt))], name=second)
+        self.head = tf_keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.head(tf.concat([self.first({"u": x["u"]})["u"],
+                                    self.second({"u": x["i"]})["u"]], axis=1))
+
+
+def test_serving_copies_are_found_by_layer_and_group_name():
+    model = _TwoTables("users", "items")
+    model.compile(optimizer="sgd", loss=tf_keras.losses.BinaryCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x = {"u": rng.integers(0, 20, 64), "i": rng.integers(0, 20, 64)}
+    model.fit(x, (x["u"] > x["i"]).astype(np.float32), batch_size=16, verbose=0)
+    trained = model(x, training=False).numpy()
+    with use_context(model, serving_context(model)) as context:
+        served = model(x, training=False).numpy()
+    names = sorted(context.substitutes)
+    assert [n.layer for n in names] == ["items", "users"] and names[0].group == names[1].group
+    np.testing.assert_allclose(served, trained, rtol=1e-6, atol=1e-6)
+
+
+def test_two_layers_of_one_name_are_refused_for_serving():
+    model = _TwoTables("emb", "emb")
+    with pytest.raises(ValueError, match="two FusedEmbedding layers named 'emb' both have a "
+                                         "table group"):
+        serving_context(model)

@@ -36,7 +36,8 @@ from tf_fusedemb.comm.communicator import Communicator, communicator_scope
 from tf_fusedemb.comm.counters import CommCounters
 from tf_fusedemb.comm.topology import Topology
 from tf_fusedemb.inference import distributed_payload as payload
-from tf_fusedemb.layers.fused_embedding import fused_embedding_layers, group_lookups, use_context
+from tf_fusedemb.layers.fused_embedding import (fused_embedding_layers, group_lookups,
+                                                named_group_lookups, use_context)
 from tf_fusedemb.layers.inputs import flatten_feature
 from tf_fusedemb.layers.lookup_context import LookupContext
 from tf_fusedemb.ops import hashing
@@ -212,7 +213,9 @@ class ShardedPredictor:
                  exchange: Optional[PushExchange]):
         check_sharded(model, rank, size)
         self.model, self.rank, self.size, self.exchange = model, rank, size, exchange
-        self._lookups = group_lookups(model)
+        named = named_group_lookups(model)
+        self._names = [name for name, _ in named]
+        self._lookups = [lookup for _, lookup in named]
         self.features = [f for g in self._lookups for f in g.group.features]
         self.dims = [f.dim for f in self.features]
         # batch j -> (this rank's rows of its features, their row splits per pooled feature)
@@ -378,8 +381,8 @@ class ShardedPredictor:
         """The model's dense part on the pushed ``embeddings`` (per group, per feature),
         given to its lookups through this pass's LookupContext; its layers are unchanged."""
         context = LookupContext(substitutes={
-            id(lookup): _PushedEmbeddings(lookup, embs)
-            for lookup, embs in zip(self._lookups, embeddings)})
+            name: _PushedEmbeddings(lookup, embs)
+            for name, lookup, embs in zip(self._names, self._lookups, embeddings)})
         with use_context(self.model, context):
             return self.model(features, training=False)
 

@@ -18,7 +18,8 @@ import tensorflow as tf
 import tf_keras
 
 from tf_fusedemb.inference.serving import ServingGroup
-from tf_fusedemb.layers.fused_embedding import fused_embedding_layers, use_context
+from tf_fusedemb.layers.fused_embedding import (fused_embedding_layers, named_group_lookups,
+                                                use_context)
 from tf_fusedemb.layers.lookup_context import LookupContext
 
 KINDS = ("scalar", "list")
@@ -28,13 +29,11 @@ def serving_context(model: tf_keras.Model) -> LookupContext:
     """A LookupContext in which every FusedEmbedding group of ``model`` is looked up by
     its one-host core-TF copy (``ServingGroup``); the model itself is not changed.
     Needs a single-process model holding all rows (e.g. restored on one rank)."""
-    substitutes: Dict[int, Any] = {}  # id(GroupLookup) -> its ServingGroup
-    for layer in fused_embedding_layers(model):
-        if layer.communicator.size != 1:
-            raise ValueError("export runs in one process holding every row: restore the "
-                             "checkpoint on one rank first")
-        substitutes.update({id(g): ServingGroup(g) for g in layer.groups})
-    return LookupContext(substitutes=substitutes)
+    if any(layer.communicator.size != 1 for layer in fused_embedding_layers(model)):
+        raise ValueError("export runs in one process holding every row: restore the "
+                         "checkpoint on one rank first")
+    return LookupContext(substitutes={
+        name: ServingGroup(g) for name, g in named_group_lookups(model)})
 
 
 def named_outputs(model: Any, outputs: Any) -> Dict[str, tf.Tensor]:

@@ -1,6 +1,6 @@
 """``FusedEmbedding``: a dict of features in, a dict of embeddings out, fused and sharded."""
 import contextlib
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -10,7 +10,7 @@ import tf_keras
 from tf_fusedemb.comm import Communicator, get_communicator
 from tf_fusedemb.comm.cost_model import TrafficHints, estimate
 from tf_fusedemb.layers.group_lookup import GroupLookup
-from tf_fusedemb.layers.lookup_context import NO_CONTEXT, LookupContext
+from tf_fusedemb.layers.lookup_context import NO_CONTEXT, GroupName, LookupContext
 from tf_fusedemb.layers.routed_lookup import RoutedLookup
 from tf_fusedemb.layers.inputs import flatten_feature, to_tensor
 from tf_fusedemb.layers.row_update import MARKER_NAME, MarkerAtZero, check_marker
@@ -88,7 +88,7 @@ class FusedEmbeddingMixin(_KerasLayer):
         context substitutes every group (serving, sharded inference: no collective)."""
         if self._agreed:
             return
-        if all(self.lookup_context.lookup_for(g) is not g for g in self.groups):
+        if all(self._lookup_for(g) is not g for g in self.groups):
             return  # serving or sharded inference: this pass runs no collective lookup
         mine = {"plan": self.plan.to_dict(), "wire_dtype": self.wire_dtype,
                 "exchanges": {name: c.kind for name, c in self.exchanges.items()}}
@@ -181,7 +181,7 @@ class FusedEmbeddingMixin(_KerasLayer):
         marker = self._marker(record, refuse_eviction=training is True)
         outputs = {}
         for group in self.groups:
-            lookup = self.lookup_context.lookup_for(group)
+            lookup = self._lookup_for(group)
             feats = lookup.group.features
             flats = self._flat_features(lookup, inputs)
             combiners = [f.combiner for f in feats]
@@ -192,6 +192,10 @@ class FusedEmbeddingMixin(_KerasLayer):
             for spec, flat, emb in zip(feats, flats, embs):
                 outputs[spec.name] = _shape_output(spec, flat, emb)
         return outputs
+
+    def _lookup_for(self, group: GroupLookup) -> Any:
+        """What gives ``group``'s embeddings in this pass (``LookupContext.lookup_for``)."""
+        return self.lookup_context.lookup_for(GroupName(self.name, group.group.name), group)
 
     def _marker(self, training: bool, refuse_eviction: bool = False) -> Optional[tf.Tensor]:
         """The row-update marker's value for a training pass of a trainable layer, else
@@ -402,6 +406,26 @@ def group_lookups(model: Any) -> list:
     (``fused_embedding_layers`` order), each layer's ``groups`` in order. A step's prepared
     lookups and a pipeline's buffers are lists in this order."""
     return [g for layer in fused_embedding_layers(model) for g in layer.groups]
+
+
+def named_group_lookups(model: Any) -> List[Tuple[GroupName, GroupLookup]]:
+    """``group_lookups(model)`` with each one's ``GroupName`` (its layer's name, its
+    group's), by which a ``LookupContext`` substitutes it.
+
+    Raises:
+      ValueError: two groups of ``model`` have one name (two FusedEmbedding layers of one
+        name, in different nested models): rename one layer.
+    """
+    named = [(GroupName(layer.name, g.group.name), g)
+             for layer in fused_embedding_layers(model) for g in layer.groups]
+    seen: Dict[GroupName, GroupLookup] = {}
+    for name, lookup in named:
+        if seen.setdefault(name, lookup) is not lookup:
+            raise ValueError(f"two FusedEmbedding layers named {name.layer!r} both have a "
+                             f"table group {name.group!r}: give the layers distinct names "
+                             f"(name=...) so that serving and sharded inference can tell "
+                             f"their groups apart")
+    return named
 
 
 def communicator_of(model: Any) -> Communicator:

@@ -22,10 +22,17 @@ Outside any context (``NO_CONTEXT``: a plain Keras model, a custom loop) a looku
 and retrieves, and its rows take the plain-Keras update of the layer's ranks.
 """
 import dataclasses
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 from tf_fusedemb.layers.routed_lookup import RoutedLookup
 from tf_fusedemb.layers.row_update import RowUpdate
+
+
+class GroupName(NamedTuple):
+    """Names one table group of a model: its FusedEmbedding layer's name and the group's
+    (``TableGroup.name``). Unique within a model (``named_group_lookups`` checks it)."""
+    layer: str
+    group: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +45,7 @@ class LookupContext:
       suffix: appended to collective names, e.g. "/mb2" for micro-batch 2.
       exchange: "flat" or "hierarchical" for every group lookup; None: each group's own
         (``FusedEmbedding(exchange=...)``).
-      substitutes: {id(GroupLookup): a ``group_interface.GroupEmbeddings``} that gives the
+      substitutes: {GroupName: a ``group_interface.GroupEmbeddings``} that gives the
         group's embeddings instead of its distributed lookup, for this forward pass
         (the one-host serving copy of an export, the pushed rows of sharded inference):
         the layer keeps its lookups.
@@ -49,7 +56,7 @@ class LookupContext:
     prepared: Tuple[Tuple[Any, RoutedLookup], ...] = ()
     suffix: str = ""
     exchange: Optional[str] = None
-    substitutes: Dict[int, Any] = dataclasses.field(default_factory=dict)
+    substitutes: Dict[GroupName, Any] = dataclasses.field(default_factory=dict)
     row_update: Optional[RowUpdate] = None
 
     @property
@@ -58,9 +65,10 @@ class LookupContext:
         update) runs this pass."""
         return self.row_update is not None
 
-    def lookup_for(self, lookup: Any) -> Any:
-        """What gives ``lookup``'s embeddings in this pass: its substitute, or itself."""
-        return self.substitutes.get(id(lookup), lookup)
+    def lookup_for(self, name: GroupName, lookup: Any) -> Any:
+        """What gives the embeddings of ``lookup`` (the group named ``name``) in this pass:
+        its substitute, or itself."""
+        return self.substitutes.get(name, lookup)
 
     def prepared_for(self, lookup: Any) -> Optional[RoutedLookup]:
         """The prepared lookup of ``lookup``, or None (route during the forward pass)."""
