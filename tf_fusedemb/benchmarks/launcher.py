@@ -1,5 +1,5 @@
 """The one harness of the self-launching benchmarks: shared flags, launching the workers
-(locally under horovodrun, or on an emulated multi-host cluster) and collecting rank 0's
+(on this host, or on an emulated multi-host cluster) and collecting rank 0's
 result; plus the worker side of changing the link rate during a job.
 
 ``python -m tf_fusedemb.benchmarks.NAME [flags]`` is run plainly; :func:`benchmark_main`
@@ -12,8 +12,9 @@ re-launches the same module on Horovod workers and prints rank 0's result (the J
   core with TensorFlow's thread counts set to match). Needs root and iproute2; where the
   cluster cannot be built the command exits 69 and says why. This is where every
   communication figure is measured.
-* otherwise ``--np N``: ``horovodrun -np N --gloo -H localhost:N`` (the horovodrun next to
-  ``sys.executable``): one host, collectives over loopback.
+* otherwise ``--np N``: N Gloo ranks on this host, started as ``horovodrun -np N --gloo -H
+  localhost:N`` starts them (``tf_fusedemb.testing.cluster.launcher.run_local_job``):
+  collectives over loopback.
 
 Workers' output goes to stderr prefixed ``[rank]<stdout>:`` / ``[rank]<stderr>:``. With
 ``TF_FUSEDEMB_BENCH_NICE=-15`` (root) the workers run at that priority, their sessions'
@@ -32,18 +33,16 @@ import importlib
 import json
 import os
 import pathlib
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 
 from tf_fusedemb.benchmarks.timing import emit
 from tf_fusedemb.testing.cluster import (ClusterTimeout, ClusterUnavailable, EmulatedCluster,
                                          network)
-from tf_fusedemb import quiet
+from tf_fusedemb.testing.cluster.launcher import run_local_job
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 LINK_RATE_MARKER = "FUSEDEMB_LINK_RATE "
@@ -61,7 +60,7 @@ def add_launch_args(parser):
     """Flags of every self-launching benchmark: output and where the workers run."""
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--np", type=int, default=2,
-                        help="local Gloo workers (horovodrun) when --hosts is not given")
+                        help="local Gloo workers (as horovodrun starts them) when --hosts is not given")
     parser.add_argument("--hosts", type=int, default=None,
                         help="run on an emulated cluster of this many hosts (network "
                              "namespaces with rate-limited links; needs root)")
@@ -130,40 +129,23 @@ def _worker_env():
 
 
 def launch_local(module, num_proc, argv, marker, timeout=None):
-    """Runs ``python -m module argv...`` on ``num_proc`` local Gloo workers (horovodrun).
+    """Runs ``python -m module argv...`` on ``num_proc`` local Gloo workers (as
+    ``horovodrun -np N --gloo -H localhost:N`` does: ``run_local_job``); their lines go
+    to stderr, prefixed with their rank.
 
     Returns:
-      (horovodrun exit code, rank 0's result dict or None).
+      (exit code, rank 0's result dict or None); 124 on timeout.
     """
-    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-    # horovodrun's own Gloo check imports TensorFlow: it runs with C++ logs off, the workers
-    # with the usual level (tf_fusedemb.quiet.launcher_command).
-    cmd, env = quiet.launcher_command(
-        [horovodrun, "-np", str(num_proc), "--gloo", "-H", f"localhost:{num_proc}", "--",
-         sys.executable, "-m", module] + list(argv), _worker_env())
-    print("launching: " + " ".join(cmd), file=sys.stderr, flush=True)
-    result = None
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
-    timer = threading.Timer(timeout, lambda: _kill(proc)) if timeout else None
+    command = [sys.executable, "-m", module] + list(argv)
+    print(f"launching {num_proc} local ranks: {' '.join(command)}", file=sys.stderr, flush=True)
+    sink = _ClusterSink(None, marker, None)
     try:
-        if timer is not None:
-            timer.start()
-        assert proc.stdout is not None  # stdout=PIPE
-        for line in proc.stdout:
-            if marker in line:
-                result = json.loads(line.split(marker, 1)[1])
-            else:
-                sys.stderr.write(line)
-                sys.stderr.flush()
-        code = proc.wait()
-    except BaseException:
-        _kill(proc)
-        raise
-    finally:
-        if timer is not None:
-            timer.cancel()
-    return code, result
+        job = run_local_job(command, num_proc, env=_worker_env(), cwd=str(REPO_ROOT),
+                            timeout=timeout, output=sink)
+    except ClusterTimeout as e:
+        print(str(e), file=sys.stderr)
+        return 124, None
+    return job.returncode, sink.result
 
 
 def set_link_rate(cluster, mbit):
@@ -174,8 +156,9 @@ def set_link_rate(cluster, mbit):
 
 
 class _ClusterSink:
-    """Where the cluster's prefixed output lines go: rank 0's result line is kept, link-rate
-    requests are served, everything else is copied to stderr."""
+    """Where a job's prefixed output lines go: rank 0's result line is kept, link-rate
+    requests are served (``cluster``: an emulated one; None for local ranks, which make
+    none), everything else is copied to stderr."""
 
     def __init__(self, cluster, marker, control_dir):
         self.cluster, self.marker, self.control_dir = cluster, marker, control_dir
@@ -320,15 +303,6 @@ def _raise_comm_threads(nice):
             os.setpriority(os.PRIO_PROCESS, int(tid), nice)
         except OSError as e:
             print(f"{COMM_NICE_ENV}: thread {tid} not raised: {e}", file=sys.stderr, flush=True)
-
-
-def _kill(proc):
-    """Ends the horovodrun process group this launcher started."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 # ---------------------------------------------------------------------------- worker side

@@ -5,17 +5,16 @@ against one process, the way this project checks its own.
         def test_two_ranks(self):
             self.assertEquivalentToSingleProcess(build_compiled_model, load_data, num_ranks=2)
 
-``run_ranks(fn, N)`` starts ``horovodrun -np N --gloo`` on localhost, calls ``fn(*args)`` on
+``run_ranks(fn, N)`` starts N Gloo ranks on localhost (as ``horovodrun -np N --gloo``), calls ``fn(*args)`` on
 every rank and returns the N results in rank order; the job is killed and the test fails
 with the workers' output when it exceeds its timeout (a collective that never meets would
 otherwise hang the suite). ``fn`` and the values passed and returned travel with
 cloudpickle (installed with Horovod): module-level functions of an importable module (a
 test file, with the test process's ``sys.path``) or closures.
 """
+import io
 import os
 import pickle
-import signal
-import subprocess
 import sys
 import tempfile
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -24,8 +23,9 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from tf_fusedemb import quiet
 from tf_fusedemb.comm import get_communicator
+from tf_fusedemb.testing.cluster.errors import ClusterTimeout
+from tf_fusedemb.testing.cluster.launcher import run_local_job
 
 __all__ = ["BatchLosses", "DistributedTestCase", "fit_on_this_rank", "rank_bounds",
            "rank_dataset"]
@@ -102,7 +102,7 @@ class DistributedTestCase(tf.test.TestCase):
 
     def run_ranks(self, fn: Callable, num_ranks: int = 2, args: Sequence = (),
                   timeout: Optional[float] = None, env: Optional[Dict[str, str]] = None) -> list:
-        """``fn(*args)`` on ``num_ranks`` local Gloo ranks (horovodrun); the results in rank
+        """``fn(*args)`` on ``num_ranks`` local Gloo ranks (``run_local_job``); the results in rank
         order. Fails the test on a non-zero exit, a rank without a result or the timeout."""
         import cloudpickle  # optional: comes with Horovod  pylint: disable=import-outside-toplevel
         if int(num_ranks) < 1:
@@ -122,25 +122,22 @@ class DistributedTestCase(tf.test.TestCase):
         return results
 
     def _launch(self, job, work, num_ranks, timeout, env) -> str:
-        horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-        # horovodrun's Gloo check imports TensorFlow: C++ logs off there, level 2 in the ranks.
-        cmd, full_env = quiet.launcher_command(
-            [horovodrun, "-np", str(num_ranks), "--gloo", "-H", f"localhost:{num_ranks}", "--",
-             sys.executable, "-m", "tf_fusedemb.testing.rank_worker", job, work],
-            dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
-                 TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS="1", **env))
-        proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        """Runs the rank workers of ``job`` (``run_local_job``: horovodrun's launch on this
+        host); returns their output, prefixed as horovodrun prefixes it."""
+        output = io.StringIO()
         try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # horovodrun and every rank it started
-            out, _ = proc.communicate()
+            result = run_local_job(
+                [sys.executable, "-m", "tf_fusedemb.testing.rank_worker", job, work], num_ranks,
+                env=dict(PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+                         TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS="1", **env),
+                timeout=timeout, output=output)
+        except ClusterTimeout:
             self.fail(f"{num_ranks}-rank job timed out after {timeout}s (a collective that "
-                      f"never met?); output:\n{out[-4000:]}")
-        if proc.returncode != 0:
-            self.fail(f"{num_ranks}-rank job failed ({proc.returncode}); output:\n{out[-4000:]}")
-        return out
+                      f"never met?); output:\n{output.getvalue()[-4000:]}")
+        if result.returncode != 0:
+            self.fail(f"{num_ranks}-rank job failed: rank {result.failed_rank} exited "
+                      f"{result.returncode}; output:\n{output.getvalue()[-4000:]}")
+        return output.getvalue()
 
     def assertEquivalentToSingleProcess(self, model_fn: Callable, data_fn: Callable,
                                         num_ranks: int = 2, batch_size: int = 32,

@@ -1,7 +1,7 @@
 """One rank of ``DistributedTestCase.run_ranks``: loads ``(fn, args)``, runs ``fn(*args)`` and
 writes the result where the test reads it.
 
-    python -m tf_fusedemb.testing.rank_worker JOB.pkl OUT_DIR     (under horovodrun)
+    python -m tf_fusedemb.testing.rank_worker JOB.pkl OUT_DIR     (one rank of a Gloo job)
 """
 import os
 import sys
@@ -15,7 +15,7 @@ def main(job: str, out_dir: str) -> None:
     with open(job, "rb") as f:
         fn, args = cloudpickle.load(f)
     result = fn(*args)
-    # horovodrun names the rank in the environment; fn need not have started Horovod.
+    # The launcher names the rank in the environment; fn need not have started Horovod.
     path = os.path.join(out_dir, f"rank{int(os.environ.get('HOROVOD_RANK', '0'))}.pkl")
     with open(path + ".tmp", "wb") as f:
         cloudpickle.dump(result, f)

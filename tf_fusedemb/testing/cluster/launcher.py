@@ -1,7 +1,11 @@
-"""Starting Horovod ranks in emulated hosts: rendezvous, processes, output, exit codes.
+"""Starting Horovod ranks in emulated hosts, or on this host: rendezvous, processes, output,
+exit codes.
 
 It does what ``horovod/runner/gloo_run.py:launch_gloo`` does, with ``ip netns exec HOST``
-instead of ssh as the way to reach a host: Horovod's own rendezvous server (kept alive for
+instead of ssh as the way to reach a host (:func:`run_job`), or with no way to reach one
+for ranks on this host (:func:`run_local_job`: ``horovodrun -np N --gloo -H localhost:N``
+without horovodrun's start-up check, which imports TensorFlow in a child process only to
+ask whether Horovod was built with Gloo: about 5 s of CPU per job): Horovod's own rendezvous server (kept alive for
 the whole job: process sets rendezvous through it too), the environment of
 ``create_run_env_vars`` + ``create_slot_env_vars`` for every slot, and output prefixed
 ``[rank]<stdout>:`` like horovodrun. Unlike launch_gloo, the first rank that exits non-zero
@@ -30,6 +34,7 @@ class TextSink(Protocol):
     def flush(self) -> Any: ...
 
 _POLL_S = 0.05
+LOOPBACK_IFACE, LOOPBACK_ADDRESS = "lo", "127.0.0.1"  # where run_local_job's Gloo meets
 
 
 @dataclasses.dataclass
@@ -181,10 +186,10 @@ class _Ranks:
             t.join(timeout=5)
 
 
-def _slot_argv(slot, cpus: Optional[Sequence[Tuple[int, ...]]]) -> List[str]:
-    """The argv prefix that runs a command in ``slot``'s host (its namespace), pinned to its
-    rank's cores when ``cpus`` is given."""
-    argv = ["ip", "netns", "exec", slot.hostname]
+def _slot_argv(slot, cpus: Optional[Sequence[Tuple[int, ...]]], on_this_host: bool) -> List[str]:
+    """The argv prefix that runs a command in ``slot``'s host (its namespace; nothing with
+    ``on_this_host``), pinned to its rank's cores when ``cpus`` is given."""
+    argv = [] if on_this_host else ["ip", "netns", "exec", slot.hostname]
     if cpus is not None:
         argv += ["taskset", "-c", ",".join(str(c) for c in cpus[slot.rank])]
     return argv
@@ -214,14 +219,16 @@ def run_job(command: Sequence[str], plan: Sequence, rendezvous_address: str,
             env: Optional[Mapping[str, str]] = None,
             cwd: Optional[str] = None, timeout: Optional[float] = None,
             stdout: Optional[TextSink] = None, stderr: Optional[TextSink] = None,
-            inter_op_threads: Optional[int] = None, grace_s: float = 3.0) -> JobResult:
+            inter_op_threads: Optional[int] = None, grace_s: float = 3.0,
+            on_this_host: bool = False) -> JobResult:
     """Runs ``command`` once per slot of ``plan``, each in its slot's host, and waits.
 
     Args:
         command: argv of every rank, e.g. [sys.executable, "train.py"].
         plan: list of horovod SlotInfo (get_host_assignments); slot.hostname is the
             namespace the rank runs in.
-        rendezvous_address: str, the root namespace's address on the bridge.
+        rendezvous_address: str, the root namespace's address on the bridge (with
+            ``on_this_host``: a loopback address).
         cpus: per rank, the cores to pin it to (taskset), or None for no pinning.
         env: extra environment of every rank, over this process's own and the thread
             counts of pinning (HOROVOD_* of this process are dropped, the job's own set).
@@ -230,6 +237,8 @@ def run_job(command: Sequence[str], plan: Sequence, rendezvous_address: str,
         stdout, stderr: where prefixed lines go (None: only recorded in the result).
         inter_op_threads: TF_NUM_INTEROP_THREADS of each rank (default max(2, cores)).
         grace_s: seconds between SIGTERM and SIGKILL when ranks are stopped.
+        on_this_host: run every rank here, not in its slot's namespace, with Gloo on the
+            loopback device (:func:`run_local_job`).
 
     Returns:
         JobResult; returncode != 0 when a rank failed (the others were killed).
@@ -250,9 +259,10 @@ def run_job(command: Sequence[str], plan: Sequence, rendezvous_address: str,
     exited_at: Dict[int, float] = {}
     try:
         server.init(plan)
-        run_env = create_run_env_vars(rendezvous_address, [HOST_IFACE], port)
+        iface = LOOPBACK_IFACE if on_this_host else HOST_IFACE
+        run_env = create_run_env_vars(rendezvous_address, [iface], port)
         for slot in plan:
-            ranks.start(slot.rank, _slot_argv(slot, cpus) + list(command),
+            ranks.start(slot.rank, _slot_argv(slot, cpus, on_this_host) + list(command),
                         _slot_env(slot, base, run_env, cpus, inter_op_threads, env), cwd)
         failed, timed_out = _wait(ranks.procs, start, timeout, exited_at)
     finally:
@@ -265,3 +275,36 @@ def run_job(command: Sequence[str], plan: Sequence, rendezvous_address: str,
                              JobResult(124, None, seconds, ranks.stdout, ranks.stderr, exited_at))
     code = 0 if failed is None else _status(ranks.procs[failed].returncode)
     return JobResult(code, failed, seconds, ranks.stdout, ranks.stderr, exited_at)
+
+
+def run_local_job(command: Sequence[str], num_ranks: int, env: Optional[Mapping[str, str]] = None,
+                  cwd: Optional[str] = None, timeout: Optional[float] = None,
+                  output: Optional[TextSink] = None) -> JobResult:
+    """Runs ``command`` on ``num_ranks`` Gloo ranks of this host and waits: what
+    ``horovodrun -np N --gloo -H localhost:N COMMAND`` does (the same slots, rendezvous
+    and environment), less its start-up check; the first rank that fails gets the others
+    killed at once.
+
+    Args:
+        command: argv of every rank, e.g. [sys.executable, "train.py"].
+        num_ranks: int >= 1.
+        env, cwd, timeout: as for :func:`run_job`.
+        output: where every rank's stdout and stderr lines go, prefixed as horovodrun
+            prefixes them (``[1]<stderr>:``), in the order they arrive (None: only recorded
+            in the result).
+
+    Returns:
+        JobResult; returncode != 0 when a rank failed.
+
+    Raises:
+        ValueError: ``num_ranks`` < 1.
+        ClusterTimeout: past ``timeout``, after killing every rank.
+    """
+    if int(num_ranks) < 1:
+        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+    # Horovod is optional: testing.cluster imports without it (unavailable_reason).
+    from horovod.runner.common.util.hosts import (  # pylint: disable=import-outside-toplevel
+        get_host_assignments, parse_hosts)
+    plan = get_host_assignments(parse_hosts(f"localhost:{int(num_ranks)}"), int(num_ranks))
+    return run_job(command, plan, LOOPBACK_ADDRESS, env=env, cwd=cwd, timeout=timeout,
+                   stdout=output, stderr=output, on_this_host=True)
