@@ -80,7 +80,8 @@ def test_a_local_job_gives_its_ranks_the_environment_horovodrun_gives():
     output = io.StringIO()
     job = run_local_job(command, 3, timeout=120, output=output)
     assert job.returncode == 0, output.getvalue()[-3000:]
-    want, got = _rank_envs(reference.stdout.splitlines()), _rank_envs(output.getvalue().splitlines())
+    want = _rank_envs(reference.stdout.splitlines())
+    got = _rank_envs(output.getvalue().splitlines())
     assert len(want) == len(got) == 3
     for w, g in zip(want, got):
         assert set(g) == set(w)

@@ -60,7 +60,8 @@ def add_launch_args(parser):
     """Flags of every self-launching benchmark: output and where the workers run."""
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--np", type=int, default=2,
-                        help="local Gloo workers (as horovodrun starts them) when --hosts is not given")
+                        help="local Gloo workers (as horovodrun starts them) when --hosts is "
+                             "not given")
     parser.add_argument("--hosts", type=int, default=None,
                         help="run on an emulated cluster of this many hosts (network "
                              "namespaces with rate-limited links; needs root)")

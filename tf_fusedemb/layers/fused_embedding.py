@@ -1,6 +1,7 @@
 """``FusedEmbedding``: a dict of features in, a dict of embeddings out, fused and sharded."""
 import contextlib
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import (TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple,
+                    Union)
 
 import numpy as np
 import numpy.typing as npt

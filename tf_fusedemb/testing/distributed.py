@@ -5,10 +5,10 @@ against one process, the way this project checks its own.
         def test_two_ranks(self):
             self.assertEquivalentToSingleProcess(build_compiled_model, load_data, num_ranks=2)
 
-``run_ranks(fn, N)`` starts N Gloo ranks on localhost (as ``horovodrun -np N --gloo``), calls ``fn(*args)`` on
-every rank and returns the N results in rank order; the job is killed and the test fails
-with the workers' output when it exceeds its timeout (a collective that never meets would
-otherwise hang the suite). ``fn`` and the values passed and returned travel with
+``run_ranks(fn, N)`` starts N Gloo ranks on localhost (as ``horovodrun -np N --gloo``),
+calls ``fn(*args)`` on every rank and returns the N results in rank order; the job is
+killed and the test fails with the workers' output when it exceeds its timeout (a
+collective that never meets would otherwise hang the suite). ``fn`` and the values passed and returned travel with
 cloudpickle (installed with Horovod): module-level functions of an importable module (a
 test file, with the test process's ``sys.path``) or closures.
 """

@@ -5,12 +5,12 @@ It does what ``horovod/runner/gloo_run.py:launch_gloo`` does, with ``ip netns ex
 instead of ssh as the way to reach a host (:func:`run_job`), or with no way to reach one
 for ranks on this host (:func:`run_local_job`: ``horovodrun -np N --gloo -H localhost:N``
 without horovodrun's start-up check, which imports TensorFlow in a child process only to
-ask whether Horovod was built with Gloo: about 5 s of CPU per job): Horovod's own rendezvous server (kept alive for
-the whole job: process sets rendezvous through it too), the environment of
-``create_run_env_vars`` + ``create_slot_env_vars`` for every slot, and output prefixed
-``[rank]<stdout>:`` like horovodrun. Unlike launch_gloo, the first rank that exits non-zero
-gets the others killed at once (a Gloo peer that lost its partner can wait for minutes),
-and a timeout kills every rank.
+ask whether Horovod was built with Gloo; a 2-rank job of 21 s took 2.7 s less here):
+Horovod's own rendezvous server (kept alive for the whole job: process sets rendezvous
+through it too), the environment of ``create_run_env_vars`` + ``create_slot_env_vars`` for
+every slot, and output prefixed ``[rank]<stdout>:`` like horovodrun. Unlike launch_gloo,
+the first rank that exits non-zero gets the others killed at once (a Gloo peer that lost
+its partner can wait for minutes), and a timeout kills every rank.
 """
 import contextlib
 import dataclasses
