@@ -213,9 +213,8 @@ class ShardedPredictor:
                  exchange: Optional[PushExchange]):
         check_sharded(model, rank, size)
         self.model, self.rank, self.size, self.exchange = model, rank, size, exchange
-        named = named_group_lookups(model)
-        self._names = [name for name, _ in named]
-        self._lookups = [lookup for _, lookup in named]
+        self._named = named_group_lookups(model)  # (GroupName, GroupLookup), in model order
+        self._lookups = [lookup for _, lookup in self._named]
         self.features = [f for g in self._lookups for f in g.group.features]
         self.dims = [f.dim for f in self.features]
         # batch j -> (this rank's rows of its features, their row splits per pooled feature)
@@ -382,7 +381,7 @@ class ShardedPredictor:
         given to its lookups through this pass's LookupContext; its layers are unchanged."""
         context = LookupContext(substitutes={
             name: _PushedEmbeddings(lookup, embs)
-            for name, lookup, embs in zip(self._names, self._lookups, embeddings)})
+            for (name, lookup), embs in zip(self._named, embeddings)})
         with use_context(self.model, context):
             return self.model(features, training=False)
 

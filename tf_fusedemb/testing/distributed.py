@@ -17,7 +17,7 @@ import os
 import pickle
 import sys
 import tempfile
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -28,7 +28,7 @@ from tf_fusedemb.testing.cluster.errors import ClusterTimeout
 from tf_fusedemb.testing.cluster.launcher import run_local_job
 
 __all__ = ["BatchLosses", "DistributedTestCase", "fit_on_this_rank", "rank_bounds",
-           "rank_dataset"]
+           "rank_dataset", "run_local_ranks"]
 
 DEFAULT_TIMEOUT_S = 600
 # The environment of every rank a test starts (the caller's env= wins). Horovod's background
@@ -98,6 +98,32 @@ def _rank_fit(model_fn, data_fn, batch_size, epochs):
     return fit_on_this_rank(model_fn, data_fn, batch_size, epochs, comm.size, comm.rank)
 
 
+def run_local_ranks(command: Sequence[str], num_ranks: int, timeout: float,
+                    env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None) -> str:
+    """Runs ``command`` on ``num_ranks`` Gloo ranks of this host (``run_local_job``, as
+    ``horovodrun -np N --gloo -H localhost:N`` would) with ``RANK_ENV``, C++ logs at level 2
+    and tf_keras, under ``env`` (which wins); returns their output, prefixed as horovodrun
+    prefixes it.
+
+    Raises:
+      AssertionError: a rank failed, or the job ran past ``timeout`` seconds (every rank
+        is then killed); the message ends with the output's last lines.
+    """
+    output = io.StringIO()
+    full_env = {**RANK_ENV, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_USE_LEGACY_KERAS": "1",
+                **(env or {})}
+    try:
+        result = run_local_job(command, num_ranks, env=full_env, cwd=cwd, timeout=timeout,
+                               output=output)
+    except ClusterTimeout:
+        raise AssertionError(f"{num_ranks}-rank job timed out after {timeout}s (a collective "
+                             f"that never met?); output:\n{output.getvalue()[-6000:]}") from None
+    if result.returncode != 0:
+        raise AssertionError(f"{num_ranks}-rank job failed: rank {result.failed_rank} exited "
+                             f"{result.returncode}; output:\n{output.getvalue()[-6000:]}")
+    return output.getvalue()
+
+
 class DistributedTestCase(tf.test.TestCase):
     """tf.test.TestCase with multi-rank helpers (see the module docstring).
 
@@ -129,22 +155,10 @@ class DistributedTestCase(tf.test.TestCase):
         return results
 
     def _launch(self, job, work, num_ranks, timeout, env) -> str:
-        """Runs the rank workers of ``job`` (``run_local_job``: horovodrun's launch on this
-        host); returns their output, prefixed as horovodrun prefixes it."""
-        output = io.StringIO()
-        try:
-            result = run_local_job(
-                [sys.executable, "-m", "tf_fusedemb.testing.rank_worker", job, work], num_ranks,
-                env={**RANK_ENV, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
-                     "TF_CPP_MIN_LOG_LEVEL": "2", "TF_USE_LEGACY_KERAS": "1", **env},
-                timeout=timeout, output=output)
-        except ClusterTimeout:
-            self.fail(f"{num_ranks}-rank job timed out after {timeout}s (a collective that "
-                      f"never met?); output:\n{output.getvalue()[-4000:]}")
-        if result.returncode != 0:
-            self.fail(f"{num_ranks}-rank job failed: rank {result.failed_rank} exited "
-                      f"{result.returncode}; output:\n{output.getvalue()[-4000:]}")
-        return output.getvalue()
+        """Runs the rank workers of ``job``; returns their output (``run_local_ranks``)."""
+        return run_local_ranks(
+            [sys.executable, "-m", "tf_fusedemb.testing.rank_worker", job, work], num_ranks,
+            timeout, env={"PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **env})
 
     def assertEquivalentToSingleProcess(self, model_fn: Callable, data_fn: Callable,
                                         num_ranks: int = 2, batch_size: int = 32,
