@@ -49,7 +49,7 @@ import numpy as np  # noqa: E402
 
 from tf_fusedemb.benchmarks import plots  # noqa: E402
 from tf_fusedemb.benchmarks.storage import DIM, ZipfKeys, rss_bytes  # noqa: E402
-from tf_fusedemb.benchmarks.timing import emit  # noqa: E402
+from tf_fusedemb.benchmarks.timing import emit, time_steps  # noqa: E402
 from tf_fusedemb.specs import InitializerSpec, OptimizerSpec  # noqa: E402
 
 FRACTIONS = ("1.0", "0.5", "0.2", "0.1", "0.05")
@@ -114,14 +114,10 @@ def timed_steps(t: TieredTable, keys: ZipfKeys, steps: int, prefetch: bool) -> D
     import tensorflow as tf  # in a worker: the launching process loads no TensorFlow # pylint: disable=import-outside-toplevel
     batches = [tf.constant(keys.next(new_fraction=0.02)) for _ in range(steps + 1)]
     before, times, fetch_times = t.io(), [], []
-    for b in batches[1:]:
+    for b in batches[1:]:  # each batch's prefetch and step timed apart, one after the other
         if prefetch:
-            start = time.perf_counter()
-            t.prefetch(b).numpy()
-            fetch_times.append((time.perf_counter() - start) * 1e3)
-        start = time.perf_counter()
-        t.step(b).numpy()
-        times.append((time.perf_counter() - start) * 1e3)
+            fetch_times += time_steps(lambda _: t.prefetch(b).numpy(), 1)
+        times += time_steps(lambda _: t.step(b).numpy(), 1)
     io = (t.io() - before) / steps
     out = {"step_ms": float(np.median(times)), "blocks_read": float(io[0]),
            "read_bytes": float(io[1]), "written_bytes": float(io[3])}
