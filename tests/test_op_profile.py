@@ -39,8 +39,10 @@ def test_a_profiled_step_is_read_back(tmp_path):
 
     x = tf.random.normal([4096])
     step(x)
-    profiler = op_profile.StepProfiler(str(tmp_path), range(2, 5))
-    for k in range(6):  # steps 0, 1 and 5 run unprofiled
+    # One profiled step: the summary's figures are medians over the profiled steps, taken
+    # apart, and the busy time and the gaps add up to the wall time only within one step.
+    profiler = op_profile.StepProfiler(str(tmp_path), range(2, 3))
+    for k in range(6):  # steps 0, 1, 3, 4 and 5 run unprofiled
         with profiler.step(k):
             step(x).numpy()
     assert not profiler._running
