@@ -48,7 +48,7 @@ class BlockStore {
   // the store's own checkpoint of what it holds, with `extra` (the blocks the DRAM tier
   // holds) written over it, so that `dir` holds every block. The store itself is not
   // changed. Read it back with ReadBlockCheckpoint (rocksdb_block_store.h).
-  virtual std::string Checkpoint(const std::string& dir, const std::vector<BlockRef>& extra) = 0;
+  virtual std::string Checkpoint(const std::string& dir, std::vector<BlockRef> extra) = 0;
 
   virtual const std::string& path() const = 0;
 };

@@ -1028,11 +1028,15 @@ class Engine {
   }
 
   // ------------------------------------------------------------------ checkpoints
-  // Writes every block of both tiers to `dir` through the store's own checkpoint (the
-  // SSD tier's files linked, the DRAM tier's blocks written over them); tiered engines
-  // only. Holds every shard's lock meanwhile, so no block moves between the tiers.
-  std::string WriteCheckpoint(const std::string& dir) const {
-    if (store_ == nullptr) return "an engine without an SSD tier has no store to checkpoint";
+  // Writes every block of both tiers to `dir`: a tiered engine through its store's own
+  // checkpoint (the SSD tier's files linked, the DRAM tier's blocks written over them),
+  // an engine without a store through `write_new` (a new checkpoint of the blocks alone:
+  // the caller's store format, which this header does not know). The blocks are written
+  // from the arenas, never copied whole. Holds every shard's lock meanwhile, so no block
+  // moves between the tiers or changes.
+  using CheckpointWriter =
+      std::function<std::string(const std::string& dir, std::vector<BlockRef> blocks)>;
+  std::string WriteCheckpoint(const std::string& dir, const CheckpointWriter& write_new) const {
     std::vector<std::shared_lock<std::shared_mutex>> locks;
     for (const auto& sh : shards_) locks.emplace_back(sh->mutex());
     std::vector<BlockRef> dram;
@@ -1043,7 +1047,8 @@ class Engine {
                         Shard::IsStored(ref) ? block_bytes_ : sizeof(BlockHeader)});
       });
     }
-    return store_->Checkpoint(dir, dram);
+    return store_ != nullptr ? store_->Checkpoint(dir, std::move(dram))
+                             : write_new(dir, std::move(dram));
   }
 
   // Puts whole blocks, as a checkpoint holds them, in place of the blocks of keys:

@@ -645,7 +645,8 @@ class EngineSizeOp : public OpKernel {
 };
 
 // ------------------------------------------------------------------ checkpoints
-// Writes a tiered engine's blocks, both tiers, to a directory (the store's checkpoint).
+// Writes an engine's blocks, both tiers, to a directory: a tiered engine's through its
+// store's checkpoint, an untiered engine's as a new checkpoint of the same format.
 class EngineWriteCheckpointOp : public OpKernel {
  public:
   explicit EngineWriteCheckpointOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
@@ -656,7 +657,8 @@ class EngineWriteCheckpointOp : public OpKernel {
     const Tensor& dir = ctx->input(1);
     OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(dir.shape()),
                 errors::InvalidArgument("directory must be a scalar string"));
-    const std::string error = r->engine().WriteCheckpoint(dir.scalar<tstring>()());
+    const std::string error = r->engine().WriteCheckpoint(dir.scalar<tstring>()(),
+                                                             engine::WriteBlockCheckpoint);
     OP_REQUIRES(ctx, error.empty(), errors::Internal("embedding engine: ", error));
   }
 };

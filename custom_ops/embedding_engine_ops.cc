@@ -293,9 +293,11 @@ REGISTER_OP("FusedEmb>EngineWriteCheckpoint")
     .SetIsStateful()
     .SetShapeFn(shape_inference::NoOutputs)
     .Doc(R"doc(
-Writes every block of a tiered engine (both tiers) to `directory`, which must not exist
-(its parent must): the SSD tier's RocksDB checkpoint (its files hard-linked), with the
-DRAM tier's blocks written over it. The engine is not changed.
+Writes every block of the engine (rows, slots and statistics; both tiers) to `directory`,
+which must not exist (its parent must): for a tiered engine the SSD tier's RocksDB
+checkpoint (its files hard-linked) with the DRAM tier's blocks written over it; for an
+engine without an SSD tier a new RocksDB database of its blocks. The engine is not
+changed.
 )doc");
 
 REGISTER_OP("FusedEmb>EngineReadCheckpoint")

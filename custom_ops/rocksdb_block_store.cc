@@ -16,7 +16,9 @@
 //    copied across filesystems, after a flush of the memtables), opened once more to
 //    write the DRAM tier's blocks over them and flushed to SST files, so a checkpoint
 //    directory is a complete, closed RocksDB database of every block. The live store
-//    keeps no WAL either way: a checkpoint never reads one.
+//    keeps no WAL either way: a checkpoint never reads one. An engine without an SSD
+//    tier writes the same format (WriteBlockCheckpoint: a new database of its blocks),
+//    straight from its arenas, so its checkpoint holds no second copy of the table.
 #include "rocksdb_block_store.h"
 
 #include <algorithm>
@@ -24,11 +26,13 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "rocksdb/db.h"
 #include "rocksdb/options.h"
 #include "rocksdb/slice.h"
+#include "rocksdb/sst_file_writer.h"
 #include "rocksdb/utilities/checkpoint.h"
 #include "rocksdb/write_batch.h"
 
@@ -39,7 +43,7 @@ namespace {
 
 constexpr uint64_t kBlockCacheMiB = 8;
 constexpr size_t kMemtableBytes = size_t{8} << 20;
-constexpr size_t kCheckpointBatch = 65536;  // blocks per WriteBatch into a checkpoint
+constexpr size_t kBlocksPerSstFile = size_t{1} << 16;  // at least, per checkpoint writer thread
 
 void EncodeKey(int64_t key, char out[8]) {
   const uint64_t k = static_cast<uint64_t>(key);
@@ -75,21 +79,58 @@ rocksdb::ReadOptions BlockReads() {
   return ro;
 }
 
-// Writes `blocks` to `db` in batches, without a WAL.
-rocksdb::Status WriteBlocks(rocksdb::DB* db, const std::vector<BlockRef>& blocks) {
-  rocksdb::WriteOptions no_wal;
-  no_wal.disableWAL = true;
+// Writes sorted[lo, hi) into a new SST file at `file` (keys in RocksDB's byte order).
+rocksdb::Status WriteSstFile(const rocksdb::Options& options, const std::string& file,
+                             const std::vector<BlockRef>& sorted, size_t lo, size_t hi) {
+  rocksdb::SstFileWriter writer(rocksdb::EnvOptions(), options);
+  rocksdb::Status s = writer.Open(file);
   char k[8];
-  for (size_t lo = 0; lo < blocks.size(); lo += kCheckpointBatch) {
-    rocksdb::WriteBatch batch;
-    for (size_t i = lo; i < std::min(blocks.size(), lo + kCheckpointBatch); ++i) {
-      EncodeKey(blocks[i].key, k);
-      batch.Put(rocksdb::Slice(k, 8), rocksdb::Slice(blocks[i].data, blocks[i].size));
-    }
-    const rocksdb::Status s = db->Write(no_wal, &batch);
-    if (!s.ok()) return s;
+  for (size_t i = lo; s.ok() && i < hi; ++i) {
+    EncodeKey(sorted[i].key, k);
+    s = writer.Put(rocksdb::Slice(k, 8), rocksdb::Slice(sorted[i].data, sorted[i].size));
   }
-  return rocksdb::Status::OK();
+  return s.ok() ? writer.Finish() : s;
+}
+
+// Opens the checkpoint database at `dir` (`create`: a new one, which must not exist) and
+// puts `blocks` (unique keys) into it, over what it holds, then closes it: a checkpoint
+// directory is a complete, closed RocksDB database. The blocks are sorted by key and
+// written as SST files, one contiguous key range per thread, which the database then
+// ingests (moved, not copied): no memtable, no WAL and no compaction, and each thread
+// writes its file sequentially.
+rocksdb::Status WriteCheckpointBlocks(const std::string& dir, bool create,
+                                      std::vector<BlockRef> blocks) {
+  rocksdb::Options options = StoreOptions();
+  options.error_if_exists = create;
+  options.create_if_missing = create;
+  options.disable_auto_compactions = true;  // written once, read once: no compaction
+  rocksdb::DB* raw = nullptr;
+  rocksdb::Status s = rocksdb::DB::Open(options, dir, &raw);
+  std::unique_ptr<rocksdb::DB> db(raw);
+  if (!s.ok() || blocks.empty()) return s.ok() ? db->Close() : s;
+  std::sort(blocks.begin(), blocks.end(), [](const BlockRef& a, const BlockRef& b) {
+    return static_cast<uint64_t>(a.key) < static_cast<uint64_t>(b.key);  // big-endian bytes
+  });
+  const size_t parts = std::clamp<size_t>(blocks.size() / kBlocksPerSstFile, 1,
+                                          std::max(1u, std::thread::hardware_concurrency()));
+  std::vector<std::string> files(parts);
+  std::vector<rocksdb::Status> written(parts);
+  std::vector<std::thread> writers;
+  for (size_t p = 0; p < parts; ++p) {
+    files[p] = dir + "/blocks-" + std::to_string(p) + ".sst";
+    writers.emplace_back([&, p] {
+      written[p] = WriteSstFile(options, files[p], blocks, blocks.size() * p / parts,
+                                blocks.size() * (p + 1) / parts);
+    });
+  }
+  for (std::thread& w : writers) w.join();
+  for (const rocksdb::Status& w : written) {
+    if (!w.ok()) return w;
+  }
+  rocksdb::IngestExternalFileOptions ingest;
+  ingest.move_files = true;
+  s = db->IngestExternalFile(files, ingest);
+  return s.ok() ? db->Close() : s;
 }
 
 // Calls f for every block of `db` in key order.
@@ -156,23 +197,14 @@ class RocksDbBlockStore : public BlockStore {
     return s.ok() ? "" : Failure("scan", s);
   }
 
-  std::string Checkpoint(const std::string& dir, const std::vector<BlockRef>& extra) override {
+  std::string Checkpoint(const std::string& dir, std::vector<BlockRef> extra) override {
     rocksdb::Checkpoint* raw = nullptr;
     rocksdb::Status s = rocksdb::Checkpoint::Create(db_.get(), &raw);
     std::unique_ptr<rocksdb::Checkpoint> checkpoint(raw);
     // log_size_for_flush 0: the memtables are flushed first (there is no WAL to copy).
     if (s.ok()) s = checkpoint->CreateCheckpoint(dir, /*log_size_for_flush=*/0);
     if (!s.ok()) return Failure(("checkpoint to " + dir).c_str(), s);
-    rocksdb::Options options = StoreOptions();
-    options.error_if_exists = false;
-    options.create_if_missing = false;
-    options.disable_auto_compactions = true;  // written once, read once: no compaction
-    rocksdb::DB* copy = nullptr;
-    s = rocksdb::DB::Open(options, dir, &copy);
-    std::unique_ptr<rocksdb::DB> db(copy);
-    if (s.ok()) s = WriteBlocks(db.get(), extra);
-    if (s.ok()) s = db->Flush(rocksdb::FlushOptions());  // into SST files: no WAL holds them
-    if (s.ok()) s = db->Close();
+    s = WriteCheckpointBlocks(dir, /*create=*/false, std::move(extra));
     return s.ok() ? "" : Failure(("writing the DRAM tier into checkpoint " + dir).c_str(), s);
   }
 
@@ -206,6 +238,11 @@ std::unique_ptr<BlockStore> OpenRocksDbBlockStore(const std::string& path, std::
     return nullptr;
   }
   return std::make_unique<RocksDbBlockStore>(path, std::unique_ptr<rocksdb::DB>(raw));
+}
+
+std::string WriteBlockCheckpoint(const std::string& dir, std::vector<BlockRef> blocks) {
+  const rocksdb::Status s = WriteCheckpointBlocks(dir, /*create=*/true, std::move(blocks));
+  return s.ok() ? "" : "cannot write the checkpoint at " + dir + ": " + s.ToString();
 }
 
 std::string ReadBlockCheckpoint(const std::string& dir,

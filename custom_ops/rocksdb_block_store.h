@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "block_store.h"
 
@@ -19,8 +20,13 @@ namespace engine {
 // destroyed. nullptr with *error set (naming `path`) when it cannot be opened.
 std::unique_ptr<BlockStore> OpenRocksDbBlockStore(const std::string& path, std::string* error);
 
+// Writes `blocks` as a new checkpoint at `dir` (which must not exist; its parent must),
+// in the format BlockStore::Checkpoint writes: the checkpoint of an engine without an SSD
+// tier. Errors name `dir`.
+std::string WriteBlockCheckpoint(const std::string& dir, std::vector<BlockRef> blocks);
+
 // Calls f(key, data, size) for every block of the checkpoint at `dir` (as
-// BlockStore::Checkpoint wrote it), in key order, read-only. Errors name `dir`.
+// BlockStore::Checkpoint or WriteBlockCheckpoint wrote it), in key order, read-only. Errors name `dir`.
 std::string ReadBlockCheckpoint(const std::string& dir,
                                 const std::function<void(int64_t, const char*, size_t)>& f);
 

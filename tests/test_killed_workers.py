@@ -53,16 +53,16 @@ def parse(stdout):
 def load_checkpoint(path):
     """{name: array} of a checkpoint: embedding arrays of all shards sorted by key (tables
     export rows in insertion order, which a restore changes), and the dense variables. A
-    tiered group's blocks, in the SSD-tier checkpoint directories, are read as the arrays
-    an untiered group's shards hold."""
+    storage-engine group's blocks, in its block directories, are read as the arrays the
+    shards hold for other storage."""
     import tensorflow as tf
     shards = [np.load(p) for p in sorted(glob.glob(os.path.join(path, "shard-*.npz")))]
     merged = {k: np.concatenate([np.atleast_1d(s[k]) for s in shards]) for k in shards[0].files}
     for name in [k for k in merged if k.endswith("/ssd_checkpoint")]:
         del merged[name]
         layer, group = name.split("/")[:2]
-        merged.update(tiered_group_arrays(
-            glob.glob(os.path.join(path, "ssd", f"{layer}-{group}-shard-*")), f"{layer}/{group}"))
+        merged.update(block_group_arrays(
+            glob.glob(os.path.join(path, "blocks", f"{layer}-{group}-shard-*")), f"{layer}/{group}"))
     out = {}
     for name, array in merged.items():
         prefix, _, leaf = name.rpartition("/")  # ".../keys", ".../values", ".../stats/counts"
@@ -76,9 +76,9 @@ def load_checkpoint(path):
     return out
 
 
-def tiered_group_arrays(directories, prefix):
-    """The arrays an untiered group's shards hold (rows, slots, each row's table and ID,
-    statistics), read out of a tiered group's SSD-tier checkpoint ``directories`` into one
+def block_group_arrays(directories, prefix):
+    """The arrays the shards hold for other storage (rows, slots, each row's table and
+    ID, statistics), read out of a storage-engine group's block ``directories`` into one
     engine. The group's name ends with its dim and optimizer (``g0_d16_adagrad``)."""
     from tf_fusedemb.specs import InitializerSpec, OptimizerSpec
     from tf_fusedemb.storage.engine_table import EngineGroupTable, EngineStatistics

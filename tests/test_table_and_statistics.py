@@ -64,7 +64,9 @@ def test_evaluate_and_predict_do_not_count_accesses(storage):
     assert stats.export()["keys"].size == layer.groups[0].table.export()["keys"].shape[0]
 
 
-@pytest.mark.parametrize("storage", storage_params(STORAGES))
+# The storage engine checkpoints whole blocks (row, slots and statistics in one), so its
+# checkpoints cannot hold a row without its statistics; the other storages save arrays.
+@pytest.mark.parametrize("storage", storage_params([s for s in STORAGES if s != "engine"]))
 def test_restore_gives_every_row_its_identity_even_without_its_statistics(tmp_path, storage):
     model, layer = _model(storage)
     x, y = _data()

@@ -149,16 +149,18 @@ def exported(engine):
             for i, k in enumerate(out.keys.numpy())}
 
 
-def test_a_tiered_checkpoint_restores_every_block_onto_any_engine_and_world_size(tmp_path):
+@pytest.mark.parametrize("writer", ["tiered", "untiered"])
+def test_a_checkpoint_restores_every_block_onto_any_engine_and_world_size(tmp_path, writer):
     """write_checkpoint of a tiered engine (most blocks on SSD) holds every block of both
     tiers, moves none, and read_checkpoint puts them into a fresh engine, tiered or not,
     equal to the engine that never left DRAM; read by 2 ranks, each gets the blocks it
-    owns (mix64(ID) mod 2), and together all of them."""
+    owns (mix64(ID) mod 2), and together all of them. The untiered engine's checkpoint
+    (its blocks written anew) reads back the same."""
     plain, tiered = trained_engines(budget=12_000)
     assert int(tiered.size().ssd_bytes) > int(plain.size().bytes_held) / 2
     assert int(plain.size().tracked) > int(plain.size().stored)  # header-only blocks too
     ckpt = str(tmp_path / "ckpt")
-    tiered.write_checkpoint(ckpt)
+    (tiered if writer == "tiered" else plain).write_checkpoint(ckpt)
     assert_same_export(plain, tiered)  # the checkpoint moved no block
     blocks = int(plain.size().tracked)
     for budget in (None, 12_000):
@@ -176,11 +178,28 @@ def test_a_tiered_checkpoint_restores_every_block_onto_any_engine_and_world_size
     assert got == want
 
 
+def test_a_large_untiered_checkpoint_is_written_in_parallel_and_reads_back(tmp_path):
+    """200,000 blocks: the checkpoint writer splits them into key ranges, one SST file per
+    thread (from 65,536 blocks each), and the database ingests them all."""
+    plain = engines(None)[0]
+    keys = np.arange(200_000, dtype=np.int64) * 7919
+    plain.record(keys, keys % 3, keys, np.ones(len(keys), np.int64), 1, True)
+    grads = np.random.default_rng(4).standard_normal((len(keys), DIM)).astype(np.float32)
+    plain.apply_gradients(keys, keys, grads, 1, [1, 1, 1])
+    ckpt = str(tmp_path / "ckpt")
+    plain.write_checkpoint(ckpt)
+    fresh = engines(None)[0]
+    assert int(fresh.read_checkpoint([ckpt], 0, 1)) == len(keys)
+    assert_same_export(plain, fresh)
+
+
 def test_tiered_checkpoint_errors_name_what_is_wrong(tmp_path):
     plain, tiered = trained_engines(budget=12_000)
     ckpt = str(tmp_path / "ckpt")
-    with pytest.raises(ValueError, match="has no SSD tier"):
-        plain.write_checkpoint(ckpt)
+    plain.write_checkpoint(str(tmp_path / "plain"))
+    with pytest.raises(tf.errors.InternalError, match=f"cannot write the checkpoint at "
+                       f"{tmp_path / 'plain'}"):
+        plain.write_checkpoint(str(tmp_path / "plain"))  # exists already
     tiered.write_checkpoint(ckpt)
     with pytest.raises(tf.errors.InternalError, match=f"checkpoint to {ckpt}"):
         tiered.write_checkpoint(ckpt)  # exists already
@@ -337,7 +356,7 @@ def test_training_with_a_5_percent_budget_is_bit_identical_through_a_restore(tmp
     # The checkpoint holds the blocks in the SSD tier's own RocksDB checkpoint, not in
     # the shard's arrays.
     saved = os.path.join(ckpt, f"ckpt-{HALF}")
-    assert os.listdir(os.path.join(saved, "ssd")) == [
+    assert os.listdir(os.path.join(saved, "blocks")) == [
         f"l0-{got['group']}-shard-0-of-1"]
     with np.load(os.path.join(saved, "shard-0-of-1.npz")) as shard:
         assert sorted(k.rsplit("/", 1)[1] for k in shard.files) == ["ssd_checkpoint", "step"]

@@ -15,10 +15,9 @@ the batch prefetched first (``EngineGroupTable.prefetch``: in the pipelined fit 
 during the previous step's compute, so it is timed apart and not counted in the step);
 the DRAM hit rate (1 - blocks read back from SSD per key of a step); SSD bytes read and
 written per step; the RSS the table adds; the wall time of a checkpoint as
-training/checkpoint.py writes it (tiered: the SSD tier's RocksDB checkpoint with the DRAM
-tier's blocks written over it; all-DRAM: rows, slots and statistics exported through
-Python and written with ``np.savez``). The all-DRAM checkpoint holds the table twice in
-memory meanwhile: ``--rows`` must leave room for that.
+training/checkpoint.py writes it (``EngineGroupTable.write_checkpoint``; tiered: the SSD
+tier's RocksDB checkpoint with the DRAM tier's blocks written over it; all-DRAM: the
+blocks written as a new RocksDB database, straight from the engine).
 
 The exposed SSD wait is the step's time over the all-DRAM step's: with prefetch, what
 the step still waits for (spills of victims, index work) once its blocks are in DRAM.
@@ -95,16 +94,9 @@ class TieredTable:
 
     def checkpoint_s(self, directory: str) -> float:
         """Wall seconds of the table's checkpoint as CheckpointManager writes it into
-        ``directory``: a tiered table through its SSD tier's own checkpoint
-        (``write_checkpoint``), an untiered one exported (rows, slots and statistics)
-        and written with ``np.savez``."""
+        ``directory`` (``write_checkpoint``)."""
         start = time.perf_counter()
-        if self.table.tiered:
-            self.table.write_checkpoint(os.path.join(directory, "ssd"))
-        else:
-            arrays = {k: v.numpy() for k, v in self.table.export().items()}
-            arrays.update({"stats/" + k: v for k, v in self.stats.export().items()})
-            np.savez(os.path.join(directory, "shard.npz"), **arrays)
+        self.table.write_checkpoint(os.path.join(directory, "blocks"))
         return time.perf_counter() - start
 
 

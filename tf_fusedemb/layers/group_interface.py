@@ -112,14 +112,14 @@ class DistributedGroupLookup(GroupEmbeddings, Protocol):
     def save_state(self, directory: Optional[str] = None) -> GroupState:
         """This rank's state of the group as numpy arrays (rows, optimizer slots, each
         row's (table, ID), access statistics, step): one checkpoint shard's part. A
-        tiered table writes its blocks to ``directory`` (which must not exist) instead of
-        the arrays."""
+        storage-engine table writes its blocks to ``directory`` (which must not exist)
+        instead of the arrays."""
 
     def restore_state(self, shards: Sequence[Mapping[str, np.ndarray]], rank: int,
                       size: int, directories: Sequence[str] = ()) -> None:
         """Loads what rank ``rank`` of ``size`` owns out of every saving rank's
-        ``save_state`` (any number of them) and, for shards of a tiered table, of the
-        ``directories`` they were saved to (one per saving rank)."""
+        ``save_state`` (any number of them) and, for shards of a storage-engine table, of
+        the ``directories`` they were saved to (one per saving rank)."""
 
     def stored_rows(self) -> StoredRows:
         """The rows this rank stores and their identities: keys int64[s], values

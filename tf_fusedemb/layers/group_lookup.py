@@ -119,14 +119,14 @@ class GroupLookup(tf.Module):
         self._snapshot.load_rows(table, ids, rows, self.comm.rank, self.comm.size)
 
     def save_state(self, directory: Optional[str] = None) -> dict:
-        """This rank's state of the group, a checkpoint shard's part; a tiered table
-        writes its blocks to ``directory`` (``GroupSnapshot.save``). Eager."""
+        """This rank's state of the group, a checkpoint shard's part; a storage-engine
+        table writes its blocks to ``directory`` (``GroupSnapshot.save``). Eager."""
         return self._snapshot.save(directory)
 
     def restore_state(self, shards: Sequence[GroupState], rank: int, size: int,
                       directories: Sequence[str] = ()) -> None:
         """Loads what rank ``rank`` of ``size`` owns out of every saving rank's
-        ``save_state`` and, for a tiered table, its directory (``GroupSnapshot.restore``).
+        ``save_state`` and, for a storage-engine table, its directory (``GroupSnapshot.restore``).
         Eager."""
         self._snapshot.restore(shards, rank, size, directories)
 

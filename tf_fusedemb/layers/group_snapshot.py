@@ -15,11 +15,12 @@ from tf_fusedemb.layers.group_interface import StoredRows
 from tf_fusedemb.layers.group_keys import GroupKeys
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FusedGroup
-from tf_fusedemb.storage.backend import GroupStorage
+from tf_fusedemb.storage.backend import EngineBackend, GroupStorage
 from tf_fusedemb.storage.engine_table import EngineGroupTable
 
-# A save_state entry saying the group's blocks are in its SSD-tier checkpoint directory.
-SSD_CHECKPOINT = "ssd_checkpoint"
+# A save_state entry saying the group's blocks are in its block checkpoint directory (the
+# name earlier versions wrote for tiered tables, which alone wrote blocks then).
+BLOCK_CHECKPOINT = "ssd_checkpoint"
 
 
 class GroupSnapshot:
@@ -88,15 +89,17 @@ class GroupSnapshot:
         ``stored_rows`` arrays, ``step`` (int64 scalar) and the access statistics under
         ``stats/`` (keys, counts, categories, ids, last_steps).
 
-        A tiered table (a memory budget) given a ``directory`` (which must not exist)
-        writes its blocks there instead, through the SSD tier's own checkpoint: no row
-        passes through Python, and DRAM holds no more than the budget meanwhile. The
-        state is then ``step`` and ``SSD_CHECKPOINT``."""
+        A storage-engine table given a ``directory`` (which must not exist) writes its
+        blocks (rows, slots and statistics) there instead, in C++ straight from the
+        engine (``EngineGroupTable.write_checkpoint``): no row passes through Python, so
+        the save holds no second copy of the table, and a tiered table's DRAM holds no
+        more than its budget meanwhile. The state is then ``step`` and
+        ``BLOCK_CHECKPOINT``."""
         step = np.array(self.storage.table.step.numpy())
         table = self.storage.table
-        if directory is not None and isinstance(table, EngineGroupTable) and table.tiered:
+        if directory is not None and isinstance(table, EngineGroupTable):
             table.write_checkpoint(directory)
-            return {"step": step, SSD_CHECKPOINT: np.array(True)}
+            return {"step": step, BLOCK_CHECKPOINT: np.array(True)}
         state = self.stored_rows().arrays()
         state["step"] = step
         state.update({"stats/" + k: v for k, v in self.storage.stats.export().items()})
@@ -107,9 +110,9 @@ class GroupSnapshot:
         """Loads, out of ``shards`` (the ``save`` dicts of every rank of the run
         that saved, any number), the rows and statistics that rank ``rank`` of ``size``
         owns (owner = mix64(raw ID) mod size), with their optimizer slots, and the
-        largest saved step. Shards saved through the SSD tier's checkpoint are read from
+        largest saved step. Shards saved as blocks (a storage-engine table) are read from
         ``directories`` (one per saving rank, as ``save`` was given them). Eager."""
-        if any(SSD_CHECKPOINT in s for s in shards):
+        if any(BLOCK_CHECKPOINT in s for s in shards):
             self._restore_blocks(shards, rank, size, directories)
             return
 
@@ -134,16 +137,26 @@ class GroupSnapshot:
                                     step=int(self.storage.table.step.numpy()))
 
     def _restore_blocks(self, shards, rank, size, directories):
-        """``restore`` of shards saved through the SSD tier's checkpoint: the blocks this
-        rank owns go into the engine as they were saved (rows, slots and statistics)."""
-        table = self.storage.table
-        if not isinstance(table, EngineGroupTable):
-            raise ValueError(f"group '{self.group.name}' was saved from the storage engine's "
-                             "SSD tier; restore it into a model whose tables use the engine "
-                             f"(storage 'engine'), not {type(table).__name__}")
-        if len(directories) != len(shards) or not all(SSD_CHECKPOINT in s for s in shards):
+        """``restore`` of shards saved as blocks: the blocks this rank owns go into the
+        engine as they were saved (rows, slots and statistics)."""
+        if len(directories) != len(shards) or not all(BLOCK_CHECKPOINT in s for s in shards):
             raise ValueError(f"group '{self.group.name}': {len(shards)} saved shards, "
-                             f"{len(directories)} SSD-tier directories; every saving rank "
+                             f"{len(directories)} block directories; every saving rank "
                              "writes one")
+        table = self.storage.table
+        if not isinstance(table, EngineGroupTable):  # other storage: through arrays
+            self.restore([self._arrays_of_blocks(shards, rank, size, directories)], rank, size)
+            return
         table.read_checkpoint(directories, rank, size)
         table.step.assign(max(int(s["step"]) for s in shards))
+        # The blocks held the per-key counts; the totals per table follow from them.
+        self.storage.stats.recount_categories()
+
+    def _arrays_of_blocks(self, shards, rank, size, directories) -> dict:
+        """The ``save`` arrays of the saved blocks that rank ``rank`` of ``size`` owns,
+        read into a temporary storage engine of the group's spec: what a table of other
+        storage restores from. Holds this rank's share twice meanwhile."""
+        storage = EngineBackend().create(self.group, f"{self.group.name}_blocks")
+        engine = GroupSnapshot(self.group, storage, self.key_codec)
+        engine.restore(shards, rank, size, directories)
+        return engine.save()

@@ -238,12 +238,11 @@ class EmbeddingEngine(tf.saved_model.experimental.TrackableResource):
         return EngineExport(out[0], EngineKeyFields(*out[1:6]), out[6], out[7])
 
     def write_checkpoint(self, directory: str) -> Optional[tf.Operation]:
-        """Writes every block of this tiered engine, both tiers, to ``directory`` (which
-        must not exist; its parent must): the SSD tier's RocksDB checkpoint, its files
-        hard-linked, with the DRAM tier's blocks written over it. Returns the op (None
-        eagerly)."""
-        if self.memory_budget_bytes is None:
-            raise ValueError(f"engine {self.name!r} has no SSD tier: checkpoint it with export()")
+        """Writes every block of this engine (rows, slots and statistics; both tiers) to
+        ``directory`` (which must not exist; its parent must), straight from its arenas:
+        a tiered engine's SSD-tier RocksDB checkpoint, its files hard-linked, with the
+        DRAM tier's blocks written over it; an untiered engine's blocks as a new RocksDB
+        database of the same format. Returns the op (None eagerly)."""
         return _op("EngineWriteCheckpoint")(self.resource_handle, directory)
 
     def read_checkpoint(self, directories: Sequence[str], rank: int, num_ranks: int) -> tf.Tensor:

@@ -137,6 +137,9 @@ class StatisticsStorage(Protocol):
                  step: int = 0) -> None:
         """Records the identity of stored keys with no access."""
 
+    def recount_categories(self) -> None:
+        """Sets the category totals from the per-key counts (after a restore of blocks)."""
+
     def remove(self, keys: np.ndarray) -> None:
         """Forgets ``keys`` (their counts leave the category totals)."""
 

@@ -119,8 +119,8 @@ class EngineGroupTable(GroupTable):
 
     def write_checkpoint(self, directory: str) -> None:
         """Writes the table's blocks (rows, slots and statistics of both tiers) to
-        ``directory`` through the SSD tier's own checkpoint (EmbeddingEngine.
-        write_checkpoint); tiered tables only. Eager."""
+        ``directory`` as a RocksDB database, in C++ (EmbeddingEngine.write_checkpoint):
+        a tiered table through its SSD tier's own checkpoint, an untiered one anew. Eager."""
         self.engine.write_checkpoint(directory)
 
     def read_checkpoint(self, directories: Sequence[str], rank: int, size: int) -> int:

@@ -151,6 +151,15 @@ class AccessStatistics(tf.Module):
             tf.constant(counts, tf.int64), tf.constant(categories, tf.int32),
             len(self.categories)))
 
+    def recount_categories(self) -> None:
+        """Sets the category totals from the per-key counts, after per-key statistics
+        were put in place directly (the blocks of a checkpoint) rather than through
+        ``load`` (eager)."""
+        per_key = self.export()
+        self.category_counts.assign(tf.math.unsorted_segment_sum(
+            tf.constant(per_key["counts"], tf.int64),
+            tf.constant(per_key["categories"], tf.int32), len(self.categories)))
+
     def _load_keys(self, keys, counts, categories, ids, last_steps):
         """load's per-key part: identity registered, last steps set (when given), counts
         added (eager)."""

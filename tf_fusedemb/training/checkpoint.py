@@ -7,11 +7,13 @@ Layout of ``<dir>/ckpt-<step>/``:
   shard-<r>-of-<N>.npz          rank r's embedding rows per group: keys, values, optimizer
                                 slots, each key's (table, raw ID), access statistics (counts,
                                 last steps: what admission and eviction decide by), step
-  ssd/l<layer>-<group>-shard-<r>-of-<N>/
-                                a tiered group's blocks on rank r instead (rows, slots and
-                                statistics of both tiers): the SSD tier's own RocksDB
-                                checkpoint, its files hard-linked, with the DRAM tier's
-                                blocks written over it; the .npz keeps the group's step
+  blocks/l<layer>-<group>-shard-<r>-of-<N>/
+                                a storage-engine group's blocks on rank r instead (rows,
+                                slots and statistics) as a RocksDB database, written in
+                                C++ straight from the engine: a tiered group's SSD tier's
+                                own checkpoint (its files hard-linked) with the DRAM
+                                tier's blocks written over it, an untiered group's blocks
+                                written anew; the .npz keeps the group's step
 ``<dir>/latest`` names the newest complete checkpoint.
 
 Atomicity: everything is written into ``ckpt-<step>.tmp`` first; after a barrier rank 0
@@ -24,8 +26,8 @@ filesystem). A rank lost during a save makes the others raise PeerLostError nami
 
 Restore onto M ranks: every rank reads all N shards and keeps the rows it owns under M
 (owner = mix64(raw ID) mod M, the rule of rankwise_sort), so no key and no slot is lost;
-a tiered group's blocks are read from the N SSD-tier directories the same way, in C++,
-into the engine (tiered or not).
+a storage-engine group's blocks are read from the N block directories the same way, in
+C++, into the engine (tiered or not).
 """
 import json
 import os
@@ -43,13 +45,22 @@ from tf_fusedemb.training import faults
 from tf_fusedemb.training.replicas import dense_variables, replicas_of
 
 LATEST = "latest"
-SSD_DIR = "ssd"
+BLOCKS_DIR = "blocks"
+SSD_DIR = "ssd"  # where checkpoints of earlier versions hold a tiered group's blocks
 
 
-def ssd_directory(checkpoint: str, layer: int, group: str, rank: int, size: int) -> str:
-    """Where rank ``rank`` of ``size`` writes tiered group ``group`` of FusedEmbedding
-    layer ``layer`` in checkpoint directory ``checkpoint``."""
-    return os.path.join(checkpoint, SSD_DIR, f"l{layer}-{group}-shard-{rank}-of-{size}")
+def block_directory(checkpoint: str, layer: int, group: str, rank: int, size: int) -> str:
+    """Where rank ``rank`` of ``size`` writes the blocks of storage-engine group ``group``
+    of FusedEmbedding layer ``layer`` in checkpoint directory ``checkpoint``."""
+    return os.path.join(checkpoint, BLOCKS_DIR, f"l{layer}-{group}-shard-{rank}-of-{size}")
+
+
+def saved_block_directory(checkpoint: str, layer: int, group: str, rank: int,
+                          size: int) -> str:
+    """``block_directory``, or where a checkpoint of an earlier version holds it."""
+    path = block_directory(checkpoint, layer, group, rank, size)
+    earlier = os.path.join(checkpoint, SSD_DIR, os.path.basename(path))
+    return earlier if not os.path.exists(path) and os.path.exists(earlier) else path
 
 
 def variable_record(variable: Any) -> List[Any]:
@@ -141,12 +152,12 @@ class CheckpointManager:
 
     def _export_shards(self, tmp):
         """Every group's ``save_state``, its arrays named ``l<layer>/<group>/<name>``; a
-        tiered group's blocks go to its directory under ``tmp/ssd``."""
-        os.makedirs(os.path.join(tmp, SSD_DIR), exist_ok=True)
+        storage-engine group's blocks go to its directory under ``tmp/blocks``."""
+        os.makedirs(os.path.join(tmp, BLOCKS_DIR), exist_ok=True)
         arrays = {}
         for li, g in self.groups:
             prefix = f"l{li}/{g.group.name}/"
-            directory = ssd_directory(tmp, li, g.group.name, self.comm.rank, self.comm.size)
+            directory = block_directory(tmp, li, g.group.name, self.comm.rank, self.comm.size)
             arrays.update({prefix + k: v for k, v in g.save_state(directory).items()})
         return arrays
 
@@ -185,7 +196,8 @@ class CheckpointManager:
             prefix = f"l{li}/{g.group.name}/"
             g.restore_state([{k[len(prefix):]: s[k] for k in s.files if k.startswith(prefix)}
                              for s in shards], self.comm.rank, self.comm.size,
-                            [ssd_directory(path, li, g.group.name, r, size) for r in range(size)])
+                            [saved_block_directory(path, li, g.group.name, r, size)
+                             for r in range(size)])
         self._dense.read(os.path.join(path, "dense")).expect_partial()
         # Every rank read the same dense values; the next step still makes them rank 0's
         # bit for bit (tf_fusedemb.training.replicas), whatever happened before.
