@@ -107,7 +107,8 @@ rocksdb::Status WriteCheckpointBlocks(const std::string& dir, bool create,
   rocksdb::DB* raw = nullptr;
   rocksdb::Status s = rocksdb::DB::Open(options, dir, &raw);
   std::unique_ptr<rocksdb::DB> db(raw);
-  if (!s.ok() || blocks.empty()) return s.ok() ? db->Close() : s;
+  if (!s.ok()) return s;
+  if (blocks.empty()) return db->Close();
   std::sort(blocks.begin(), blocks.end(), [](const BlockRef& a, const BlockRef& b) {
     return static_cast<uint64_t>(a.key) < static_cast<uint64_t>(b.key);  // big-endian bytes
   });

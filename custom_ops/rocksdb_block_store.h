@@ -26,7 +26,8 @@ std::unique_ptr<BlockStore> OpenRocksDbBlockStore(const std::string& path, std::
 std::string WriteBlockCheckpoint(const std::string& dir, std::vector<BlockRef> blocks);
 
 // Calls f(key, data, size) for every block of the checkpoint at `dir` (as
-// BlockStore::Checkpoint or WriteBlockCheckpoint wrote it), in key order, read-only. Errors name `dir`.
+// BlockStore::Checkpoint or WriteBlockCheckpoint wrote it), in key order, read-only.
+// Errors name `dir`.
 std::string ReadBlockCheckpoint(const std::string& dir,
                                 const std::function<void(int64_t, const char*, size_t)>& f);
 

@@ -61,8 +61,8 @@ def load_checkpoint(path):
     for name in [k for k in merged if k.endswith("/ssd_checkpoint")]:
         del merged[name]
         layer, group = name.split("/")[:2]
-        merged.update(block_group_arrays(
-            glob.glob(os.path.join(path, "blocks", f"{layer}-{group}-shard-*")), f"{layer}/{group}"))
+        directories = glob.glob(os.path.join(path, "blocks", f"{layer}-{group}-shard-*"))
+        merged.update(block_group_arrays(directories, f"{layer}/{group}"))
     out = {}
     for name, array in merged.items():
         prefix, _, leaf = name.rpartition("/")  # ".../keys", ".../values", ".../stats/counts"
