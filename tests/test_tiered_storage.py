@@ -8,6 +8,7 @@ back from the SSD tier; admission and eviction policies are on; training crosses
 checkpoint restore and runs on 1 and 2 ranks.
 """
 import os
+import tempfile
 
 import numpy as np
 import pytest
@@ -33,6 +34,14 @@ VOCAB, STEPS, HALF, GLOBAL_BATCH = 500, 16, 8, 64
 # Per table and rank; the group's engine gets the sum. At ~60 bytes a block (28 header,
 # 16 row, 16 accumulator) the untraced table holds >= 20x this many bytes: asserted below.
 TABLE_BUDGET = 800
+
+
+@pytest.fixture(autouse=True)
+def spill_dirs_in_tmp_path(tmp_path, monkeypatch):
+    """Tables without a spill_dir put their SSD tier in the system temp dir and remove it
+    when destroyed or at interpreter exit, which a pytest-xdist worker skips: here the
+    temp dir is the test's own, so nothing is left in the system's."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 # ---------------------------------------------------------------- the engine alone
