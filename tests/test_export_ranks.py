@@ -44,6 +44,7 @@ def export_on_every_rank(checkpoint_dir, export_dir, unshared_root):
     model, layer = build_model()
     CheckpointManager(checkpoint_dir, model).save(1)
     export_saved_model(model, export_dir, KINDS)
+    export_saved_model(model, export_dir + "-int8", KINDS, row_dtype="int8")
     try:
         export_saved_model(model, os.path.join(unshared_root, f"rank{rank}", "m"), KINDS)
         error = None
@@ -53,16 +54,18 @@ def export_on_every_rank(checkpoint_dir, export_dir, unshared_root):
 
 
 def stored_rows(export_dir):
-    """{(group, key): row} of an export's index variables."""
+    """{(group, key): row (and its int8 scale)} of an export's index variables."""
     reader = tf.train.load_checkpoint(os.path.join(export_dir, "variables", "variables"))
     out, g = {}, 0
     while reader.has_tensor(f"serving_groups_/{g}/index/keys/.ATTRIBUTES/VARIABLE_VALUE"):
         def var(name):
             return reader.get_tensor(f"serving_groups_/{g}/index/{name}/.ATTRIBUTES/VARIABLE_VALUE")
         keys, lengths, rows = var("keys"), var("lengths"), var("rows")
+        scales = var("scales") if reader.has_tensor(
+            f"serving_groups_/{g}/index/scales/.ATTRIBUTES/VARIABLE_VALUE") else 0 * keys
         for s, length in enumerate(lengths):
-            out.update({(g, int(k)): r.tolist() for k, r in zip(keys[s, :length],
-                                                               rows[s, :length])})
+            out.update({(g, int(k)): (r.tolist(), float(c)) for k, r, c in zip(
+                keys[s, :length], rows[s, :length], scales[s, :length])})
         g += 1
     return out
 
@@ -82,6 +85,8 @@ class ExportFromRanksTest(DistributedTestCase):
         model, _ = build_model()
         CheckpointManager(ckpt, model).restore()
         one = export_saved_model(model, os.path.join(work, "one"), KINDS)
+        one_int8 = export_saved_model(model, os.path.join(work, "one-int8"), KINDS,
+                                      row_dtype="int8")
         rng = np.random.default_rng(1)
         x = {n: np.concatenate([rng.integers(0, ROWS, 300), rng.integers(ROWS, 10**9, 30)])
              for n in KINDS}
@@ -90,6 +95,7 @@ class ExportFromRanksTest(DistributedTestCase):
             served = tf.saved_model.load(path).signatures["serving_default"](
                 **{n: tf.constant(v) for n, v in x.items()})
             self.assertAllEqual(served["logits"].numpy(), want)
-        rows_one, rows_ranked = stored_rows(one), stored_rows(ranked)
-        self.assertLen(rows_one, 2 * ROWS)
-        self.assertEqual(rows_ranked, rows_one)
+        for path_one, path_ranked in ((one, ranked), (one_int8, ranked + "-int8")):
+            rows_one, rows_ranked = stored_rows(path_one), stored_rows(path_ranked)
+            self.assertLen(rows_one, 2 * ROWS)
+            self.assertEqual(rows_ranked, rows_one)

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from tf_fusedemb.inference import export_saved_model
+from tf_fusedemb.inference import export_saved_model, export_writer
 from tf_fusedemb.inference.key_index import (PAD_KEY, KeyIndex, pad_segment, segment_width,
                                              sorted_rows)
 from tf_fusedemb.layers import FusedEmbedding
@@ -120,3 +120,23 @@ def test_key_index_finds_every_int64_key(num_segments):
     np.testing.assert_array_equal(found.numpy(), np.arange(len(q_ids)) < len(keys))
     np.testing.assert_array_equal(rows.numpy()[:len(keys)], values)
     assert not rows.numpy()[len(keys):].any()
+
+
+@pytest.mark.timeout(600)
+def test_rows_written_in_chunks_equal_rows_written_at_once(tmp_path, monkeypatch):
+    """A rank reads and writes its rows a chunk at a time: with chunks of 7 rows (the last
+    one partly padding) the export serves and stores exactly what one chunk does."""
+    model, _ = table_model(100)
+    x, _ = queries(100)
+    whole = export_saved_model(model, str(tmp_path / "whole"), KINDS, row_dtype="int8")
+    monkeypatch.setattr(export_writer, "CHUNK_ROWS", 7)
+    chunked = export_saved_model(model, str(tmp_path / "chunked"), KINDS, row_dtype="int8")
+    a, b = serve(whole, x), serve(chunked, x)
+    for n in KINDS:
+        np.testing.assert_array_equal(a[n], b[n])
+    readers = [tf.train.load_checkpoint(os.path.join(p, "variables", "variables"))
+               for p in (whole, chunked)]
+    names = [n for n in readers[0].get_variable_to_shape_map() if "/index/" in n]
+    assert len(names) == 4  # keys, lengths, rows, scales of the one fused group
+    for name in names:
+        np.testing.assert_array_equal(readers[0].get_tensor(name), readers[1].get_tensor(name))

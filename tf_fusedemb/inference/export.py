@@ -1,8 +1,8 @@
-"""SavedModel export of a trained model with FusedEmbedding layers, for one host.
+"""SavedModel export of a trained model with FusedEmbedding layers, served on one host.
 
-    meta = CheckpointManager(ckpt_dir, model, opt).restore()   # in ONE process: merges shards
+    # on every rank of the job (or in one process), after fit or a restore:
     export_saved_model(model, export_dir, {"C1": "scalar", ..., "history": "list"},
-                       dense_features=["I1", ...])
+                       dense_features=["I1", ...], row_dtype="float32")
 
 The serving signature ``serving_default`` takes raw features: a "scalar" feature as
 int64[B]; a "list" feature (multi-hot or sequence) as int64[B, L] zero-padded plus

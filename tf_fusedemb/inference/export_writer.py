@@ -16,7 +16,7 @@ do not see rank 0's temporary directory make every rank fail in one line first.
 """
 import os
 import shutil
-from typing import Callable, List, NamedTuple, Sequence
+from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -55,13 +55,14 @@ def _save(prefix: str, names: Sequence[str], slices: Sequence[str],
 
 
 def write_segment(lookup: GroupLookup, names: IndexNames, prefix: str, rank: int, size: int,
-                  width: int, row_dtype: str, chunk_rows: int = CHUNK_ROWS) -> None:
+                  width: int, row_dtype: str, chunk_rows: Optional[int] = None) -> None:
     """Writes rank ``rank`` of ``size``'s segment (its stored rows, padded to ``width``) of
     the group's index variables as slices [rank, start:stop] of int64[size, width] keys,
     [size, width, dim] rows and float32[size, width] scales (int8) plus int64[size]
     lengths, in bundles ``<prefix>-*``, reading ``chunk_rows`` rows at a time."""
     keys, init_keys = lookup.stored_init_keys()
     dim, count = lookup.group.dim, len(keys)
+    chunk_rows = chunk_rows or CHUNK_ROWS
     _save(f"{prefix}-lengths", [names.lengths], [f"{size} {rank},1"],
           [np.array([count], np.int64)])
     for start in range(0, width, chunk_rows):
