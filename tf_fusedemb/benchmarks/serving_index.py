@@ -21,8 +21,10 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -80,7 +82,8 @@ def load(path: str) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--keys", default="1000000,4000000")
-    p.add_argument("--work-dir", default="/tmp/fusedemb_serving_index")
+    p.add_argument("--work-dir", default=None,
+                   help="where the SavedModels go (default: a temporary directory, removed)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--save", nargs=3, help=argparse.SUPPRESS)  # variant, N, path (a child)
     p.add_argument("--load", help=argparse.SUPPRESS)  # path (a child)
@@ -91,10 +94,11 @@ def main(argv=None) -> None:
     if args.load:
         print("LOADED " + json.dumps(load(args.load)))
         return
+    work = args.work_dir or tempfile.mkdtemp(prefix="fusedemb_serving_index_")
     out = {}
     for n in (int(k) for k in args.keys.split(",")):
         for variant in VARIANTS:
-            path = os.path.join(args.work_dir, f"{variant}-{n}")
+            path = os.path.join(work, f"{variant}-{n}")
             me = [sys.executable, "-m", "tf_fusedemb.benchmarks.serving_index"]
             subprocess.run(me + ["--save", variant, str(n), path], check=True,
                            capture_output=True)
@@ -107,6 +111,8 @@ def main(argv=None) -> None:
                        pb_bytes=os.path.getsize(os.path.join(path, "saved_model.pb")))
             out[f"{variant}@{n}"] = res
             print(variant, n, res, file=sys.stderr, flush=True)
+    if args.work_dir is None:
+        shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(out) if args.json else out)
 
 
