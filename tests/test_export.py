@@ -82,14 +82,17 @@ def test_export_loads_fresh_and_in_saved_model_cli_with_equal_predictions(tmp_pa
     np.testing.assert_allclose(model(model_inputs(raw)).numpy(), trained, rtol=1e-6, atol=1e-6)
 
     np.savez(tmp_path / "inputs.npz", **raw)
+    # A process that never imports tf_fusedemb (nor finds it: run from elsewhere, no path).
     code = (
-        "import json, numpy as np, tensorflow as tf, tf_fusedemb\n"
-        "tf_fusedemb.register_ops()\n"
+        "import json, sys, numpy as np, tensorflow as tf\n"
         f"m = tf.saved_model.load({export_dir!r})\n"
         f"raw = dict(np.load({str(tmp_path / 'inputs.npz')!r}))\n"
         "out = m.signatures['serving_default'](**{k: tf.constant(v) for k, v in raw.items()})\n"
+        "assert not any(n.startswith('tf_fusedemb') for n in sys.modules)\n"
         "print('OUT', json.dumps(out['logits'].numpy().tolist()))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=str(tmp_path), env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     fresh = np.array(json.loads(out.stdout.split("OUT ", 1)[1]))
     np.testing.assert_allclose(fresh, trained, rtol=1e-6, atol=1e-6)

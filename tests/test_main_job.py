@@ -40,6 +40,11 @@ def test_two_workers_train_checkpoint_export_and_resume(tmp_path):
     assert result["eval_auc"] > 0.55, result  # teacher labels: learnable (ceiling ~0.88)
     assert result["export"]["max_abs_diff_vs_trained"] <= 1e-5
     assert result["export"]["checkpoint_step"] == 40
+    # Exported from both workers: float32 rows serve the job's AUC; bf16 and int8 near it.
+    auc = {d: r["eval_auc"] for d, r in result["export"]["row_dtypes"].items()}
+    assert abs(auc["float32"] - result["eval_auc"]) < 1e-6, (auc, result["eval_auc"])
+    assert abs(auc["bfloat16"] - auc["float32"]) <= 0.0005 and \
+        abs(auc["int8"] - auc["float32"]) <= 0.002, auc
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["ckpt-20", "ckpt-40", "latest"]
     assert os.listdir(tmp_path / "tb")  # TensorBoard event file
     # The job's figures, not rank 0's: every sample looks up one ID per table per step.

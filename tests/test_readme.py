@@ -124,6 +124,12 @@ SHELL: Dict[str, tuple] = {
                            ("--output predictions.tsv", "--output predictions.tsv "
                                                         "--max-batches 3"))],
         "2 ranks on 2 cores, 3 batches; serves the checkpoint of the `make train` block"),
+    ".venv/bin/horovodrun -np 4 --gloo -H localhost:4 .venv/bin/python -m tf_fusedemb.train \\": (
+        "substitute",
+        lambda text: [_sub(text, ("-np 4 --gloo -H localhost:4", "-np 2 --gloo -H localhost:2"),
+                           ("--export-only", "--export-only --eval-rows 512"))],
+        "2 ranks on 2 cores, 512 held-out rows; exports the checkpoint of the `make train` "
+        "block"),
     ".venv/bin/python -m tf_fusedemb.testing.mpirun --hosts 2 --ranks-per-host 1 "
     "--link-mbit 1000 -- \\": (
         "skip",

@@ -7,15 +7,20 @@ Runs single-process without horovodrun. Shows a Keras progress bar (loss, AUC, s
 on rank 0, writes TensorBoard logs (loss, AUC, samples/s, AlltoAll rounds and bytes per
 group, access statistics), checkpoints every ``--checkpoint-every`` steps (resuming from
 the latest one, data position included), evaluates AUC and logloss on the held-out split
-and exports a SavedModel (merged on one host, checked against the trained model). The
-last line printed by rank 0 is ``RESULT {json}``.
+and exports a SavedModel from every rank (each writes its own rows; one per
+``--export-row-dtypes``, each checked on the held-out split). The last line printed by
+rank 0 is ``RESULT {json}``.
+
+Export a checkpoint without training, on any number of ranks (each reads its share):
+
+    horovodrun -np 4 --gloo -H localhost:4 python -m tf_fusedemb.train --model dlrm \\
+        --data synthetic --checkpoint-dir runs/ckpt --export-dir runs/export --export-only
 """
 import argparse
 import itertools
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +38,7 @@ from tf_fusedemb import job  # noqa: E402
 from tf_fusedemb.benchmarks.op_profile import StepProfiler  # noqa: E402
 from tf_fusedemb.comm import Communicator, get_communicator  # noqa: E402
 from tf_fusedemb.inference import export_saved_model  # noqa: E402
+from tf_fusedemb.inference.row_codec import ROW_DTYPES  # noqa: E402
 from tf_fusedemb.models import fused_embedding_layers  # noqa: E402
 from tf_fusedemb.pipeline import PipelineOptions, cluster_dataset, make_pipeline  # noqa: E402
 from tf_fusedemb.training import KerasLoss  # noqa: E402
@@ -89,8 +95,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="profile N steps after the first 5 with TensorFlow's profiler and "
                         "report where each rank's step time goes (RESULT's profile_by_rank; "
                         "tf_fusedemb.benchmarks.op_profile)")
-    p.add_argument("--export-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--export-only", action="store_true",
+                   help="no training: restore the latest checkpoint of --checkpoint-dir (each "
+                        "rank its share, any number of ranks) and export it to --export-dir")
+    p.add_argument("--export-row-dtypes", default="float32,bfloat16,int8",
+                   help="comma-separated row dtypes to export (float32 to --export-dir, the "
+                        "others to <export-dir>-<dtype>), each evaluated on the held-out split")
     args = p.parse_args(argv)
+    args.export_row_dtypes = args.export_row_dtypes.split(",")
+    for row_dtype in args.export_row_dtypes:
+        if row_dtype not in ROW_DTYPES:
+            p.error(f"--export-row-dtypes: {row_dtype!r} is not one of {ROW_DTYPES}")
+    if args.export_only and not (args.checkpoint_dir and args.export_dir):
+        p.error("--export-only needs --checkpoint-dir and --export-dir")
     try:
         args.pipeline = PipelineOptions.parse(args.pipeline) if args.pipeline else None
     except ValueError as e:
@@ -145,12 +162,18 @@ def evaluate(model: tf_keras.Model, evaluation: tf.data.Dataset,
     Ranks may hold different numbers of eval batches (real data sharded by line): every
     rank runs as many forward passes as the rank with the most, feeding empty batches
     once its own run out, so the lookups' collectives always meet."""
+    return evaluate_predictions(RankInvariantFunction(
+        lambda x: tf.sigmoid(model(x, training=False))), evaluation, comm)
+
+
+def evaluate_predictions(predict: Callable[[Any], tf.Tensor], evaluation: tf.data.Dataset,
+                         comm: Communicator) -> Dict[str, Any]:
+    """``evaluate`` of the probabilities ``predict(x)`` float32[B, 1] (see there)."""
     batches = list(evaluation)
     rounds = max(comm.allgather_object(len(batches)))
     if not batches:
         raise ValueError(f"rank {comm.rank} has no evaluation rows at all")
     empty = tf.nest.map_structure(lambda t: t[:0], batches[0])
-    predict = RankInvariantFunction(lambda x: tf.sigmoid(model(x, training=False)))
     preds, labels = [], []
     for i in range(rounds):
         x, y = batches[i] if i < len(batches) else empty
@@ -219,12 +242,13 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
         shutil.rmtree(profile_dir, ignore_errors=True)
     with comm.watch("evaluation"):
         result.update(evaluate(model, evaluation, comm))
+    if args.export_dir:  # every rank writes its own rows
+        result["export"] = export_and_check(args, model, evaluation, kinds, dense, comm)
+        result["export"]["checkpoint_step"] = args.steps
     # The job's last collective is done: every rank agrees on the end, so each one's exit
-    # shuts Horovod down at once (rank 0's export and every rank's teardown follow).
+    # shuts Horovod down at once (every rank's teardown follows).
     comm.end_job()
     progress.log_evaluation(args.steps, result)
-    if args.export_dir and comm.rank == 0:
-        result["export"] = run_export(args)
     if comm.rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
     return result
@@ -342,43 +366,70 @@ def _result(args: argparse.Namespace, comm: Communicator, start: int, progress: 
     return result
 
 
-def run_export(args: argparse.Namespace) -> Dict[str, Any]:
-    """Exports in a separate single-process run (merges every shard on this host)."""
-    if not args.checkpoint_dir:
-        raise ValueError("--export-dir needs --checkpoint-dir (the export merges its shards)")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD", "OMPI", "PMI"))}
-    cmd = [sys.executable, "-m", "tf_fusedemb.train", "--export-only"] + [
-        a for a in sys.argv[1:] if a != "--export-only"]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-    lines = [l for l in out.stdout.splitlines() if l.startswith("EXPORT ")]
-    if out.returncode != 0 or not lines:
-        raise RuntimeError(f"export failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
-    return json.loads(lines[-1][len("EXPORT "):])
+def serving_inputs(x: Dict[str, Any], kinds: Dict[str, str]) -> Dict[str, tf.Tensor]:
+    """The serving signature's raw inputs of a batch ``x``: list features zero-padded
+    int64[B, L] plus ``<name>_length`` int64[B]."""
+    raw = {k: (v if kinds.get(k) != "list" else v.to_tensor()) for k, v in x.items()}
+    for k, kind in kinds.items():
+        if kind == "list":
+            raw[k + "_length"] = x[k].row_lengths()
+    return raw
+
+
+def directory_bytes(path: str) -> int:
+    """Bytes of the files under ``path``."""
+    return sum(os.path.getsize(os.path.join(root, f))
+               for root, _, files in os.walk(path) for f in files)
+
+
+def export_and_check(args: argparse.Namespace, model: tf_keras.Model,
+                     evaluation: tf.data.Dataset, kinds: Dict[str, str], dense: List[str],
+                     comm: Communicator) -> Dict[str, Any]:
+    """Every rank: exports the model once per ``--export-row-dtypes`` (float32 to
+    ``--export-dir``, the others to ``<export-dir>-<dtype>``), each rank writing its own
+    rows; checks the float32 export's predictions against the trained model's on each
+    rank's first eval batch, and evaluates every export on the held-out split (each rank
+    loads the SavedModel and serves its share: a check at the job's scale)."""
+    x, _ = next(iter(evaluation))
+    # Traced, as the SavedModel serves it: under mixed_bfloat16 an eager call rounds
+    # between ops that the traced graph fuses (MatMul + BiasAdd + ReLU in one kernel).
+    trained = RankInvariantFunction(lambda x: model(x, training=False))(x).numpy()
+    out: Dict[str, Any] = {"export_dir": args.export_dir, "row_dtypes": {}}
+    for row_dtype in args.export_row_dtypes:
+        path = args.export_dir if row_dtype == "float32" else f"{args.export_dir}-{row_dtype}"
+        begin = time.perf_counter()
+        with comm.watch(f"export ({row_dtype} rows)"):
+            export_saved_model(model, path, kinds, dense_features=dense, row_dtype=row_dtype)
+        seconds = time.perf_counter() - begin
+        served = tf.saved_model.load(path).signatures["serving_default"]
+        if row_dtype == "float32":
+            logits = served(**serving_inputs(x, kinds))["logits"].numpy()
+            diff = float(np.max(np.abs(logits - trained))) if len(trained) else 0.0
+            out["max_abs_diff_vs_trained"] = max(comm.allgather_object(diff))
+        metrics = evaluate_predictions(
+            lambda x, served=served: served(**serving_inputs(x, kinds))["probability"],
+            evaluation, comm)
+        out["row_dtypes"][row_dtype] = {
+            "export_dir": path, "export_s": seconds, "eval_auc": metrics["eval_auc"],
+            "variables_bytes": directory_bytes(os.path.join(path, "variables"))}
+    if out.get("max_abs_diff_vs_trained", 0.0) > 1e-5:
+        raise SystemExit(f"exported predictions differ from the trained model by "
+                         f"{out['max_abs_diff_vs_trained']}")
+    return out
 
 
 def export_only(args: argparse.Namespace) -> None:
-    """Restore the latest checkpoint on one process, export, verify the SavedModel."""
+    """Every rank: restores its share of the latest checkpoint and exports (see
+    ``export_and_check``); rank 0 prints ``EXPORT {json}``."""
     comm = get_communicator()
     model, _, evaluation, kinds, dense = build(args, comm)
     meta = CheckpointManager(args.checkpoint_dir, model).restore()
     if meta is None:
         raise SystemExit(f"export: no complete checkpoint in {args.checkpoint_dir}")
-    x, _ = next(iter(evaluation))
-    # Traced, as the SavedModel serves it: under mixed_bfloat16 an eager call rounds
-    # between ops that the traced graph fuses (MatMul + BiasAdd + ReLU in one kernel).
-    trained = tf.function(lambda x: model(x, training=False))(x).numpy()
-    export_saved_model(model, args.export_dir, kinds, dense_features=dense)
-    loaded = tf.saved_model.load(args.export_dir).signatures["serving_default"]
-    raw = {k: (v if kinds.get(k) != "list" else v.to_tensor()) for k, v in x.items()}
-    for k, kind in kinds.items():
-        if kind == "list":
-            raw[k + "_length"] = x[k].row_lengths()
-    served = loaded(**raw)["logits"].numpy()
-    diff = float(np.max(np.abs(served - trained))) if len(trained) else 0.0
-    print("EXPORT " + json.dumps({"export_dir": args.export_dir, "checkpoint_step": meta["step"],
-                                  "max_abs_diff_vs_trained": diff}), flush=True)
-    if diff > 1e-5:
-        raise SystemExit(f"exported predictions differ from the trained model by {diff}")
+    result = export_and_check(args, model, evaluation, kinds, dense, comm)
+    result["checkpoint_step"] = meta["step"]
+    if comm.rank == 0:
+        print("EXPORT " + json.dumps(result), flush=True)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

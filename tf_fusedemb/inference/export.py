@@ -1,8 +1,8 @@
-"""SavedModel export of a trained model with FusedEmbedding layers, for one host.
+"""SavedModel export of a trained model with FusedEmbedding layers, served on one host.
 
-    meta = CheckpointManager(ckpt_dir, model, opt).restore()   # in ONE process: merges shards
+    # on every rank of the job (or in one process), after fit or a restore:
     export_saved_model(model, export_dir, {"C1": "scalar", ..., "history": "list"},
-                       dense_features=["I1", ...])
+                       dense_features=["I1", ...], row_dtype="float32")
 
 The serving signature ``serving_default`` takes raw features: a "scalar" feature as
 int64[B]; a "list" feature (multi-hot or sequence) as int64[B, L] zero-padded plus
@@ -10,30 +10,36 @@ int64[B]; a "list" feature (multi-hot or sequence) as int64[B, L] zero-padded pl
 as they are, by name (a dict output keeps its keys; a list its ``output_names``; a single
 tensor its output name): any number, any activation. Where the head is a single logit
 (one output of width 1 whose last layer has no activation), it also returns ``logits``
-and ``probability`` = sigmoid(logits), [B, 1]. The SavedModel contains core TF ops only.
+and ``probability`` = sigmoid(logits), [B, 1]. The SavedModel contains core TF ops only;
+its graph holds no key and no row (they are variables), so its size does not depend on
+the tables'.
 """
 from typing import Any, Dict, Mapping, Optional, Sequence
 
 import tensorflow as tf
 import tf_keras
 
+from tf_fusedemb.inference.row_codec import check_row_dtype
 from tf_fusedemb.inference.serving import ServingGroup
-from tf_fusedemb.layers.fused_embedding import (fused_embedding_layers, named_group_lookups,
-                                                use_context)
+from tf_fusedemb.inference.export_writer import ExportWriter
+from tf_fusedemb.layers.fused_embedding import (communicator_of, fused_embedding_layers,
+                                                named_group_lookups, use_context)
 from tf_fusedemb.layers.lookup_context import LookupContext
 
 KINDS = ("scalar", "list")
 
 
-def serving_context(model: tf_keras.Model) -> LookupContext:
+def serving_context(model: tf_keras.Model, row_dtype: str = "float32",
+                    with_rows: bool = True) -> LookupContext:
     """A LookupContext in which every FusedEmbedding group of ``model`` is looked up by
-    its one-host core-TF copy (``ServingGroup``); the model itself is not changed.
-    Needs a single-process model holding all rows (e.g. restored on one rank)."""
-    if any(layer.communicator.size != 1 for layer in fused_embedding_layers(model)):
-        raise ValueError("export runs in one process holding every row: restore the "
-                         "checkpoint on one rank first")
+    its one-host core-TF copy (``ServingGroup``, rows in ``row_dtype``); the model itself
+    is not changed. ``with_rows`` (serving in this process) needs a single-process model
+    holding all rows; without rows (an export, whose ranks write them) any model."""
+    if with_rows and any(layer.communicator.size != 1 for layer in fused_embedding_layers(model)):
+        raise ValueError("serving in this process needs every row in it: restore the "
+                         "checkpoint on one rank, or export (export_saved_model) from every rank")
     return LookupContext(substitutes={
-        name: ServingGroup(g) for name, g in named_group_lookups(model)})
+        name: ServingGroup(g, row_dtype, with_rows) for name, g in named_group_lookups(model)})
 
 
 def named_outputs(model: Any, outputs: Any) -> Dict[str, tf.Tensor]:
@@ -66,22 +72,30 @@ def _single_logit(model: Any, outputs: Mapping[str, tf.Tensor]) -> bool:
 
 def export_saved_model(model: tf_keras.Model, export_dir: str, feature_kinds: Mapping[str, str],
                        dense_features: Sequence[str] = (),
-                       binary_logit: Optional[bool] = None) -> str:
+                       binary_logit: Optional[bool] = None, row_dtype: str = "float32") -> str:
     """Writes a SavedModel with a raw-feature serving signature; returns ``export_dir``.
 
+    Every rank of the model's job calls it (one process: just call it). Each rank writes
+    its own rows, read from its tables a chunk at a time, and rank 0 the graph
+    (``export_writer``): no process holds another rank's rows.
+
     Args:
-      model: the trained Keras model (single process); it is not changed: it trains and
-        predicts afterwards as before.
-      export_dir: output directory (written atomically: to a temporary name, then renamed).
+      model: the trained Keras model; it is not changed: it trains and predicts
+        afterwards as before.
+      export_dir: output directory, shared by every rank (written atomically: to a
+        temporary name, then renamed).
       feature_kinds: {feature: "scalar" | "list"} for every FusedEmbedding feature.
       dense_features: names of float32[B] inputs passed through unchanged.
       binary_logit: add ``logits``/``probability`` outputs (a single logit head); default
         None: where the model's head is one output of width 1 with a linear last layer.
+      row_dtype: how the embedding rows are stored: "float32" (exact), "bfloat16" or
+        "int8" (a float32 scale per row), decoded to float32 in the serving graph.
     """
     for name, kind in feature_kinds.items():
         if kind not in KINDS:
             raise ValueError(f"feature '{name}': kind {kind!r} is not one of {KINDS}")
-    context = serving_context(model)
+    check_row_dtype(row_dtype)
+    context = serving_context(model, row_dtype, with_rows=False)
     specs = {}
     for name, kind in feature_kinds.items():
         if kind == "scalar":
@@ -108,17 +122,16 @@ def export_saved_model(model: tf_keras.Model, export_dir: str, feature_kinds: Ma
         return outputs
 
     module = tf.Module()
-    # The dense weights and the serving groups (their rows and key indexes); not the
-    # training tables, which the serving signature does not read.
+    # The dense weights and the serving groups (their key and row variables, which the
+    # ranks fill: ExportWriter); not the training tables, which serving does not read.
     tables = {id(v) for layer in fused_embedding_layers(model) for g in layer.groups
               for v in g.variables}
     module.variables_ = [v for v in model.variables if id(v) not in tables]
     module.serving_groups_ = list(context.substitutes.values())
     module.serve = serve
-    tmp = export_dir.rstrip("/") + ".tmp"
-    tf.io.gfile.rmtree(tmp) if tf.io.gfile.exists(tmp) else None
-    tf.saved_model.save(module, tmp, signatures={"serving_default": serve.get_concrete_function()})
-    if tf.io.gfile.exists(export_dir):
-        tf.io.gfile.rmtree(export_dir)
-    tf.io.gfile.rename(tmp, export_dir)
-    return export_dir
+
+    def save_graph(directory):
+        tf.saved_model.save(module, directory,
+                            signatures={"serving_default": serve.get_concrete_function()})
+    lookups = [g for _, g in named_group_lookups(model)]  # the order of serving_groups_
+    return ExportWriter(export_dir, communicator_of(model)).write(lookups, row_dtype, save_graph)

@@ -113,6 +113,11 @@ class GroupLookup(tf.Module):
         """The rows this rank stores and their identities (``GroupSnapshot.stored_rows``)."""
         return self._snapshot.stored_rows()
 
+    def stored_init_keys(self) -> Tuple[np.ndarray, np.ndarray]:
+        """(storage keys, init keys) of this rank's stored rows, in init-key order, no row
+        read (``GroupSnapshot.stored_init_keys``)."""
+        return self._snapshot.stored_init_keys()
+
     def load_rows(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
         """Writes ``rows`` float32[n, dim] as the values of ``ids`` int64[n] of ``table``,
         keeping the IDs this rank owns (``GroupSnapshot.load_rows``). Eager."""

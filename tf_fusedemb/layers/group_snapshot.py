@@ -7,9 +7,10 @@ stored rows, and ``FusedEmbedding.set_embedding_weights`` loads a Keras Embeddin
 weights through it. Rows keep their identity, (table, instance ID), next to their
 storage key in every array set, so a key is never trusted alone.
 """
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence, Tuple
 
 import numpy as np
+import tensorflow as tf
 
 from tf_fusedemb.layers.group_interface import StoredRows
 from tf_fusedemb.layers.group_keys import GroupKeys
@@ -53,6 +54,29 @@ class GroupSnapshot:
                              "path that stores a row records its identity")
         tables, ids = self.key_codec.decode(keys, self.storage.stats)
         return StoredRows(keys, values, slots, tables, ids)
+
+    def stored_init_keys(self) -> Tuple[np.ndarray, np.ndarray]:
+        """(storage keys int64[s], init keys int64[s]) of the rows this rank stores,
+        sorted by init key (the hashed key a serving lookup computes), without reading
+        a row: what an export reads its rows by, a chunk at a time (eager)."""
+        table, stats = self.storage.table, self.storage.stats
+        if self.group.is_static:
+            keys = table.export()["keys"].numpy()
+        else:
+            known = stats.known_keys()
+            keys = known[table.contains(tf.constant(known, tf.int64)).numpy()]
+        stored = int(table.size().numpy())
+        if len(keys) != stored:
+            raise ValueError(f"group '{self.group.name}': the table stores {stored} rows but "
+                             f"{len(keys)} of them have a recorded (table, ID); every "
+                             "path that stores a row records its identity")
+        if self.key_codec.key_mode == "hashed" and not self.group.is_static:
+            init = keys  # the storage key is the hashed key itself
+        else:
+            tables, ids = self.key_codec.decode(keys, stats)
+            init = self.key_codec.storage_keys(ids, tables)[1]
+        order = np.argsort(init, kind="stable")
+        return keys[order], init[order]
 
     def load_rows(self, table: str, ids: np.ndarray, rows: np.ndarray, rank: int,
                   size: int) -> None:

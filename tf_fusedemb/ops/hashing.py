@@ -93,3 +93,16 @@ def tf_mix64(x: "tf.Tensor") -> "tf.Tensor":
     x = tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, s))
     x = x * m2
     return tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, s))
+
+
+def tf_owner_rank(ids: "tf.Tensor", num_ranks: "tf.Tensor") -> "tf.Tensor":
+    """Pure-TF ``owner_rank``: ``mix64(uint64(id)) % num_ranks`` of ``ids`` int64[n] for an
+    int64 scalar ``num_ranks`` (a tensor: it may be read from a variable) -> int64[n].
+    The 64-bit hash is reduced in two 32-bit halves, since TF has no uint64 modulo on
+    CPU: (hi * 2^32 + lo) mod n = ((hi mod n) * (2^32 mod n) + lo) mod n."""
+    u = tf_mix64(ids)
+    hi = tf.cast(tf.bitwise.right_shift(u, tf.constant(32, tf.uint64)), tf.int64)
+    lo = tf.cast(tf.bitwise.bitwise_and(u, tf.constant(0xFFFFFFFF, tf.uint64)), tf.int64)
+    n = tf.cast(num_ranks, tf.int64)
+    return tf.math.floormod(tf.math.floormod(hi, n) * tf.math.floormod(
+        tf.constant(1 << 32, tf.int64), n) + lo, n)
