@@ -383,7 +383,7 @@ def directory_bytes(path: str) -> int:
 
 
 def export_and_check(args: argparse.Namespace, model: tf_keras.Model,
-                     evaluation: tf.data.Dataset, kinds: Dict[str, str], dense: List[str],
+                     evaluation: tf.data.Dataset, kinds: Dict[str, str], dense: Sequence[str],
                      comm: Communicator) -> Dict[str, Any]:
     """Every rank: exports the model once per ``--export-row-dtypes`` (float32 to
     ``--export-dir``, the others to ``<export-dir>-<dtype>``), each rank writing its own
@@ -406,9 +406,10 @@ def export_and_check(args: argparse.Namespace, model: tf_keras.Model,
             logits = served(**serving_inputs(x, kinds))["logits"].numpy()
             diff = float(np.max(np.abs(logits - trained))) if len(trained) else 0.0
             out["max_abs_diff_vs_trained"] = max(comm.allgather_object(diff))
-        metrics = evaluate_predictions(
-            lambda x, served=served: served(**serving_inputs(x, kinds))["probability"],
-            evaluation, comm)
+        def probability(x: Dict[str, tf.Tensor], served: Any = served) -> tf.Tensor:
+            return served(**serving_inputs(x, kinds))["probability"]
+
+        metrics = evaluate_predictions(probability, evaluation, comm)
         out["row_dtypes"][row_dtype] = {
             "export_dir": path, "export_s": seconds, "eval_auc": metrics["eval_auc"],
             "variables_bytes": directory_bytes(os.path.join(path, "variables"))}

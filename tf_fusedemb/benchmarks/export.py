@@ -25,7 +25,7 @@ quiet.install()  # a command: quiet TensorFlow before it loads (tf_fusedemb/quie
 
 from tf_fusedemb.benchmarks.launcher import add_launch_args, benchmark_main  # noqa: E402
 
-MARKER = "FUSEDEMB_EXPORT_RESULT "
+MARKER = "export-worker-result "
 
 
 def parse_args(argv=None):

@@ -86,7 +86,7 @@ class KeyIndex(tf.Module):
         self.rows = variable(np.stack([s.rows for s in segments]), [None, None, dim],
                              tf_dtype(row_dtype), "rows")
         self.scales = None if row_dtype != "int8" else variable(
-            np.stack([s.scales for s in segments]), [None, None], tf.float32, "scales")
+            np.stack([np.asarray(s.scales) for s in segments]), [None, None], tf.float32, "scales")
 
     def lookup(self, ids: tf.Tensor, keys: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
         """(found bool[n], rows float32[n, dim]) of hashed ``keys`` int64[n] of instance
