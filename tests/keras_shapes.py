@@ -9,13 +9,16 @@ Shapes (each a function ``(k) -> built model`` of the Keras module ``k``):
   and the public examples' shapes (written from their shapes, not their code):
   tfrs_ranking       TensorFlow Recommenders' basic ranking model: subclassed, nested
                      ``Sequential`` blocks, bytes vocabularies;
+  tfrs_model_ranking the same on ``tfrs.Model`` with a ``tfrs.tasks.Ranking`` task (its
+                     own train_step), where tensorflow-recommenders is installed;
   tfrs_dcn           TensorFlow Recommenders' DCN: subclassed, one lookup block per
                      feature, a cross layer, a deep tower;
   tfra_movielens     TFRA's MovieLens Keras + Horovod demo: a dict output
                      ``{"user_rating": ...}``, dict labels, AUC;
   keras_rs_dlrm      a DLRM as keras-rs examples write it (Keras 3): dense features
                      through a bottom MLP, one Embedding per sparse feature, a dot
-                     interaction, a top MLP.
+                     interaction, a top MLP; keras_rs_dlrm_layers: the same with
+                     keras-rs's DotInteraction, where keras-rs is installed.
 
 Module-level functions travel to the ranks of ``DistributedTestCase.run_ranks``.
 """
@@ -98,6 +101,28 @@ def tfrs_ranking(k):
     return RankingModel()
 
 
+def tfrs_model_ranking(k):
+    """The basic ranking tutorial's model on ``tfrs.Model`` (its own ``train_step``:
+    ``compute_loss``, a ``tfrs.tasks.Ranking`` task), where tensorflow-recommenders is
+    installed (tf_keras)."""
+    import tensorflow_recommenders as tfrs  # pylint: disable=import-outside-toplevel
+
+    class RankingTask(tfrs.Model):
+        def __init__(self):
+            super().__init__()
+            self.ranking_model = tfrs_ranking(k)
+            self.task = tfrs.tasks.Ranking(loss=k.losses.MeanSquaredError(),
+                                           metrics=[k.metrics.RootMeanSquaredError()])
+
+        def call(self, features):
+            return self.ranking_model(features)
+
+        def compute_loss(self, inputs, training=False):
+            features, ratings = inputs
+            return self.task(labels=ratings, predictions=self(features))
+    return RankingTask()
+
+
 def tfrs_dcn(k):
     """TensorFlow Recommenders' DCN: a lookup block per string feature, a cross layer on
     the stacked embeddings, a deep tower, a rating."""
@@ -156,9 +181,19 @@ def tfra_movielens(k):
     return DualChannels()
 
 
-def keras_rs_dlrm(k):
+def _dot_interaction(vectors):
+    """The pairwise dot products of the vectors [B, DIM] (i < j): [B, n (n - 1) / 2]."""
+    stacked = tf.stack(vectors, axis=1)                      # [B, n, DIM]
+    dots = tf.matmul(stacked, stacked, transpose_b=True)    # [B, n, n]
+    n = len(vectors)
+    upper = [i * n + j for i in range(n) for j in range(i + 1, n)]
+    return tf.gather(tf.reshape(dots, [-1, n * n]), upper, axis=1)
+
+
+def keras_rs_dlrm(k, interaction=_dot_interaction):
     """A DLRM as keras-rs examples write it: bottom MLP on the dense features, one
-    Embedding per sparse feature, the pairwise dot products of all vectors, a top MLP."""
+    Embedding per sparse feature, the pairwise dot products of all vectors
+    (``interaction``), a top MLP."""
     class DLRM(k.Model):
         def __init__(self):
             super().__init__()
@@ -166,16 +201,21 @@ def keras_rs_dlrm(k):
                                         k.layers.Dense(DIM, activation="relu")])
             self.embeddings = {"user": k.layers.Embedding(len(USERS), DIM),
                                "movie": k.layers.Embedding(len(MOVIES), DIM)}
+            self.interaction = interaction
             self.top = k.Sequential([k.layers.Dense(8, activation="relu"), k.layers.Dense(1)])
 
         def call(self, features):
             vectors = [self.bottom(features["dense"])] + [
                 self.embeddings[f](features[f]) for f in ("user", "movie")]
-            stacked = tf.stack(vectors, axis=1)                      # [B, 3, DIM]
-            dots = tf.matmul(stacked, stacked, transpose_b=True)    # [B, 3, 3]
-            upper = tf.gather(tf.reshape(dots, [-1, 9]), [1, 2, 5], axis=1)
-            return self.top(tf.concat([vectors[0], upper], axis=1))
+            return self.top(tf.concat([vectors[0], self.interaction(vectors)], axis=1))
     return DLRM()
+
+
+def keras_rs_dlrm_layers(k):
+    """keras_rs_dlrm with keras-rs's own ``DotInteraction``, where keras-rs is installed
+    (Keras 3)."""
+    import keras_rs  # pylint: disable=import-outside-toplevel
+    return keras_rs_dlrm(k, keras_rs.layers.DotInteraction())
 
 
 class Shape(NamedTuple):
@@ -207,17 +247,32 @@ SHAPES: Dict[str, Shape] = {
     "bytes_vocabulary": Shape(bytes_vocabulary, ("user_id", "movie_title"), **_REGRESSION),
     "nested_blocks": Shape(nested_blocks, ("user_id", "movie_title"), **_REGRESSION),
     "tfrs_ranking": Shape(tfrs_ranking, ("user_id", "movie_title"), **_REGRESSION),
+    "tfrs_model_ranking": Shape(tfrs_model_ranking, ("user_id", "movie_title"),
+                                **_REGRESSION),
     "tfrs_dcn": Shape(tfrs_dcn, ("user_id", "movie_title", "genre"), **_REGRESSION),
     "tfra_movielens": Shape(tfra_movielens, ("user", "movie"), **_CATEGORICAL),
     "keras_rs_dlrm": Shape(keras_rs_dlrm, ("dense", "user", "movie"), **_REGRESSION),
+    "keras_rs_dlrm_layers": Shape(keras_rs_dlrm_layers, ("dense", "user", "movie"),
+                                  **_REGRESSION),
 }
 
 
 # Each example in the Keras it is written for (TensorFlow Recommenders and TFRA: tf_keras;
 # keras-rs: Keras 3); the shapes of the issue in both. keras_shapes_report.py runs all.
 TF_KERAS_SHAPES = ("dict_output", "bytes_vocabulary", "nested_blocks", "tfrs_ranking",
-                   "tfrs_dcn", "tfra_movielens")
-KERAS3_SHAPES = ("dict_output", "bytes_vocabulary", "nested_blocks", "keras_rs_dlrm")
+                   "tfrs_model_ranking", "tfrs_dcn", "tfra_movielens")
+KERAS3_SHAPES = ("dict_output", "bytes_vocabulary", "nested_blocks", "keras_rs_dlrm",
+                 "keras_rs_dlrm_layers")
+# The shapes written with an example's own package, and that package's module.
+PACKAGES = {"tfrs_model_ranking": "tensorflow_recommenders",
+            "keras_rs_dlrm_layers": "keras_rs"}
+
+
+def installed(names) -> tuple:
+    """The shapes of ``names`` whose example package (if any) is installed."""
+    import importlib.util  # pylint: disable=import-outside-toplevel
+    return tuple(n for n in names
+                 if n not in PACKAGES or importlib.util.find_spec(PACKAGES[n]) is not None)
 
 
 def shape_data(name: str, rows=slice(None)):
@@ -367,7 +422,8 @@ def needs_wrapper(k, name):
 
 
 # The shapes whose model is subclassed: fuse_model converts them in place.
-SUBCLASSED = ("tfrs_ranking", "tfrs_dcn", "tfra_movielens", "keras_rs_dlrm")
+SUBCLASSED = ("tfrs_ranking", "tfrs_model_ranking", "tfrs_dcn", "tfra_movielens",
+              "keras_rs_dlrm", "keras_rs_dlrm_layers")
 
 
 def two_rank_diffs(run_ranks, k, names) -> Dict[str, Dict[str, float]]:
