@@ -4,8 +4,12 @@ weights: the largest per-batch loss difference and weight difference (table rows
 dense weights), as a Markdown table; then the error a layer of one Keras raises in a
 model of the other.
 
-    python tests/keras_shapes_report.py                                         # one process
-    horovodrun -np 2 --gloo -H localhost:2 python tests/keras_shapes_report.py  # 2 ranks
+    TF_USE_LEGACY_KERAS=1 python tests/keras_shapes_report.py                   # one process
+    TF_USE_LEGACY_KERAS=1 horovodrun -np 2 --gloo -H localhost:2 \
+        python tests/keras_shapes_report.py                                     # 2 ranks
+
+(TF_USE_LEGACY_KERAS=1 for tensorflow-recommenders, which needs tf.keras to be tf_keras;
+the Keras 3 rows use ``import keras``, Keras 3 either way.)
 
 On N ranks rank 0 draws the initial weights and computes the reference (plain Keras on the
 global batches, in its own process: no collective; the other ranks build it too, so that
@@ -31,7 +35,9 @@ def shape_rows(comm):
     rows = []
     mine = np.arange(ks.ROWS).reshape(-1, comm.size, ks.BATCH)[:, comm.rank].reshape(-1)
     for k in (tf_keras, keras):
-        for name in ks.installed(ks.SHAPES):
+        # each example package's shape in the Keras it is written for
+        other = "keras_rs_dlrm_layers" if k is tf_keras else "tfrs_model_ranking"
+        for name in ks.installed(n for n in ks.SHAPES if n != other):
             # every rank builds (and trains) the reference, so that Keras names the layers
             # alike on every rank; rank 0's draw and result are the ones compared with
             want = ks.reference(k, name, comm.size * ks.BATCH)
