@@ -75,6 +75,10 @@ KERAS3 = KerasDialect(
     fused_path="tf_fusedemb.keras3.FusedEmbedding",
     call_input=_call_input, fused_node=lambda refs: {"args": [refs], "kwargs": {}},
     call_tensor=lambda layer, k: layer._inbound_nodes[k].input_tensors[0],  # pylint: disable=protected-access
+    node_on=lambda layer, j: {"args": [{"class_name": "__keras_tensor__", "config": {
+        "shape": list(layer.output.shape), "dtype": layer.output.dtype,
+        "keras_history": [layer.name, j, 0]}}], "kwargs": {}},
+    first_node=lambda block: 0,  # Keras 3 numbers a nested model's calls from 0
     from_config=lambda config: keras.Model.from_config(
         config, custom_objects={"FusedEmbedding": FusedEmbedding}),
     serialize=keras.layers.serialize, sharding=KERAS3_SHARDING)

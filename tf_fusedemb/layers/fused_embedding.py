@@ -14,6 +14,7 @@ from tf_fusedemb.layers.group_lookup import GroupLookup
 from tf_fusedemb.layers.lookup_context import NO_CONTEXT, GroupName, LookupContext
 from tf_fusedemb.layers.routed_lookup import RoutedLookup
 from tf_fusedemb.layers.inputs import flatten_feature, to_tensor
+from tf_fusedemb.layers.keras_mismatch import KerasKind, refuse_other_keras
 from tf_fusedemb.layers.row_update import MARKER_NAME, MarkerAtZero, check_marker
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FeatureSpec, FusionPlan, describe_plan_difference, plan_fusion
@@ -40,6 +41,9 @@ class FusedEmbeddingMixin(_KerasLayer):
                  **kwargs: Any):
         super().__init__(**kwargs)  # the Keras Layer's
         self._setup(features, plan, key_mode, communicator, exchange, traffic, wire_dtype)
+
+    # Which Keras the concrete class is a layer of (its messages name the other's class).
+    keras_kind: KerasKind
 
     def _is_symbolic_tensor(self, value: Any) -> bool:
         """Whether ``value`` is a symbolic tensor of this layer's Keras."""
@@ -126,6 +130,7 @@ class FusedEmbeddingMixin(_KerasLayer):
     # per model for nothing.
     @tf.autograph.experimental.do_not_convert
     def __call__(self, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        refuse_other_keras(self, self.keras_kind, inputs)
         # Keras converts Python/numpy leaves of the input dict one element at a time before
         # call(), so e.g. a list holding 2**63 would fail with no feature named: convert
         # them here, per feature, first.
@@ -381,6 +386,8 @@ class FusedEmbedding(FusedEmbeddingMixin, tf_keras.layers.Layer):
     (``tf_fusedemb.layers.row_update``). On several ranks outside ``FusedModel``, wrap the
     dense optimizer in ``tf_fusedemb.training.DistributedOptimizer`` (checked).
     """
+    keras_kind = KerasKind("tf_keras", "tf_fusedemb.layers.FusedEmbedding",
+                           "tf_fusedemb.keras3.FusedEmbedding")
 
     def _is_symbolic_tensor(self, value: Any) -> bool:
         return tf_keras.backend.is_keras_tensor(value)

@@ -15,6 +15,7 @@ from typing import Any, Dict, Mapping
 import keras
 
 from tf_fusedemb.layers.fused_embedding import FusedEmbeddingMixin
+from tf_fusedemb.layers.keras_mismatch import KerasKind
 from tf_fusedemb.layers.sharded_embedding import ShardedEmbeddingMixin
 
 
@@ -25,6 +26,8 @@ class FusedEmbedding(FusedEmbeddingMixin, keras.layers.Layer):
 
     Keras 3 compiles ``fit``'s step with XLA where every layer allows it; this layer's
     ops are TensorFlow custom ops and collectives, so it does not (``supports_jit``)."""
+    keras_kind = KerasKind("Keras 3", "tf_fusedemb.keras3.FusedEmbedding",
+                           "tf_fusedemb.layers.FusedEmbedding")
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -47,6 +50,8 @@ class ShardedEmbedding(ShardedEmbeddingMixin, keras.layers.Layer):
     """One sharded table looked up like ``keras.layers.Embedding``: the Keras 3 twin of
     :class:`tf_fusedemb.layers.ShardedEmbedding` (arguments and call as there)."""
     fused_class = FusedEmbedding
+    keras_kind = KerasKind("Keras 3", "tf_fusedemb.keras3.ShardedEmbedding",
+                           "tf_fusedemb.layers.ShardedEmbedding")
 
     def build(self, input_shape: Any = None) -> None:
         self.built = True  # its table is its FusedEmbedding's, which exists already

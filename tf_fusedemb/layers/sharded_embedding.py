@@ -14,6 +14,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_fusedemb.layers.fused_embedding import FusedEmbedding
+from tf_fusedemb.layers.keras_mismatch import KerasKind, refuse_other_keras
 from tf_fusedemb.specs import FeatureSpec
 
 
@@ -29,11 +30,16 @@ class ShardedEmbeddingMixin:
     Call: ``ids`` int32/int64 [B] or [B, L] -> float32[B, dim] or [B, L, dim].
     """
     fused_class: type
+    keras_kind: KerasKind  # which Keras the concrete class is a layer of
 
     def __init__(self, feature: FeatureSpec, **kwargs: Any):
         super().__init__(**kwargs)
         self.feature = feature
         self.fused = self.fused_class([feature], name=f"{self.name}_table")  # type: ignore[attr-defined]
+
+    def __call__(self, ids: Any, *args: Any, **kwargs: Any) -> Any:
+        refuse_other_keras(self, self.keras_kind, ids)
+        return super().__call__(ids, *args, **kwargs)  # type: ignore[misc]
 
     def call(self, ids: tf.Tensor, training: Any = None) -> tf.Tensor:
         return self.fused({self.feature.name: ids}, training=training)[self.feature.name]
@@ -53,3 +59,5 @@ class ShardedEmbedding(ShardedEmbeddingMixin, tf_keras.layers.Layer):
     """One sharded table looked up like ``tf_keras.layers.Embedding``; arguments and call
     as :class:`ShardedEmbeddingMixin`."""
     fused_class = FusedEmbedding
+    keras_kind = KerasKind("tf_keras", "tf_fusedemb.layers.ShardedEmbedding",
+                           "tf_fusedemb.keras3.ShardedEmbedding")

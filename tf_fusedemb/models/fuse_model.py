@@ -4,11 +4,15 @@ model with one FusedEmbedding, the Embeddings' weights carried into the tables. 
 a subclassed model, which has no config to rebuild from, is converted in place by
 :func:`~tf_fusedemb.models.shard_embeddings`.
 
-The rewrite works on the model's config (the documented functional format): the Embedding
+The rewrite works on the model's config (the documented functional format): the
+``Sequential`` blocks holding Embeddings (``Sequential([StringLookup, Embedding])``) are
+opened into the model (:mod:`~tf_fusedemb.models.sequential_blocks`); the Embedding
 layers are replaced by one FusedEmbedding layer whose input is a dict {feature: the tensor
 the Embedding was called on} and whose dict output feeds every former consumer; the model
-is rebuilt from the rewritten config and every weight is copied over. So the result shares
-no layer or variable with the original, and predicts the same before training.
+is rebuilt from the rewritten config, lookup layers without their vocabularies, and every
+layer's state (weights, vocabularies as they are) is copied over directly
+(:mod:`~tf_fusedemb.models.layer_state`). So the result shares no layer or variable with
+the original, and predicts the same before training.
 
 tf_keras and Keras 3 write the same graph in two config formats; a :class:`KerasDialect`
 says how one Keras writes a call's input and builds the model, and the rewrite is the same
@@ -18,10 +22,15 @@ from typing import Any, Callable, Dict, List, NamedTuple, Tuple
 
 import tensorflow as tf
 import tf_keras
+# How tf_keras numbers a nested model's calls in a config (its own graph's node first, not
+# written); no public export, and Keras's own rule is what makes the references match.
+from tf_keras.src.engine.functional import _should_skip_first_node
 
 from tf_fusedemb.layers.converter import embedding_table_spec
 from tf_fusedemb.layers.fused_embedding import FusedEmbedding, sublayers
 from tf_fusedemb.models.fused_model import FusedModel
+from tf_fusedemb.models.layer_state import copy_state, with_vocabularies
+from tf_fusedemb.models.sequential_blocks import map_references, open_blocks
 from tf_fusedemb.models.shard_embeddings import (TF_KERAS_SHARDING, ShardingDialect,
                                                  shard_in_place)
 from tf_fusedemb.specs import FeatureSpec, OptimizerSpec
@@ -42,6 +51,10 @@ class KerasDialect(NamedTuple):
         the config's own form; raises ValueError if the call is not on one tensor.
       fused_node: ({feature: input reference}) -> the fused layer's one config node.
       call_tensor: (Embedding, call index) -> the symbolic tensor it was called on.
+      node_on: (layer, call index j) -> the config node of a call on the output of that
+        layer's call j.
+      first_node: (a nested model) -> the index by which the config refers to its first
+        call in the model.
       from_config: (config) -> the rebuilt model.
       serialize: (layer) -> its config entry.
       sharding: how that Keras's subclassed models are sharded in place.
@@ -56,6 +69,8 @@ class KerasDialect(NamedTuple):
     call_input: Callable[[Any], Any]
     fused_node: Callable[[Dict[str, Any]], Any]
     call_tensor: Callable[[Any, int], Any]
+    node_on: Callable[[Any, int], Any]
+    first_node: Callable[[Any], int]
     from_config: Callable[[Dict], Any]
     serialize: Callable[[Any], Dict]
     sharding: ShardingDialect
@@ -76,6 +91,8 @@ TF_KERAS = KerasDialect(
     fused_path="tf_fusedemb.layers.FusedEmbedding",
     call_input=_tf_keras_call_input, fused_node=lambda refs: refs,
     call_tensor=lambda layer, k: layer.get_input_at(k),
+    node_on=lambda layer, j: [[layer.name, j, 0, {}]],
+    first_node=lambda block: int(_should_skip_first_node(block)),
     from_config=lambda config: FusedModel.from_config(
         config, custom_objects={"FusedEmbedding": FusedEmbedding}),
     serialize=tf_keras.layers.serialize, sharding=TF_KERAS_SHARDING)
@@ -95,7 +112,10 @@ def fuse_model(model: tf_keras.Model, optimizer: OptimizerSpec, dynamic: bool = 
     Args:
       model: a tf_keras model, built:
         - functional (from ``tf_keras.Input``s), or ``Sequential`` built on an ``Input``:
-          its top-level Embeddings are fused into one FusedEmbedding in a new model;
+          its Embeddings, top-level or in ``Sequential`` blocks (such as
+          ``Sequential([StringLookup(vocabulary), Embedding(n, dim)])``, whose layers are
+          then called in the new model itself), are fused into one FusedEmbedding in a new
+          model;
         - subclassed, or holding ``Sequential`` blocks in its attributes (the TensorFlow
           Recommenders shape): it has no config to rebuild from, so each Embedding is
           replaced in place by a ShardedEmbedding (:func:`shard_embeddings`) and ``model``
@@ -114,7 +134,8 @@ def fuse_model(model: tf_keras.Model, optimizer: OptimizerSpec, dynamic: bool = 
       model and keeps the rows it owns.
     Raises:
       ValueError: a Keras 3 model, a model never built, no Embedding, a functional model's
-        nested model holding Embeddings, float or ragged Embedding inputs,
+        nested model (other than a Sequential block) holding Embeddings, a block's layer
+        named as another layer of the model, float or ragged Embedding inputs,
         ``mask_zero=True``, a name clash, or ``layer_kwargs`` for a subclassed model.
     """
     return fuse_or_shard(model, TF_KERAS, optimizer, dynamic, name, **layer_kwargs)
@@ -154,15 +175,20 @@ def fuse_functional(model: Any, dialect: KerasDialect, optimizer: OptimizerSpec,
                              "build it as Sequential([Input(...), ...]) or call it once on a "
                              "batch")
         model = dialect.model_class(model.inputs, model.outputs, name=model.name)
-    config = _functional_config(model, dialect)
-    embeddings: List[Any] = [l for l in model.layers if isinstance(l, dialect.embedding_class)]
-    _check_convertible(model, embeddings, name, dialect)
-    features, calls = _features(config, embeddings, optimizer, dynamic, dialect)
+    opened = open_blocks(_functional_config(model, dialect), model,
+                         dialect.sequential_class, dialect.embedding_class, dialect.node_on,
+                         dialect.first_node)
+    embeddings: List[Any] = [l for l in opened.layers.values()
+                             if isinstance(l, dialect.embedding_class)]
+    _check_convertible(model, opened, embeddings, name, dialect)
+    features, calls = _features(opened, embeddings, optimizer, dynamic, dialect)
     layer = dialect.fused_class(features, name=name, **layer_kwargs)
+    config = dict(opened.config, layers=[
+        with_vocabularies(e, opened.layers[e["name"]]) for e in opened.config["layers"]])
     fused = dialect.from_config(_rewrite(config, layer, calls, dialect))
-    for old in model.layers:
+    for new_name, old in opened.layers.items():
         if not isinstance(old, (dialect.embedding_class, dialect.input_layer_class)):
-            fused.get_layer(old.name).set_weights(old.get_weights())
+            copy_state(old, fused.get_layer(new_name))
     fused.get_layer(name).set_embedding_weights({e.name: e.get_weights()[0] for e in embeddings})
     return fused
 
@@ -187,34 +213,38 @@ def _functional_config(model, dialect) -> Dict:
     return model.get_config()
 
 
-def _check_convertible(model, embeddings, name, dialect):
-    nested = [l.name for l in model.layers if isinstance(l, dialect.model_class) and any(
-        isinstance(s, dialect.embedding_class) for s in sublayers(l))]
+def _check_convertible(model, opened, embeddings, name, dialect):
+    nested = [l.name for l in opened.layers.values() if isinstance(l, dialect.model_class)
+              and any(isinstance(s, dialect.embedding_class) for s in sublayers(l))]
     if nested:
-        raise ValueError(f"fuse_model: the nested models {nested} hold Embedding layers; only "
-                         "the top-level Embeddings of a functional model are converted")
+        raise ValueError(f"fuse_model: the nested models {nested} hold Embedding layers; the "
+                         "Embeddings of a functional model and of its Sequential blocks are "
+                         "converted, not those of other nested models: call the nested "
+                         "model's layers in the model itself")
     if not embeddings:
         raise ValueError(f"fuse_model: model '{model.name}' has no top-level Embedding layer")
-    if name in {l.name for l in model.layers}:
+    if name in opened.layers:
         raise ValueError(f"fuse_model: the model already has a layer named {name!r}; pass "
                          "name=... for the FusedEmbedding layer")
 
 
-def _features(config, embeddings, optimizer, dynamic,
+def _features(opened, embeddings, optimizer, dynamic,
               dialect) -> Tuple[List[FeatureSpec], Dict]:
     """FeatureSpecs, one per Embedding call, and {(layer name, node index): (feature name,
-    the call's input reference in the config)}."""
-    nodes = {l["name"]: l["inbound_nodes"] for l in config["layers"]}
+    the call's input reference in the config)}. An Embedding of a Sequential block was
+    called once, in the block's own graph, on what every call of the block gives it."""
+    nodes = {l["name"]: l["inbound_nodes"] for l in opened.config["layers"]}
     features, calls = [], {}
     for emb in embeddings:
         table = embedding_table_spec(emb.name, emb.get_config(), optimizer, dynamic)
-        if len(nodes[emb.name]) != len(emb._inbound_nodes):  # pylint: disable=protected-access
+        in_block = emb.name in opened.opened
+        if not in_block and len(nodes[emb.name]) != len(emb._inbound_nodes):  # pylint: disable=protected-access
             raise ValueError(f"fuse_model: Embedding '{emb.name}' is also used outside this "
                              "model; convert a model whose Embeddings are its own")
         for k, node in enumerate(nodes[emb.name]):
             feature = emb.name if k == 0 else f"{emb.name}_{k}"
             features.append(_feature_spec(feature, table, emb.name,
-                                          dialect.call_tensor(emb, k)))
+                                          dialect.call_tensor(emb, 0 if in_block else k)))
             try:
                 calls[(emb.name, k)] = (feature, dialect.call_input(node))
             except ValueError as err:
@@ -249,18 +279,9 @@ def _rewrite(config, layer, calls, dialect) -> Dict:
     order = sorted(feature for feature, _ in calls.values())  # tf.nest order of a dict
     index = {key: order.index(feature) for key, (feature, _) in calls.items()}
 
-    def swap(obj):
-        """A reference to an Embedding's output becomes one to the fused output: tf_keras
-        writes [src, node, tensor(, kwargs)], Keras 3 a ``__keras_tensor__`` whose
-        ``keras_history`` is [src, node, tensor]."""
-        if (isinstance(obj, list) and len(obj) in (3, 4) and isinstance(obj[0], str)
-                and isinstance(obj[1], int) and (obj[0], obj[1]) in index):
-            return [layer.name, 0, index[(obj[0], obj[1])], *[swap(o) for o in obj[3:]]]
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(swap(o) for o in obj)
-        if isinstance(obj, dict):
-            return {k: swap(v) for k, v in obj.items()}
-        return obj
+    def to_fused(ref):
+        """A reference to an Embedding's output becomes one to the fused output."""
+        return (layer.name, 0, index[ref[:2]]) if ref[:2] in index else None
 
     fused_conf = dict(dialect.serialize(layer), name=layer.name,
                       inbound_nodes=[dialect.fused_node(
@@ -273,5 +294,6 @@ def _rewrite(config, layer, calls, dialect) -> Dict:
                 layers.append(fused_conf)
                 placed = True
             continue
-        layers.append(dict(conf, inbound_nodes=swap(conf["inbound_nodes"])))
-    return dict(config, layers=layers, output_layers=swap(config["output_layers"]))
+        layers.append(dict(conf, inbound_nodes=map_references(conf["inbound_nodes"], to_fused)))
+    return dict(config, layers=layers,
+                output_layers=map_references(config["output_layers"], to_fused))

@@ -153,9 +153,13 @@ class KerasLoss:
         preds = tf.nest.flatten(y_pred)
         if len(self._objects) not in (1, len(preds)):
             raise ValueError(f"the model has {len(preds)} outputs but {len(self._objects)} losses")
-        if isinstance(y_true, dict) and not isinstance(y_pred, dict):
-            y_true = [y_true.get(n) for n in self.output_names]
-        trues = tf.nest.flatten(y_true) if len(preds) > 1 else [y_true]
+        if isinstance(y_true, Mapping):
+            # As Keras: a dict of labels goes to a dict output by key (one output's too),
+            # else to the outputs by their names.
+            keys = sorted(y_pred) if isinstance(y_pred, Mapping) else self.output_names
+            y_true = [y_true.get(k) for k in keys] if keys else tf.nest.flatten(y_true)
+        trues = tf.nest.flatten(y_true) if len(preds) > 1 or isinstance(y_true, list) \
+            else [y_true]
         if len(trues) != len(preds):
             raise ValueError(f"got {len(trues)} label tensors for {len(preds)} outputs")
         weights = tf.nest.flatten(sample_weight) if isinstance(sample_weight, (list, tuple, dict)) \
