@@ -205,17 +205,19 @@ class Rows {
   std::string GatherRows(const Shard& sh, Span pos, const int64_t* keys, float* values,
                          float* slots) const {
     const int64_t d = f_.dim(), sd = f_.num_slots() * d;
-    for (int64_t k = 0; k < pos.size; ++k) {
-      const int32_t i = pos.data[k];
+    std::string error;
+    ForEachPrefetched(sh, pos, keys, Ahead{f_.block_bytes()}, [&](int32_t i) {
+      if (!error.empty()) return;
       const uint32_t* ref = sh.Find(keys[i]);
       if (ref == nullptr || !Shard::IsStored(*ref)) {
-        return "key " + std::to_string(keys[i]) + " has no stored row";
+        error = "key " + std::to_string(keys[i]) + " has no stored row";
+        return;
       }
       BlockHeader* h = sh.Header(*ref);
       f_.LoadRow(h, values + i * d);
       CopyFloats(f_.Slots(h), sd, slots + i * sd);  // sd may be 0 with a null slots array
-    }
-    return "";
+    });
+    return error;
   }
 
   // Stores rows and slots (float[n, dim], float[n, num_slots, dim]) of keys; statistics
@@ -223,14 +225,13 @@ class Rows {
   void WriteRows(Shard& sh, Span pos, const int64_t* keys, const float* values,
                  const float* slots) const {
     const int64_t d = f_.dim(), sd = f_.num_slots() * d;
-    for (int64_t k = 0; k < pos.size; ++k) {
-      const int32_t i = pos.data[k];
+    ForEachPrefetched(sh, pos, keys, Ahead{f_.block_bytes()}, [&](int32_t i) {
       bool created;
       uint32_t* ref = sh.FindOrAddFull(keys[i], &created);
       BlockHeader* h = Shard::IsStored(*ref) ? sh.Header(*ref) : sh.Promote(ref);
       f_.StoreRow(values + i * d, h);
       CopyFloats(slots + i * sd, sd, f_.Slots(h));  // sd may be 0, slots null
-    }
+    });
   }
 
   // Drops the rows (and slots) of keys; their statistics stay. Absent keys are ignored.

@@ -4,12 +4,14 @@
 // batch runs shard-parallel with one writer per shard and no resize race.
 //
 // Also the walk over a batch's keys in one shard with their index slots and blocks
-// prefetched ahead (ForEachPrefetched), which every batch operation uses.
+// prefetched ahead, a group of keys at a time (ForEachPrefetched), which the batch
+// operations use.
 //
 // Part of the engine that embedding_engine.h composes; plain C++17 + absl.
 #ifndef TF_FUSEDEMB_ENGINE_SHARD_H_
 #define TF_FUSEDEMB_ENGINE_SHARD_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <shared_mutex>
@@ -129,25 +131,41 @@ struct Ahead {
   int64_t row_floats = 0;
 };
 
-// Runs work(i) for the batch positions i of `pos` in order, with the index probe of the
-// key kIndexAhead positions later and the block of the key kBlockAhead later prefetched.
-// Why: in a table larger than the cache each key costs two dependent misses (index slot,
-// then block); issued ahead, they overlap. The prefetches only read, between the work's
-// own (possibly inserting) calls on the same thread.
+// Runs work(i) for the batch positions i of `pos` in order, in groups of kGroup keys:
+// before the work on group g, the index probes of group g + 2 and the blocks (and batch
+// rows, see Ahead) of group g + 1 are prefetched. Why: in a table larger than the cache
+// each key costs two dependent misses (index slot, then block); issued a group ahead, in
+// tight loops of independent prefetches, they overlap each other and the work (measured
+// at 1.3x the update and 1.6x the lookups of prefetching one key at a time, 16 and 8
+// keys ahead). A block prefetch walks the probe sequence, whose index lines the previous
+// group's prefetch brought in. The prefetches only read, between the work's own
+// (possibly inserting) calls on the same thread.
 template <typename F>
 void ForEachPrefetched(const Shard& sh, Span pos, const int64_t* keys, const Ahead& ahead,
                        F&& work) {
-  constexpr int64_t kIndexAhead = 16, kBlockAhead = 8;
+  constexpr int64_t kGroup = 16;
+  const int64_t n = pos.size;
   const size_t row_bytes = sizeof(float) * ahead.row_floats;
-  for (int64_t k = 0; k < pos.size; ++k) {
-    if (k + kIndexAhead < pos.size) sh.PrefetchIndex(keys[pos.data[k + kIndexAhead]]);
-    if (k + kBlockAhead < pos.size) {
-      const int64_t i = pos.data[k + kBlockAhead];
+  auto prefetch_index = [&](int64_t begin) {
+    for (int64_t k = begin, end = std::min(n, begin + kGroup); k < end; ++k) {
+      sh.PrefetchIndex(keys[pos.data[k]]);
+    }
+  };
+  auto prefetch_blocks = [&](int64_t begin) {
+    for (int64_t k = begin, end = std::min(n, begin + kGroup); k < end; ++k) {
+      const int64_t i = pos.data[k];
       sh.PrefetchBlock(keys[i], ahead.block_bytes);
       if (ahead.rows_a != nullptr) PrefetchBytes(ahead.rows_a + i * ahead.row_floats, row_bytes);
       if (ahead.rows_b != nullptr) PrefetchBytes(ahead.rows_b + i * ahead.row_floats, row_bytes);
     }
-    work(pos.data[k]);
+  };
+  prefetch_index(0);
+  prefetch_index(kGroup);
+  prefetch_blocks(0);
+  for (int64_t g = 0; g < n; g += kGroup) {
+    prefetch_index(g + 2 * kGroup);
+    prefetch_blocks(g + kGroup);
+    for (int64_t k = g, end = std::min(n, g + kGroup); k < end; ++k) work(pos.data[k]);
   }
 }
 
