@@ -13,6 +13,8 @@
 #ifndef TF_FUSEDEMB_ENGINE_BLOCKS_H_
 #define TF_FUSEDEMB_ENGINE_BLOCKS_H_
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -40,6 +42,19 @@ inline void PrefetchBytes(const void* p, size_t bytes) {
   const uintptr_t begin = reinterpret_cast<uintptr_t>(p);
   for (uintptr_t line = begin & ~uintptr_t{63}; line < begin + bytes; line += 64) PrefetchLine(line);
 }
+
+// Memory for blocks and index arrays, straight from the kernel: `bytes` of fresh pages,
+// resident only once written, and handed back (munmap) when freed, never kept by malloc.
+// Why: from malloc, a large array may come out of memory already resident (a step's freed
+// tensors), so an arena chunk's untouched tail is resident too, and the index's array
+// that each resize frees stays in the heap.
+inline void* MapPages(size_t bytes) {
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) throw std::bad_alloc();
+  return p;
+}
+
+inline void UnmapPages(void* p, size_t bytes) { munmap(p, bytes); }
 
 // The identity and statistics of a key, followed by row and slots in full blocks.
 // 28 bytes, 4-byte aligned (packed): the last step is an int32 (a step count past 2^31
@@ -85,7 +100,7 @@ class Arena {
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
   ~Arena() {
-    for (char* c : chunks_) std::free(c);
+    for (size_t c = 0; c < chunks_.size(); ++c) UnmapPages(chunks_[c], ChunkBytes(c));
   }
 
   size_t block_bytes() const { return block_bytes_; }
@@ -151,12 +166,13 @@ class Arena {
   }
 
  private:
+  size_t ChunkBytes(size_t c) const { return ChunkBlocks(static_cast<int>(c)) * block_bytes_; }
+
+  // Fresh pages (MapPages): they become resident only as blocks are used.
   void AddChunk(int c) {
-    const size_t bytes = ChunkBlocks(c) * block_bytes_;
-    // malloc, not zeroed: pages become resident only as blocks are used.
-    char* p = static_cast<char*>(std::malloc(bytes));
-    if (p == nullptr) throw std::bad_alloc();
-    chunks_.push_back(p);
+    chunks_.reserve(chunks_.size() + 1);  // before the mapping: a throw leaks nothing
+    const size_t bytes = ChunkBytes(c);
+    chunks_.push_back(static_cast<char*>(MapPages(bytes)));
     bytes_allocated_ += bytes;
   }
 

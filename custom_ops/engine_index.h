@@ -35,6 +35,22 @@ inline uint64_t IndexHash(int64_t key) {
   return Fmix64(static_cast<uint64_t>(key)) * 0x9E3779B97F4A7C15ULL;
 }
 
+// The index's allocator: backing arrays from MapPages, so the array a resize frees goes
+// back to the kernel at once instead of staying in the heap.
+template <typename T>
+struct PageAllocator {
+  using value_type = T;
+  PageAllocator() = default;
+  template <typename U>
+  PageAllocator(const PageAllocator<U>&) {}  // NOLINT: rebinding, as std::allocator
+  T* allocate(size_t n) { return static_cast<T*>(MapPages(n * sizeof(T))); }
+  void deallocate(T* p, size_t n) { UnmapPages(p, n * sizeof(T)); }
+  template <typename U>
+  bool operator==(const PageAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const PageAllocator<U>&) const { return false; }
+};
+
 class BlockIndex {
  public:
   explicit BlockIndex(const Blocks* blocks) : set_(0, RefHash{blocks}, RefEq{blocks}) {}
@@ -134,7 +150,7 @@ class BlockIndex {
       return false;
     }
   };
-  using Set = absl::flat_hash_set<uint32_t, RefHash, RefEq>;
+  using Set = absl::flat_hash_set<uint32_t, RefHash, RefEq, PageAllocator<uint32_t>>;
 
   Set set_;
 };
