@@ -1,9 +1,10 @@
-// Standalone tests of custom_ops/embedding_engine.h, no TensorFlow runtime: the arena's
-// chunk arithmetic, a model-based test against std::unordered_map, and a stress test of
-// parallel upserts (8 writer threads + readers, across many index doublings) that checks
-// no row is lost. Built and run by `make sanitize` under ThreadSanitizer and under
-// AddressSanitizer + UBSan (absl's out-of-line symbols come from TensorFlow's
-// libtensorflow_framework.so.2, the same copy the op library links).
+// Standalone tests of custom_ops/embedding_engine.h (and the engine_*.h it composes), no
+// TensorFlow runtime: the arena's chunk arithmetic, a model-based test against
+// std::unordered_map, and a stress test of parallel upserts (8 writer threads + readers,
+// across many index doublings) that checks no row is lost. Built and run by `make
+// sanitize` under ThreadSanitizer and under AddressSanitizer + UBSan (absl's out-of-line
+// symbols come from TensorFlow's libtensorflow_framework.so.2, the same copy the op
+// library links).
 //
 // Usage: engine_stress_test [keys_per_thread] [rounds]   exit status 0 = all passed.
 #include <atomic>

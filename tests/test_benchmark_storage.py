@@ -45,6 +45,27 @@ def test_structure(result):
     assert os.path.exists(result["plot"])
 
 
+@pytest.mark.timeout(300)
+def test_fit_memory_worker(tmp_path):
+    """RSS per stored row through FusedModel.fit (engine_fit, no TFRA needed): memory()
+    follows the measured growth, and a row costs its block and index share."""
+    cmd = [sys.executable, "-m", "tf_fusedemb.benchmarks.storage", "--json", "--parts", "memory",
+           "--memory-kinds", "engine_fit", "--rows", "400000", "--fit-batch", "20000",
+           "--plot", str(tmp_path / "fit.png")]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS="1")
+    out = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, f"benchmark failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    (point,) = result["memory"]["engine_fit"]["points"]
+    assert point["rows"] >= 400_000
+    # dim 16 Adagrad: a 156-byte block, and the index: 5 bytes a slot at 7/16-7/8 load
+    assert 156 < point["bytes_held_per_row"] < 175
+    # RSS at 400k rows is noisier than at the 1M-6M of the benchmark (the guide's figures)
+    assert 0.8 < point["bytes_held_vs_rss"] < 1.2
+    assert result["fit_bytes_per_row"] == {str(point["rows"]): point["bytes_per_row_rss"]}
+    assert os.path.exists(result["plot"])
+
+
 def test_zipf_keys_mix_hits_and_new_keys():
     keys = ZipfKeys(1000, seed=0)
     first = keys.next(0.5)

@@ -19,6 +19,14 @@ unique keys: a Zipf mix of hits (ranks of the stored keys, exponent 1.05) and ne
   engine also ``bytes_held`` (what ``memory()`` reports) against the RSS growth. The
   engine runs twice: float32 rows, and bfloat16 rows (``TableSpec.row_dtype``;
   ``bf16_rows_memory_ratio`` is its RSS per row over float32's).
+* Memory through a training step (``engine_fit``): a FusedModel with one feature on a
+  table of the same spec is trained with ``FusedModel.fit`` on new IDs (one per example,
+  ``--fit-batch`` examples per step, fed as a ``tf.data`` pipeline) up to ``--fit-rows``
+  rows; the process's RSS growth per stored row and ``layer.memory()``'s bytes per row
+  at 1M, 3M and 6M rows (those within ``--fit-rows``). Its base is read after a warm
+  start of full-size steps on other IDs, so that the step's own buffers, which malloc
+  keeps for the next step, are in it (``fit_warm_start_bytes``: what the warm start
+  grew RSS by beyond memory()).
 The last line (``--json``) is one JSON object; ``--plot`` writes a PNG.
 """
 import argparse
@@ -41,7 +49,10 @@ from tf_fusedemb.benchmarks.timing import emit, time_side_by_side  # noqa: E402
 from tf_fusedemb.specs import InitializerSpec, OptimizerSpec  # noqa: E402
 
 BACKENDS = ("engine", "tfra")
-MEMORY_KINDS = ("engine", "engine_bf16", "tfra")  # engine_bf16: the engine, bfloat16 rows
+# engine_bf16: the engine, bfloat16 rows; engine_fit: the engine through FusedModel.fit
+MEMORY_KINDS = ("engine", "engine_bf16", "tfra", "engine_fit")
+FIT_CHECKPOINTS = (1_000_000, 3_000_000, 6_000_000)
+FIT_WARM_STEPS = 8  # full-size steps of the warm start (engine_fit)
 DIM = 16
 
 
@@ -228,6 +239,69 @@ def memory_worker(kind: str, rows: int, batch: int, checkpoints) -> dict:
     return {"points": points}
 
 
+def fit_memory_worker(batch: int, checkpoints) -> dict:
+    """RSS growth per stored row through ``FusedModel.fit`` (see the module docstring):
+    the training step's memory, not only the engine's calls. One feature, one table
+    (dim 16, Adagrad, statistics recorded by fit); ``batch`` new IDs per step."""
+    # In a worker: the launching process loads no TensorFlow (nor Keras); its ranks do.
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    import tf_keras  # pylint: disable=import-outside-toplevel
+    from tf_fusedemb.layers import FusedEmbedding  # pylint: disable=import-outside-toplevel
+    from tf_fusedemb.models import FusedModel  # pylint: disable=import-outside-toplevel
+    from tf_fusedemb.specs import FeatureSpec, TableSpec  # pylint: disable=import-outside-toplevel
+    tf.config.threading.set_intra_op_parallelism_threads(2)
+    layer = FusedEmbedding([FeatureSpec("c", TableSpec("c", DIM, OptimizerSpec.adagrad(0.05)))])
+    inputs = {"c": tf_keras.Input([], dtype=tf.int64, name="c")}
+    model = FusedModel(inputs, tf_keras.layers.Dense(1)(layer(inputs)["c"]))
+    model.compile(optimizer="adagrad", loss=tf_keras.losses.BinaryCrossentropy(from_logits=True))
+
+    def examples(lo, hi):
+        """IDs lo..hi-1, one per example, label 0: a pipeline, so no array of all the
+        IDs sits in memory beside the table."""
+        return tf.data.Dataset.range(lo, hi).batch(batch).map(
+            lambda ids: ({"c": ids}, tf.zeros(tf.shape(ids), tf.float32)))
+
+    def memory():
+        (group,) = layer.memory().values()
+        return group["rows"], group["bytes"]
+
+    warm_ids = -FIT_WARM_STEPS * batch  # the warm start's IDs are negative: never new later
+    start_rss = rss_bytes()
+    model.fit(examples(warm_ids, 0), verbose=0)
+    model.fit(examples(warm_ids, 0), verbose=0)  # the same IDs again: the step's steady state
+    # One fit call over the new IDs; its first step is the base (so its iterator and
+    # threads are in it), then the points at the steps that reach each checkpoint.
+    todo = sorted(checkpoints)
+    points: List[dict] = []
+    state: Dict[str, Any] = {}
+
+    class Measure(tf_keras.callbacks.Callback):
+        """Reads RSS and memory() after the steps that reach the checkpoints."""
+
+        def on_train_batch_end(self, step, logs=None):
+            del logs
+            if not state:
+                rows, held = memory()
+                state.update(base=rss_bytes(), rows0=rows, held0=held, warm=rss_bytes() -
+                             start_rss - held, start=time.perf_counter())
+                return
+            if not todo or step * batch < todo[0]:  # rows stored since the base
+                return
+            todo.pop(0)
+            rows, held = memory()
+            stored, growth = rows - state["rows0"], rss_bytes() - state["base"]
+            point = {"rows": stored, "rss_growth_bytes": growth,
+                     "bytes_per_row_rss": round(growth / stored, 1),
+                     "bytes_held_per_row": round((held - state["held0"]) / stored, 1),
+                     "bytes_held_vs_rss": round((held - state["held0"]) / growth, 3),
+                     "seconds": round(time.perf_counter() - state["start"], 1)}
+            points.append(point)
+            print(f"engine_fit: {point}", file=sys.stderr, flush=True)
+
+    model.fit(examples(0, max(checkpoints) + 2 * batch), verbose=0, callbacks=[Measure()])
+    return {"points": points, "batch": batch, "fit_warm_start_bytes": state["warm"]}
+
+
 def run_worker(args) -> dict:
     """A worker in a fresh process (its own TF thread pool and RSS); its JSON result."""
     cmd = [sys.executable, "-m", "tf_fusedemb.benchmarks.storage", "--worker", *args]
@@ -270,6 +344,10 @@ def plot(result: dict, path: str) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=10_000_000, help="memory: rows to grow to")
+    p.add_argument("--fit-rows", type=int, default=None,
+                   help="engine_fit: rows to grow to (default: --rows, at most 6M)")
+    p.add_argument("--fit-batch", type=int, default=65_536, help="engine_fit: examples per step")
+    p.add_argument("--memory-kinds", nargs="+", choices=MEMORY_KINDS, default=list(MEMORY_KINDS))
     p.add_argument("--throughput-rows", type=int, default=2_000_000)
     p.add_argument("--batch", type=int, default=100_000)
     p.add_argument("--repeats", type=int, default=15)
@@ -284,6 +362,10 @@ def main(argv=None):
         kind, *rest = args.worker
         if kind == "throughput":
             res = throughput_worker(int(rest[0]), args.throughput_rows, args.batch, args.repeats)
+        elif kind == "engine_fit":
+            fit_rows = args.fit_rows or min(args.rows, FIT_CHECKPOINTS[-1])
+            res = fit_memory_worker(args.fit_batch,
+                                    [c for c in FIT_CHECKPOINTS if c < fit_rows] + [fit_rows])
         else:
             checkpoints = [c for c in (500_000, 1_000_000, 2_000_000, 5_000_000, args.rows)
                            if c <= args.rows]
@@ -291,19 +373,29 @@ def main(argv=None):
         print(json.dumps(res))
         return
     common = ["--rows", str(args.rows), "--throughput-rows", str(args.throughput_rows),
-              "--batch", str(args.batch), "--repeats", str(args.repeats)]
+              "--batch", str(args.batch), "--repeats", str(args.repeats),
+              "--fit-batch", str(args.fit_batch)]
+    if args.fit_rows:
+        common += ["--fit-rows", str(args.fit_rows)]
     result = {"dim": DIM, "optimizer": "adagrad", "batch": args.batch, "throughput": {},
               "memory": {}}
     if "throughput" in args.parts:
         result["throughput"] = {f"threads_{t}": run_worker(["throughput", str(t)] + common)
                                 for t in args.threads}
     if "memory" in args.parts:
-        result["memory"] = {k: run_worker([k] + common) for k in MEMORY_KINDS}
+        result["memory"] = {k: run_worker([k] + common) for k in args.memory_kinds}
         last = {k: m["points"][-1] for k, m in result["memory"].items()}
         result["bytes_per_row_at_max"] = {k: v["bytes_per_row_rss"] for k, v in last.items()}
-        result["engine_bytes_held_vs_rss"] = last["engine"].get("bytes_held_vs_rss")
-        result["bf16_rows_memory_ratio"] = round(
-            last["engine_bf16"]["bytes_per_row_rss"] / last["engine"]["bytes_per_row_rss"], 3)
+        if "engine" in last:
+            result["engine_bytes_held_vs_rss"] = last["engine"].get("bytes_held_vs_rss")
+        if "engine" in last and "engine_bf16" in last:
+            result["bf16_rows_memory_ratio"] = round(
+                last["engine_bf16"]["bytes_per_row_rss"] / last["engine"]["bytes_per_row_rss"], 3)
+        if "engine_fit" in result["memory"]:
+            fit = result["memory"]["engine_fit"]["points"]
+            # Through a training step: RSS growth and memory() per stored row, by rows.
+            result["fit_bytes_per_row"] = {p["rows"]: p["bytes_per_row_rss"] for p in fit}
+            result["fit_bytes_held_vs_rss"] = {p["rows"]: p["bytes_held_vs_rss"] for p in fit}
     if args.plot:
         result["plot"] = plot(result, args.plot)
     emit(result, args.json)
