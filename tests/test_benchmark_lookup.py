@@ -83,6 +83,7 @@ def test_profile_accounts_for_every_step(result):
             assert abs(total - prof["wall_ms"]) <= 0.02 * prof["wall_ms"] + 0.5, (name, prof)
             assert prof["ops_per_step"] > 50 and prof["top_ops_ms"], name
         assert result["variants"][name]["graph_ops"] > 100, name
+        assert 0 < result["variants"][name]["first_step_s"] < 300, name
     # bf16 mode: the same training up to bf16 rounding, and a measured ratio
     assert result["bf16_speedup"] > 0
     assert result["fused_bf16_max_loss_diff"] < 0.05

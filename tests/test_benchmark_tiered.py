@@ -31,5 +31,18 @@ def test_structure(tmp_path):
     assert 0 <= result["hit_rate"]["0.1"] < 1
     # The prefetch is timed apart from the step: it reads the tiered table's blocks.
     assert tiered["prefetch"]["prefetch_ms"] > 0 and "prefetch_ms" not in tiered["no_prefetch"]
+    # The whole step as a user runs it: plain and pipelined fit, per budget.
+    for key in ("fit_ratio_vs_dram", "pipelined_ratio_vs_dram", "anon_rss_ratio_vs_dram",
+                "fit_rss_ratio_vs_dram"):
+        assert sorted(result[key]) == ["0.1", "1.0"], key
+    assert result["fit_ratio_vs_dram"]["1.0"] == 1.0
+    assert result["pipelined_ratio_vs_dram"]["1.0"] >= 1.0  # against the faster DRAM mode
+    fit = result["fit"]
+    for mode in ("fit", "pipelined"):
+        assert fit["1.0"][mode]["blocks_read_per_step"] == 0 and fit["1.0"][mode]["ssd_bytes"] == 0
+        assert fit["0.1"][mode]["blocks_read_per_step"] > 0, mode  # Zipf hits on SSD blocks
+        assert fit["0.1"][mode]["rows"] == fit["1.0"][mode]["rows"] >= 40000, mode
+    assert sorted(result["per_block_us"]) == ["0.1"]
+    assert result["keys"]["generator"] == "ZipfKeys" and result["keys"]["exponent"] > 1
     assert os.path.exists(result["plot"])
     assert os.listdir(tmp_path) == ["tiered.png"]  # the workers' stores removed

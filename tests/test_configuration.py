@@ -159,3 +159,18 @@ def test_import_then_real_tensorflow_is_not_filtered_and_install_is(tmp_path):
     assert quiet.stderr.rstrip().endswith("after"), quiet.stderr
     if "Unable to register cu" not in plain.stderr:
         pytest.skip("this TensorFlow prints no CUDA-factory lines: nothing to filter")
+
+
+@pytest.mark.timeout(300)
+def test_install_drops_the_no_driver_cuinit_line_only(tmp_path):
+    """On a machine without a CUDA driver TensorFlow's device discovery logs one cuInit
+    ERROR line (error 303) at the first op; after ``quiet.install()`` that line is gone,
+    while another C++-style error line written to fd 2 afterwards still arrives."""
+    script = ("import os, tf_fusedemb; tf_fusedemb.quiet.install(); import tensorflow as tf; "
+              "tf.constant(1) + 1; os.write(2, b'E0000 x cuda_platform.cc:52] failed call "
+              "to cuInit: INTERNAL: CUDA error: CUDA_ERROR_OUT_OF_MEMORY\\n')")
+    quiet = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=200, env=_clean_env())
+    assert quiet.returncode == 0, quiet.stderr
+    assert "UNKNOWN ERROR (303)" not in quiet.stderr, quiet.stderr
+    assert "CUDA_ERROR_OUT_OF_MEMORY" in quiet.stderr, quiet.stderr

@@ -35,6 +35,7 @@ def test_two_workers_train_checkpoint_export_and_resume(tmp_path):
             "--log-dir", str(tmp_path / "tb")]
     result = parse(horovodrun(args, 2, timeout=800))
     assert result["world_size"] == 2 and result["steps"] == 40
+    assert 0 < result["first_step_s"] < 300, result  # the trace plus the first step
     assert result["alltoall_rounds_per_step"] == {"g0_d16_adagrad": 3.0}
     assert result["eval_auc"] > 0.55, result  # teacher labels: learnable (ceiling ~0.88)
     assert result["export"]["max_abs_diff_vs_trained"] <= 1e-5

@@ -19,6 +19,10 @@ examples, ``tf_fusedemb.testing``'s rank workers) call :func:`install` first. It
   C++ log line (so it cannot be raised for the import alone). Hence the first
   ``import tensorflow`` after :func:`install` runs with file descriptor 2 captured and
   every other line written back (:func:`filter_stderr_fd`);
+* TensorFlow 2.21's "failed call to cuInit: ... UNKNOWN ERROR (303)" line, which device
+  discovery logs on a machine without a CUDA driver (at the first op, not at the import):
+  the filtered import also runs the discovery, so that one line is dropped there and every
+  later C++ error still arrives;
 * TFRA's import-time deprecation notices ("dynamic_embedding.GraphKeys has already been
   deprecated", " _SingleDeviceSaver removed after tf version 2.15", the pkg_resources
   DeprecationWarning): dropped by message, scoped to that import or to the exact text.
@@ -45,7 +49,7 @@ import re
 import sys
 import tempfile
 import warnings
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = ["ENV_DEFAULTS", "KERAS_ENV_DEFAULT", "filter_stderr_fd", "install",
            "launcher_command", "set_keras_default"]
@@ -63,7 +67,9 @@ TF_IMPORT_NOISE = re.compile(
     rb"|^I0000 [0-9:. ]+ +\d+ (port\.cc:\d+\] oneDNN custom operations are on"
     rb"|cudart_stub\.cc:\d+\] Could not find cuda drivers on your machine"
     rb"|cpu_feature_guard\.cc:\d+\] This TensorFlow binary is optimized)"
-    rb"|^To enable the following instructions: .* rebuild TensorFlow with the appropriate")
+    rb"|^To enable the following instructions: .* rebuild TensorFlow with the appropriate"
+    rb"|cuda_platform\.cc:\d+\] failed call to cuInit: INTERNAL: CUDA error: Failed call to "
+    rb"cuInit: UNKNOWN ERROR \(303\)$")
 TFRA_PRINT_NOISE = " _SingleDeviceSaver removed after tf version 2.15"
 TFRA_LOG_NOISE = "dynamic_embedding.GraphKeys has already been deprecated"
 
@@ -154,8 +160,28 @@ class _DropMessages(logging.Filter):
         return not str(record.msg).startswith(self.prefix)
 
 
-_FILTERS = {"tensorflow": lambda: filter_stderr_fd(TF_IMPORT_NOISE),
-            "tensorflow_recommenders_addons": lambda: _filter_stdout(TFRA_PRINT_NOISE)}
+def _import_tensorflow_quietly(load: Callable[[], None]) -> None:
+    """Runs TensorFlow's import, then its device discovery, under the import filter.
+
+    Discovery (TensorFlow's first op or device query, not the import) calls cuInit; on a
+    machine without a CUDA driver that logs one ERROR line (error 303) from C++. Querying
+    the devices here, under the filter, drops that line and nothing else: a later C++ error
+    still reaches file descriptor 2. Discovery runs once per process anyway, so this only
+    moves its cost (under a millisecond on a CPU machine) to the import.
+    """
+    with filter_stderr_fd(TF_IMPORT_NOISE):
+        load()
+        sys.modules["tensorflow"].config.list_physical_devices()
+
+
+def _import_tfra_quietly(load: Callable[[], None]) -> None:
+    """TFRA's import with its known print dropped."""
+    with _filter_stdout(TFRA_PRINT_NOISE):
+        load()
+
+
+_FILTERS = {"tensorflow": _import_tensorflow_quietly,
+            "tensorflow_recommenders_addons": _import_tfra_quietly}
 
 
 class _QuietImport(importlib.abc.MetaPathFinder):
@@ -178,8 +204,8 @@ class _QuietImport(importlib.abc.MetaPathFinder):
 class _FilteredLoader(importlib.abc.Loader):
     """The module's own loader, with ``exec_module`` run under a filter."""
 
-    def __init__(self, loader, make_filter):
-        self._loader, self._make_filter = loader, make_filter
+    def __init__(self, loader, run_filtered: Callable[[Callable[[], None]], None]):
+        self._loader, self._run_filtered = loader, run_filtered
 
     def __getattr__(self, name):  # get_resource_reader, is_package, ...: the real loader's
         return getattr(self._loader, name)
@@ -188,5 +214,4 @@ class _FilteredLoader(importlib.abc.Loader):
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
-        with self._make_filter():
-            self._loader.exec_module(module)
+        self._run_filtered(lambda: self._loader.exec_module(module))

@@ -274,6 +274,7 @@ class Progress:
         self.timed_s, self.timed_samples = 0.0, 0
         self.loss_sum, self.loss_steps = 0.0, 0
         self.last_loss: Optional[float] = None
+        self.first_step_s: Optional[float] = None  # the trace plus the first step
 
     @property
     def samples_per_s(self) -> float:
@@ -282,6 +283,8 @@ class Progress:
     def step_done(self, step: int, elapsed: float, loss: float, y: tf.Tensor,
                   logits: tf.Tensor) -> None:
         """Step ``step`` took ``elapsed`` s; ``y`` float32[B, 1], ``logits`` float32[B, 1]."""
+        if step == self.start:
+            self.first_step_s = elapsed
         if step >= self.start + 3:
             self.timed_s += elapsed
             self.timed_samples += int(y.shape[0]) * self.comm.size
@@ -323,6 +326,8 @@ def _result(args: argparse.Namespace, comm: Communicator, start: int, progress: 
               "batch_size_per_rank": args.batch_size,
               "train_samples_per_s": round(progress.samples_per_s, 1) if progress.timed_s
               else None,
+              "first_step_s": round(progress.first_step_s, 3)
+              if progress.first_step_s is not None else None,
               "train_auc": float(progress.auc.result()),
               "final_loss": progress.last_loss if args.steps > start else None,
               "alltoall_rounds_per_step": {

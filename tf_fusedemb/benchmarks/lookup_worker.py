@@ -164,8 +164,10 @@ def run(args):
     batches, source = _batches(args, comm.size, comm.rank)
     variants = build_variants(args.variants, comm, hvd, args.lr)
     log(f"built {list(variants)}; warming up ({args.warmup} steps each, first traces)")
+    first_step_s = {}  # variant -> its trace plus first step, in seconds
     for v in variants.values():
         times = v.run(batches, max(1, args.warmup))  # not kept: traces, first allocations
+        first_step_s[v.name] = round(times[0] / 1e3, 3)
         log(f"  {v.name}: warm-up steps " + ", ".join(f"{t / 1e3:.2f}s" for t in times)
             + f", loss {v.losses[-1]:.4f}")
     graphs = _graph_facts(variants, batches)
@@ -174,7 +176,7 @@ def run(args):
         return None
     keys_per_step = int(sum(int(tf.size(batches[0][0][c])) for c in lookup_data.CATEGORICAL))
     result = _description(args, comm.size, source, keys_per_step, timed.wall_s)
-    result["variants"] = {name: _variant_entry(v, timed, graphs, name)
+    result["variants"] = {name: _variant_entry(v, timed, graphs, name, first_step_s[name])
                           for name, v in variants.items()}
     result.update(_comparisons(variants, result["variants"]))
     return result
@@ -283,9 +285,11 @@ def _description(args, size, source, keys_per_step, wall_s) -> Dict[str, Any]:
     }
 
 
-def _variant_entry(v, timed: Timed, graphs: GraphFacts, name: str) -> Dict[str, Any]:
+def _variant_entry(v, timed: Timed, graphs: GraphFacts, name: str,
+                   first_step_s: float) -> Dict[str, Any]:
     """One variant's figures: its step statistics on rank 0, every rank's step and
-    counters, its graph facts and losses."""
+    counters, its graph facts, losses and ``first_step_s`` (rank 0's trace plus first
+    step, what a short job waits for before its first result)."""
     everyone = timed.everyone
     per_rank = [e["per_step"][name] for e in everyone]
     bytes_sent = sum(e["raw"][name]["bytes_sent"] for e in everyone)
@@ -304,7 +308,7 @@ def _variant_entry(v, timed: Timed, graphs: GraphFacts, name: str) -> Dict[str, 
         "mean_message_bytes": round(bytes_sent / max(1, messages), 1),
         "loss_first": v.losses[0], "loss_last": v.losses[-1],
         "steps_run": len(v.losses), "traces": graphs.tracing[name],
-        "graph_ops": graphs.sizes[name],
+        "graph_ops": graphs.sizes[name], "first_step_s": first_step_s,
     })
     if name in timed.profiles:
         entry["profile_by_rank"] = [e["profile"][name] for e in everyone]

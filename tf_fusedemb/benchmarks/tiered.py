@@ -25,8 +25,16 @@ The prefetch's own wall time is reported too (``prefetch_ms``, and
 ``prefetch_ratio_vs_dram_step``: it over the all-DRAM step): the prefetch hides only
 behind as much compute, on other cores, so a ratio above 1 means that a pipelined step
 of the all-DRAM step's length waits for the prefetch anyway.
+Then the whole step as a user runs it (``benchmarks.tiered_fit``): per budget, one
+``FusedModel.fit`` worker of plain fit and one of the pipelined fit (prefetch included),
+reported under ``fit`` and summed up as ``fit_ratio_vs_dram``, ``pipelined_ratio_vs_dram``
+(against the faster all-DRAM mode), ``per_block_us`` (the machine's extra CPU per block
+read back or spilled), ``hit_rate`` (of the plain fit's stored keys),
+``fit_rss_ratio_vs_dram`` and ``anon_rss_ratio_vs_dram``; ``keys`` names the key
+generator's parameters.
+
 The last line (``--json``) is one JSON object with ``step_ratio_vs_dram``,
-``rss_ratio_vs_dram``, ``hit_rate`` (each keyed by the budget fraction as a string),
+``rss_ratio_vs_dram`` (each keyed by the budget fraction as a string),
 ``exposed_ssd_ms`` ({"prefetch", "no_prefetch"} at 10%) and ``checkpoint_ratio`` (the
 10% budget's checkpoint wall time over the all-DRAM engine's).
 """
@@ -48,6 +56,8 @@ import numpy as np  # noqa: E402
 
 from tf_fusedemb.benchmarks import plots  # noqa: E402
 from tf_fusedemb.benchmarks.storage import DIM, ZipfKeys, rss_bytes  # noqa: E402
+from tf_fusedemb.benchmarks.tiered_fit import (MODES, NEW_FRACTION, fit_summary,  # noqa: E402
+                                               fit_worker)
 from tf_fusedemb.benchmarks.timing import emit, time_steps  # noqa: E402
 from tf_fusedemb.specs import InitializerSpec, OptimizerSpec  # noqa: E402
 
@@ -123,7 +133,7 @@ def worker(fraction: str, rows: int, batch: int, steps: int, spill_dir: str) -> 
     then times steps without and with prefetch; RSS and checkpoint time."""
     import tensorflow as tf  # in a worker: the launching process loads no TensorFlow # pylint: disable=import-outside-toplevel
     tf.config.threading.set_intra_op_parallelism_threads(2)
-    budget = None if fraction == "1.0" else int(float(fraction) * rows * BLOCK_BYTES)
+    budget = budget_bytes(fraction, rows)
     t = TieredTable(budget, spill_dir)
     keys = ZipfKeys(batch, seed=3)
     t.step(tf.constant(keys.next(0.5)[:1000])).numpy()  # kernels and functions loaded
@@ -148,8 +158,13 @@ def checkpoint_s(t: TieredTable, parent: str) -> float:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def budget_bytes(fraction: str, rows: int) -> Optional[int]:
+    """The DRAM budget of ``fraction`` of a ``rows``-row table's payload; None for "1.0"."""
+    return None if fraction == "1.0" else int(float(fraction) * rows * BLOCK_BYTES)
+
+
 def run_worker(args: List[str]) -> dict:
-    cmd = [sys.executable, "-m", "tf_fusedemb.benchmarks.tiered", "--worker", *args]
+    cmd = [sys.executable, "-m", "tf_fusedemb.benchmarks.tiered", *args]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"worker {' '.join(args)} failed:\n{out.stderr[-3000:]}")
@@ -159,12 +174,12 @@ def run_worker(args: List[str]) -> dict:
 def summary(per: Dict[str, dict]) -> dict:
     """The issue's figures from the per-budget results (keyed by fraction)."""
     dram = per["1.0"]
-    out: Dict[str, Any] = {"step_ratio_vs_dram": {}, "rss_ratio_vs_dram": {}, "hit_rate": {},
-                           "prefetch_ratio_vs_dram_step": {}}
+    out: Dict[str, Any] = {"step_ratio_vs_dram": {}, "rss_ratio_vs_dram": {},
+                           "engine_hit_rate": {}, "prefetch_ratio_vs_dram_step": {}}
     for f, r in per.items():
         out["step_ratio_vs_dram"][f] = round(r["prefetch"]["step_ms"] / dram["prefetch"]["step_ms"], 3)
         out["rss_ratio_vs_dram"][f] = round(r["rss_growth_bytes"] / dram["rss_growth_bytes"], 3)
-        out["hit_rate"][f] = round(r["hit_rate"], 4)
+        out["engine_hit_rate"][f] = round(r["hit_rate"], 4)
         out["prefetch_ratio_vs_dram_step"][f] = round(
             r["prefetch"]["prefetch_ms"] / dram["prefetch"]["step_ms"], 3)
     if "0.1" in per:
@@ -208,17 +223,26 @@ def main(argv=None):
     p.add_argument("--plot", default=None)
     p.add_argument("--json", action="store_true")
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--fit-worker", choices=MODES, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     spill_dir = args.spill_dir or tempfile.gettempdir()
+    if args.worker and args.fit_worker:
+        print(json.dumps(fit_worker(budget_bytes(args.worker, args.rows), args.rows,
+                                    args.batch, args.steps, spill_dir, args.fit_worker)))
+        return
     if args.worker:
         print(json.dumps(worker(args.worker, args.rows, args.batch, args.steps, spill_dir)))
         return
     common = ["--rows", str(args.rows), "--batch", str(args.batch), "--steps", str(args.steps),
               "--spill-dir", spill_dir]
     fractions = ["1.0"] + [f for f in args.fractions if f != "1.0"]
-    per = {f: run_worker([f] + common) for f in fractions}
+    per = {f: run_worker(["--worker", f] + common) for f in fractions}
+    fit = {f: {m: run_worker(["--worker", f, "--fit-worker", m] + common) for m in MODES}
+           for f in fractions}
     result = {"rows": args.rows, "batch": args.batch, "dim": DIM, "optimizer": "adagrad",
-              "budgets": per, **summary(per)}
+              "keys": {"generator": "ZipfKeys", "exponent": ZipfKeys(1).exponent,
+                       "timed_new_fraction": NEW_FRACTION, "seed": 3},
+              "budgets": per, **summary(per), "fit": fit, **fit_summary(fit)}
     if args.plot:
         result["plot"] = plot(result, args.plot)
     emit(result, args.json)

@@ -202,6 +202,11 @@ class StorageBackend(abc.ABC):
         """Bytes of the group's blocks on this rank's SSD tier (eager); 0: none."""
         return 0
 
+    def ssd_blocks_moved(self, storage: GroupStorage) -> Tuple[int, int]:
+        """(blocks read back from the SSD tier, blocks spilled to it) since the group's
+        storage was made, on this rank (eager); (0, 0) without a tier."""
+        return 0, 0
+
     def prefetch(self, storage: GroupStorage, keys: tf.Tensor) -> Optional[tf.Operation]:
         """Brings the blocks of a coming batch's ``keys`` int64[u] into DRAM and keeps
         them there while it is updated; None where every row is in DRAM already."""
@@ -250,6 +255,10 @@ class EngineBackend(StorageBackend):
 
     def ssd_bytes(self, storage: GroupStorage) -> int:
         return int(_engine_table(storage).ssd_bytes().numpy())
+
+    def ssd_blocks_moved(self, storage: GroupStorage) -> Tuple[int, int]:
+        io = _engine_table(storage).ssd_io().numpy()
+        return int(io[0]), int(io[2])
 
     def prefetch(self, storage: GroupStorage, keys: tf.Tensor) -> Optional[tf.Operation]:
         table = _engine_table(storage)

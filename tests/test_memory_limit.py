@@ -1,0 +1,85 @@
+"""A table larger than memory trains inside a memory cgroup, with the results of a run that
+holds every row in DRAM.
+
+The limit is set as a user would set it: the table's DRAM budget, plus the process's
+fixed overhead (TensorFlow, the model, one batch's tensors: the peak of the same job over
+a table of 1,000 rows, measured first in an unlimited cgroup), plus the SSD tier's own
+fixed memory, plus 10%. The tiered table
+then grows to more than 10x its budget inside that limit: no process is OOM-killed, and
+its losses and rows equal, bit for bit, those of the same job without a budget (run
+outside any cgroup), which is the reference.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tf_fusedemb.testing.memory_limit import LimitedRun, MemoryLimit, MemoryLimitUnavailable
+
+WORKER = os.path.join(os.path.dirname(__file__), "memory_limit_worker.py")
+STEPS, BATCH, DISTINCT = 64, 8_000, 1_200_000
+BUDGET = 2_000_000  # bytes of DRAM for the table's blocks: 1.6x one batch's blocks
+BLOCK_BYTES = 28 + 2 * 4 * 16  # header, row, Adagrad accumulator
+# The SSD tier's own fixed memory, which a table of 1,000 rows never allocates: RocksDB's
+# two 8 MiB memtables and its 8 MiB block cache (custom_ops/rocksdb_block_store.cc).
+STORE_FIXED_BYTES = 24 << 20
+
+
+def worker_argv(out, distinct, budget=None, spill_dir=None):
+    argv = [sys.executable, WORKER, str(out), "--distinct", str(distinct), "--steps",
+            str(STEPS), "--batch", str(BATCH)]
+    if budget is not None:
+        argv += ["--budget-bytes", str(budget), "--spill-dir", str(spill_dir)]
+    return argv
+
+
+def run_in_cgroup(limit_bytes, argv) -> LimitedRun:
+    try:
+        with MemoryLimit(limit_bytes) as limit:
+            return limit.run(argv, timeout=400)
+    except MemoryLimitUnavailable as e:
+        pytest.skip(f"no memory cgroup on this machine: {e}")
+
+
+@pytest.mark.timeout(900)
+def test_a_table_10x_its_budget_trains_exactly_inside_a_memory_limit(tmp_path):
+    overhead = run_in_cgroup(None, worker_argv(tmp_path / "small.npz", 1000, BUDGET,
+                                               tmp_path / "spill_small"))
+    assert overhead.returncode == 0, overhead.stderr[-3000:]
+    limit_bytes = int((BUDGET + overhead.peak_bytes + STORE_FIXED_BYTES) * 1.1)
+
+    tiered = run_in_cgroup(limit_bytes, worker_argv(tmp_path / "tiered.npz", DISTINCT, BUDGET,
+                                                    tmp_path / "spill"))
+    assert tiered.oom_kills == 0 and tiered.returncode == 0, \
+        (limit_bytes, tiered.peak_bytes, tiered.oom_kills, tiered.stderr[-3000:])
+    plain = subprocess.run(worker_argv(tmp_path / "plain.npz", DISTINCT), capture_output=True,
+                           text=True, timeout=400)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+
+    got, want = np.load(tmp_path / "tiered.npz"), np.load(tmp_path / "plain.npz")
+    memory, = json.loads(str(got["memory"])).values()
+    assert memory["rows"] * BLOCK_BYTES >= 10 * BUDGET, memory  # the table: > 10x its budget
+    assert memory["ssd_bytes"] > 0, memory
+    print(f"limit {limit_bytes} B, peak {tiered.peak_bytes} B, fixed overhead "
+          f"{overhead.peak_bytes} B, table {memory}")
+    np.testing.assert_array_equal(got["losses"], want["losses"])
+    np.testing.assert_array_equal(got["sample_keys"], want["sample_keys"])
+    np.testing.assert_array_equal(got["sample_rows"], want["sample_rows"])
+    # The untiered table alone would not have fit beside the process's overhead.
+    assert overhead.peak_bytes + memory["rows"] * BLOCK_BYTES > limit_bytes, \
+        (overhead.peak_bytes, memory, limit_bytes)
+
+
+@pytest.mark.timeout(120)
+def test_the_limit_kills_a_process_that_outgrows_it_and_says_so():
+    """The measuring tool itself: 200 MB of touched anonymous memory under a 64 MiB limit
+    is OOM-killed and counted; the same under no limit runs and its peak covers it."""
+    grow = [sys.executable, "-c", "b = bytearray(200 << 20); print(len(b))"]
+    killed = run_in_cgroup(64 << 20, grow)
+    assert killed.returncode == -9 and killed.oom_kills >= 1, killed
+    free = run_in_cgroup(None, grow)
+    assert free.returncode == 0 and free.oom_kills == 0, free
+    assert free.peak_bytes >= 200 << 20, free

@@ -1,0 +1,151 @@
+"""Tables larger than memory as a user trains them: ``FusedModel.fit``, the whole step.
+
+One worker process per (budget, mode): a one-feature model (dim 16, Adagrad; its dense
+part a frozen sum, so the step is the embedding's) grows its table to ``rows`` keys
+through ``fit``, then trains ``steps`` batches of ``batch`` unique keys drawn Zipf over the
+stored keys (``storage.ZipfKeys``, 2% new), either with plain ``fit`` ("fit", the
+default, no pipelining) or with the pipelined fit ("pipelined": ``compile(pipeline="dbp")``,
+which routes and prefetches batch t+1 during batch t). Each step's time is the wall time
+between two consecutive batch ends: the data, the prefetch, the step and the callbacks,
+everything a user waits for.
+
+Per worker: the median step, the whole machine's busy CPU seconds per step over the timed
+steps (``/proc/stat``, every core: RocksDB's background threads and the kernel's page-cache
+work count), the blocks read back from and spilled to the SSD tier, the DRAM hit rate
+(the share of a step's stored keys whose block was in DRAM when the step or its prefetch
+asked for it; new keys left out), and the RSS the table added, anonymous and file-backed
+apart (page cache is reclaimable; anonymous memory is what a budget bounds).
+"""
+import os
+import statistics
+import time
+from typing import Any, Dict, List, NamedTuple, Optional
+
+import numpy as np
+
+from tf_fusedemb.benchmarks.storage import DIM, ZipfKeys
+
+NEW_FRACTION = 0.02  # of each timed batch: keys never seen before
+MODES = ("fit", "pipelined")
+
+
+class ProcessMemory(NamedTuple):
+    """This process's resident memory in bytes (/proc/self/status)."""
+    anon: int  # RssAnon: private anonymous memory (heap, arenas, mmap'd anonymous)
+    file: int  # RssFile: file-backed pages mapped (libraries, mapped files)
+
+    @staticmethod
+    def now() -> "ProcessMemory":
+        fields = {}
+        with open("/proc/self/status") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name in ("RssAnon", "RssFile"):
+                    fields[name] = int(value.split()[0]) * 1024
+        return ProcessMemory(fields["RssAnon"], fields["RssFile"])
+
+
+def machine_busy_s() -> float:
+    """Busy CPU seconds of every core since boot (/proc/stat's first line: user, nice,
+    system, irq, softirq and steal; idle and iowait left out)."""
+    with open("/proc/stat") as f:
+        jiffies = [int(v) for v in f.readline().split()[1:]]
+    busy = jiffies[0] + jiffies[1] + jiffies[2] + jiffies[5] + jiffies[6] + jiffies[7]
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def _build(budget: Optional[int], spill_dir: str, pipelined: bool) -> Any:
+    """(compiled FusedModel, its FusedEmbedding) of one dynamic table."""
+    import tensorflow as tf  # in a worker: the launcher loads no TensorFlow # pylint: disable=import-outside-toplevel
+    import tf_keras  # in a worker, beside TensorFlow # pylint: disable=import-outside-toplevel
+    from tf_fusedemb.layers import FusedEmbedding  # loads TF: in a worker only # pylint: disable=import-outside-toplevel
+    from tf_fusedemb.models import FusedModel  # loads TF: in a worker only # pylint: disable=import-outside-toplevel
+    from tf_fusedemb.specs import FeatureSpec, OptimizerSpec, TableSpec  # pylint: disable=import-outside-toplevel
+    table = TableSpec("c", DIM, OptimizerSpec.adagrad(0.05), memory_budget_bytes=budget,
+                      spill_dir=spill_dir if budget is not None else None)
+    layer = FusedEmbedding([FeatureSpec("c", table)])
+    inputs = {"c": tf_keras.Input([], dtype=tf.int64, name="c")}
+    logits = tf_keras.layers.Dense(1, use_bias=False, kernel_initializer="ones",
+                                   trainable=False)(layer(inputs)["c"])
+    model = FusedModel(inputs, logits)
+    model.compile(optimizer=tf_keras.optimizers.SGD(0.01), pipeline="dbp" if pipelined else None,
+                  loss=tf_keras.losses.BinaryCrossentropy(from_logits=True))
+    return model, layer
+
+
+def _fit(model: Any, batches: List[np.ndarray]) -> List[float]:
+    """Fits ``batches`` (int64[batch] each) for one epoch; returns the perf_counter time
+    at each batch's end."""
+    import tensorflow as tf  # in a worker # pylint: disable=import-outside-toplevel
+    import tf_keras  # in a worker # pylint: disable=import-outside-toplevel
+    ends: List[float] = []
+    clock = tf_keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: ends.append(time.perf_counter()))
+    keys = np.concatenate(batches)
+    labels = np.zeros((len(keys), 1), np.float32)
+    data = tf.data.Dataset.from_tensor_slices(({"c": keys}, labels)).batch(len(batches[0]))
+    model.fit(data, epochs=1, verbose=0, callbacks=[clock])
+    return ends
+
+
+def fit_worker(budget: Optional[int], rows: int, batch: int, steps: int, spill_dir: str,
+               mode: str) -> Dict[str, Any]:
+    """Grows a table to ``rows`` keys under ``budget`` bytes (None: all DRAM) through fit,
+    then times ``steps`` Zipf batches in ``mode`` ("fit" or "pipelined")."""
+    import tensorflow as tf  # in a worker # pylint: disable=import-outside-toplevel
+    tf.config.threading.set_intra_op_parallelism_threads(2)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    model, layer = _build(budget, spill_dir, mode == "pipelined")
+    keys = ZipfKeys(batch, seed=3)
+    _fit(model, [keys.next(new_fraction=1.0)[:1000]])  # traced, kernels loaded
+    base = ProcessMemory.now()
+    growth = []
+    while keys.next_id < rows:
+        growth.append(keys.next(new_fraction=0.5))
+    _fit(model, growth)
+    timed = [keys.next(new_fraction=NEW_FRACTION) for _ in range(steps + 2)]
+    group, = layer.memory().values()
+    busy = machine_busy_s()
+    ends = _fit(model, timed)
+    busy = machine_busy_s() - busy
+    after, = layer.memory().values()
+    memory = ProcessMemory.now()
+    # The first two steps (the pipeline's fill, a first Zipf step) are not timed; the
+    # machine's CPU is the whole fit's, spread over its batches.
+    step_s = [b - a for a, b in zip(ends[1:], ends[2:])]
+    stored_keys = (steps + 2) * (batch - int(batch * NEW_FRACTION))
+    blocks_read = after["ssd_blocks_read"] - group["ssd_blocks_read"]
+    blocks_spilled = after["ssd_blocks_spilled"] - group["ssd_blocks_spilled"]
+    return {"mode": mode, "budget_bytes": budget, "rows": after["rows"],
+            "step_ms": round(1e3 * statistics.median(step_s), 3),
+            "cpu_s_per_step": busy / (steps + 2),
+            "blocks_read_per_step": blocks_read / (steps + 2),
+            "blocks_spilled_per_step": blocks_spilled / (steps + 2),
+            "hit_rate": round(1.0 - blocks_read / stored_keys, 4),
+            "anon_rss_growth_bytes": memory.anon - base.anon,
+            "file_rss_growth_bytes": memory.file - base.file,
+            "rss_growth_bytes": memory.anon + memory.file - base.anon - base.file,
+            "dram_bytes": after["bytes"], "ssd_bytes": after["ssd_bytes"]}
+
+
+def fit_summary(per: Dict[str, Dict[str, Dict[str, Any]]]) -> Dict[str, Any]:
+    """The whole-step figures from ``per[fraction][mode]`` (fraction "1.0": all DRAM)."""
+    dram = per["1.0"]
+    fastest_dram = min(dram[m]["step_ms"] for m in MODES)
+    out: Dict[str, Any] = {"fit_ratio_vs_dram": {}, "pipelined_ratio_vs_dram": {},
+                           "per_block_us": {}, "hit_rate": {}, "fit_rss_ratio_vs_dram": {},
+                           "anon_rss_ratio_vs_dram": {}}
+    for f, r in per.items():
+        out["fit_ratio_vs_dram"][f] = round(r["fit"]["step_ms"] / dram["fit"]["step_ms"], 3)
+        out["pipelined_ratio_vs_dram"][f] = round(r["pipelined"]["step_ms"] / fastest_dram, 3)
+        out["hit_rate"][f] = r["fit"]["hit_rate"]
+        out["fit_rss_ratio_vs_dram"][f] = round(
+            r["fit"]["rss_growth_bytes"] / dram["fit"]["rss_growth_bytes"], 3)
+        out["anon_rss_ratio_vs_dram"][f] = round(
+            r["fit"]["anon_rss_growth_bytes"] / dram["fit"]["anon_rss_growth_bytes"], 3)
+        if f != "1.0":
+            moved = r["fit"]["blocks_read_per_step"] + r["fit"]["blocks_spilled_per_step"]
+            extra_cpu = r["fit"]["cpu_s_per_step"] - dram["fit"]["cpu_s_per_step"]
+            out["per_block_us"][f] = round(1e6 * extra_cpu / moved, 3) if moved else None
+    return out

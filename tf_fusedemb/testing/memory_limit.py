@@ -1,0 +1,132 @@
+"""Running a command inside a memory cgroup: proof that a table larger than memory trains.
+
+    with MemoryLimit(limit_bytes=900 << 20) as limit:
+        run = limit.run([sys.executable, "train_it.py"], timeout=300)
+    assert run.returncode == 0 and run.oom_kills == 0
+    print(run.peak_bytes)
+
+The cgroup is this kernel's memory controller: cgroup v1's ``memory.limit_in_bytes``
+where the v1 hierarchy is mounted (``/sys/fs/cgroup/memory``), else cgroup v2's
+``memory.max`` (``/sys/fs/cgroup`` with the memory controller). Creating one needs root.
+The kernel charges a cgroup both the anonymous memory of its processes and the page cache
+they fill; page cache is reclaimed under the limit, anonymous memory is not, so a process
+whose anonymous memory outgrows the limit is OOM-killed (counted in ``oom_kills``).
+``limit_bytes=None`` runs without a limit and still reports the peak: the way to measure a
+process's fixed overhead before choosing a limit.
+"""
+import os
+import signal
+import subprocess
+import time
+import uuid
+from typing import NamedTuple, Optional, Sequence
+
+V1_ROOT = "/sys/fs/cgroup/memory"
+V2_ROOT = "/sys/fs/cgroup"
+
+
+class MemoryLimitUnavailable(RuntimeError):
+    """No memory cgroup can be made here (not root, or no memory controller mounted)."""
+
+
+class LimitedRun(NamedTuple):
+    """What a command run inside the cgroup did."""
+    returncode: int
+    stdout: str
+    stderr: str
+    peak_bytes: int  # the cgroup's peak charge: anonymous memory plus page cache
+    oom_kills: int  # processes the kernel's OOM killer ended in the cgroup
+
+
+def cgroup_version() -> int:
+    """1 or 2: the hierarchy whose memory controller this machine offers to root.
+
+    Raises MemoryLimitUnavailable when neither does, or when not running as root."""
+    if os.geteuid() != 0:
+        raise MemoryLimitUnavailable("a memory cgroup needs root")
+    if os.path.exists(os.path.join(V1_ROOT, "memory.limit_in_bytes")):
+        return 1
+    try:
+        with open(os.path.join(V2_ROOT, "cgroup.controllers")) as f:
+            if "memory" in f.read().split():
+                return 2
+    except OSError:
+        pass
+    raise MemoryLimitUnavailable(f"no memory controller under {V1_ROOT} (cgroup v1) nor "
+                                 f"{V2_ROOT} (cgroup v2)")
+
+
+class MemoryLimit:
+    """A fresh memory cgroup, limited to ``limit_bytes`` (None: unlimited), removed on
+    exit with every process still in it killed. Use as a context manager."""
+
+    def __init__(self, limit_bytes: Optional[int]):
+        if limit_bytes is not None and limit_bytes <= 0:
+            raise ValueError(f"limit_bytes must be positive, got {limit_bytes}")
+        self.limit_bytes = limit_bytes
+        self.version = cgroup_version()
+        root = V1_ROOT if self.version == 1 else V2_ROOT
+        self.path = os.path.join(root, f"tf_fusedemb_{uuid.uuid4().hex[:12]}")
+
+    def __enter__(self) -> "MemoryLimit":
+        os.mkdir(self.path)
+        try:
+            if self.limit_bytes is not None:
+                name = "memory.limit_in_bytes" if self.version == 1 else "memory.max"
+                self._write(name, str(self.limit_bytes))
+            if self.version == 2:
+                self._write("memory.swap.max", "0")  # as v1 without memsw: no swapping out
+        except BaseException:
+            os.rmdir(self.path)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for pid in self._read("cgroup.procs").split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for _ in range(100):  # the kernel removes a cgroup once its last task is gone
+            try:
+                os.rmdir(self.path)
+                return
+            except OSError:
+                time.sleep(0.05)
+
+    def run(self, argv: Sequence[str], timeout: float, env: Optional[dict] = None,
+            cwd: Optional[str] = None) -> LimitedRun:
+        """Runs ``argv`` inside the cgroup (it joins before it executes anything) and
+        waits at most ``timeout`` seconds (then kills it and raises TimeoutExpired)."""
+        procs = os.path.join(self.path, "cgroup.procs")
+
+        def join_cgroup() -> None:  # in the child, between fork and exec
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
+                              env=env, cwd=cwd, preexec_fn=join_cgroup)
+        return LimitedRun(done.returncode, done.stdout, done.stderr, self.peak_bytes(),
+                          self.oom_kills())
+
+    def peak_bytes(self) -> int:
+        """The cgroup's peak charge so far, in bytes."""
+        return int(self._read("memory.max_usage_in_bytes" if self.version == 1
+                              else "memory.peak"))
+
+    def oom_kills(self) -> int:
+        """Processes of the cgroup that the OOM killer ended so far."""
+        text = self._read("memory.oom_control" if self.version == 1 else "memory.events")
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name == "oom_kill":
+                return int(value)
+        return 0
+
+    def _read(self, name: str) -> str:
+        with open(os.path.join(self.path, name)) as f:
+            return f.read()
+
+    def _write(self, name: str, value: str) -> None:
+        with open(os.path.join(self.path, name), "w") as f:
+            f.write(value)
