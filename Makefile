@@ -60,7 +60,7 @@ mpi-tools:
 		{ apt-get update && apt-get install -y openmpi-bin libopenmpi-dev; }
 
 # The storage engine's SSD tier (TableSpec.memory_budget_bytes) links the distribution's
-# RocksDB (custom_ops/rocksdb_block_store.cc, -lrocksdb in setup.py); installed only where
+# RocksDB (custom_ops/rocksdb_checkpoint.cc: the checkpoint format; -lrocksdb in setup.py); installed only where
 # missing (apt-get; needs root).
 .PHONY: rocksdb-lib
 rocksdb-lib:
