@@ -6,16 +6,17 @@
 //    engine's largest block, so a block is written in place, over its own slot, every time
 //    it is spilled again: no log, no compaction, no second copy. A deleted key's slot goes
 //    on a free list and is reused by the next new key.
-//  * The file is mapped (MAP_SHARED) once, into an address range reserved for the largest
-//    file the slots can address: a read is a memcpy out of the page cache and a write a
-//    memcpy into it, with no system call per block; the kernel writes dirty pages back,
-//    and evicts clean ones under memory pressure (page cache, not the process's anonymous
+//  * A block is read with one pread and written with one pwrite of its slot: the kernel's
+//    page cache holds the file's pages (reclaimable memory, not the process's anonymous
 //    memory). Side by side with RocksDB (MultiGet, WriteBatch, compaction) on the tiered
-//    benchmark, see docs/guide/tables-larger-than-memory.md.
-//  * Space is reserved with posix_fallocate before a slot past the file's end is written,
-//    a quarter more at a time: a full disk fails that call with an error naming the engine and
-//    the file, where writing into an unbacked page of a mapping would kill the process
-//    with SIGBUS.
+//    benchmark, see docs/guide/tables-larger-than-memory.md. Writing through a writable
+//    shared mapping instead kept the written pages mapped into the process, which a
+//    memory cgroup reclaims far slower: a table 31x its budget in a limit of budget +
+//    overhead + 10% thrashed past its test's timeout. The file is mapped read-only for
+//    ForEach and Checkpoint, which pass the stored blocks by pointer, without a copy.
+//  * Space is reserved with posix_fallocate before a slot past the reserved end is
+//    written, a quarter more at a time: a full disk fails that call with an error naming
+//    the engine and the file, before any block is written.
 //  * Key -> slot lives in DRAM (slot_table.h, 15-23 bytes per cold key), in kStripes
 //    tables each under its own lock: the engine's shards call the store in parallel, each
 //    for its own keys, and a key's slot is touched only by its shard's calls.
@@ -70,13 +71,16 @@ class SlotFileBlockStore : public BlockStore {
 
   std::string MultiGet(const int64_t* keys, size_t n, std::vector<std::string>* values) override {
     values->assign(n, std::string());
+    std::vector<char> slot(stride_);
     for (size_t i = 0; i < n; ++i) {
-      const uint32_t slot = Find(keys[i]);
-      if (slot == SlotTable::kNone) continue;
-      const char* at = base_ + slot * stride_;
+      const uint32_t at = Find(keys[i]);
+      if (at == SlotTable::kNone) continue;
+      if (pread(fd_, slot.data(), stride_, Offset(at)) != static_cast<ssize_t>(stride_)) {
+        return Failure("cannot read " + file_ + ": " + std::strerror(errno));
+      }
       Length length;
-      std::memcpy(&length, at, sizeof(length));
-      (*values)[i].assign(at + sizeof(length), length);
+      std::memcpy(&length, slot.data(), sizeof(length));
+      (*values)[i].assign(slot.data() + sizeof(length), length);
     }
     return "";
   }
@@ -103,13 +107,17 @@ class SlotFileBlockStore : public BlockStore {
     std::vector<uint32_t> granted;
     const std::string error = Allocate(fresh, std::move(freed), &granted);
     if (!error.empty()) return error;  // nothing written: the blocks are still in DRAM
+    std::vector<char> slot(stride_);
     for (size_t i = 0, g = 0; i < puts.size(); ++i) {
       const bool added = slots[i] == SlotTable::kNone;
       if (added) slots[i] = granted[g++];
-      char* at = base_ + slots[i] * stride_;
       const Length length = static_cast<Length>(puts[i].size);
-      std::memcpy(at, &length, sizeof(length));
-      std::memcpy(at + sizeof(length), puts[i].data, puts[i].size);
+      std::memcpy(slot.data(), &length, sizeof(length));
+      std::memcpy(slot.data() + sizeof(length), puts[i].data, puts[i].size);
+      const size_t bytes = sizeof(length) + puts[i].size;
+      if (pwrite(fd_, slot.data(), bytes, Offset(slots[i])) != static_cast<ssize_t>(bytes)) {
+        return Failure("cannot write " + file_ + ": " + std::strerror(errno));  // still in DRAM
+      }
       if (added) {
         Stripe& st = StripeOf(puts[i].key);
         std::lock_guard<std::mutex> lock(st.mu);
@@ -170,6 +178,8 @@ class SlotFileBlockStore : public BlockStore {
   };
 
   Stripe& StripeOf(int64_t key) { return stripes_[Fmix64(static_cast<uint64_t>(key)) % kStripes]; }
+
+  off_t Offset(uint32_t slot) const { return static_cast<off_t>(slot) * static_cast<off_t>(stride_); }
 
   uint32_t Find(int64_t key) {
     Stripe& st = StripeOf(key);
@@ -233,7 +243,7 @@ std::unique_ptr<BlockStore> OpenSlotFileBlockStore(const std::string& path, cons
     *error = where + file + ": " + std::strerror(errno);
     return nullptr;
   }
-  void* base = mmap(nullptr, kMapBytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, 0);
+  void* base = mmap(nullptr, kMapBytes, PROT_READ, MAP_SHARED | MAP_NORESERVE, fd, 0);
   if (base == MAP_FAILED) {
     *error = where + file + ": mmap: " + std::strerror(errno);
     close(fd);
