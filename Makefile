@@ -59,9 +59,9 @@ mpi-tools:
 	@command -v mpirun >/dev/null 2>&1 && command -v mpicc >/dev/null 2>&1 || \
 		{ apt-get update && apt-get install -y openmpi-bin libopenmpi-dev; }
 
-# The storage engine's SSD tier (TableSpec.memory_budget_bytes) links the distribution's
-# RocksDB (custom_ops/rocksdb_block_store.cc, -lrocksdb in setup.py); installed only where
-# missing (apt-get; needs root).
+# The storage engine's checkpoints are RocksDB databases: the op library links the
+# distribution's RocksDB (custom_ops/rocksdb_checkpoint.cc; -lrocksdb in setup.py),
+# installed only where missing (apt-get; needs root).
 .PHONY: rocksdb-lib
 rocksdb-lib:
 	@test -f /usr/include/rocksdb/db.h || { apt-get update && apt-get install -y librocksdb-dev; }

@@ -64,7 +64,7 @@ class BuildTfOps(build_ext):
         jobs = int(os.environ.get("TF_FUSEDEMB_JOBS", os.cpu_count() or 2))
         with ThreadPoolExecutor(jobs) as pool:
             objs = list(pool.map(compile_one, ext.sources))
-        # RocksDB: the engine's SSD tier (custom_ops/rocksdb_block_store.cc); the
+        # RocksDB: the engine checkpoints' format (custom_ops/rocksdb_checkpoint.cc); the
         # distribution's librocksdb-dev, installed by `make rocksdb-lib`.
         subprocess.run([cxx, "-shared", "-o", out] + objs + link_flags + ["-lrocksdb"],
                        check=True)

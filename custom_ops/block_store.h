@@ -1,6 +1,6 @@
 // The SSD tier's interface as the storage engine sees it: whole blocks (header, row,
 // slots) stored by key. Plain C++17, no store header, so embedding_engine.h and its
-// standalone tests need no RocksDB; rocksdb_block_store.cc implements it.
+// standalone tests need no RocksDB; slot_file_block_store.cc implements it.
 #ifndef TF_FUSEDEMB_BLOCK_STORE_H_
 #define TF_FUSEDEMB_BLOCK_STORE_H_
 
@@ -21,7 +21,7 @@ struct BlockRef {
   size_t size;
 };
 
-// A key-value store of blocks. Thread-safe: the engine's shards call it in parallel,
+// A store of blocks by key. Thread-safe: the engine's shards call it in parallel,
 // each for keys of its own shard only. Errors are returned as text ("" = fine) that
 // names the store's path.
 class BlockStore {
@@ -41,14 +41,17 @@ class BlockStore {
   virtual std::string ForEach(
       const std::function<void(int64_t, const char*, size_t)>& f) const = 0;
 
-  // Bytes of the store's SST files on disk (blocks still in memtables not counted).
+  // Bytes of the blocks the store holds on disk.
   virtual int64_t DiskBytes() const = 0;
 
   // Writes a checkpoint of the store to `dir` (which must not exist; its parent must):
-  // the store's own checkpoint of what it holds, with `extra` (the blocks the DRAM tier
-  // holds) written over it, so that `dir` holds every block. The store itself is not
-  // changed. Read it back with ReadBlockCheckpoint (rocksdb_block_store.h).
+  // every block the store holds, with `extra` (the blocks the DRAM tier holds) in place
+  // of their stored copies, so that `dir` holds every block. The store itself is not
+  // changed. Read it back with ReadBlockCheckpoint (rocksdb_checkpoint.h).
   virtual std::string Checkpoint(const std::string& dir, std::vector<BlockRef> extra) = 0;
+
+  // DRAM the store holds to find its blocks (a key -> slot index), in bytes.
+  virtual int64_t IndexBytes() const { return 0; }
 
   virtual const std::string& path() const = 0;
 };

@@ -148,6 +148,8 @@ class Engine {
     tier_.Attach(std::move(store), budget_bytes, num_shards());
   }
   bool tiered() const { return tier_.attached(); }
+  // Bytes of a block with a row (the largest a store is given).
+  size_t block_bytes() const { return format_.block_bytes(); }
   const BlockStore* store() const { return tier_.store(); }
 
   // Brings the blocks of the keys at `pos` into DRAM and pins them there (Tier::Pin).
@@ -238,10 +240,11 @@ class Engine {
     return "";
   }
 
-  // Counts over both tiers; bytes_held is DRAM, ssd_bytes the blocks in the store.
+  // Counts over both tiers; bytes_held is DRAM, ssd_bytes the blocks in the store,
+  // ssd_index_bytes the DRAM of the store's index of them (BlockStore::IndexBytes).
   struct Sizes {
     int64_t stored = 0, tracked = 0, blocks = 0;
-    int64_t bytes_held = 0, ssd_bytes = 0;
+    int64_t bytes_held = 0, ssd_bytes = 0, ssd_index_bytes = 0;
     int64_t ssd_io[4] = {0, 0, 0, 0};  // Tier::ShardState::io summed
   };
   Sizes Size() const {
@@ -261,6 +264,7 @@ class Engine {
         for (int i = 0; i < 4; ++i) z.ssd_io[i] += ssd->io[i];
       }
     }
+    if (tiered()) z.ssd_index_bytes = tier_.store()->IndexBytes();
     return z;
   }
 

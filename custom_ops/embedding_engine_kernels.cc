@@ -15,7 +15,8 @@
 #include "absl/strings/str_join.h"
 #include "embedding_engine.h"
 #include "fusedemb_common.h"
-#include "rocksdb_block_store.h"
+#include "rocksdb_checkpoint.h"
+#include "slot_file_block_store.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/tensor_util.h"
@@ -292,8 +293,9 @@ class EngineHandleOp : public OpKernel {
     std::unique_ptr<EngineResource> r(new EngineResource(config_));
     if (budget_ >= 0) {
       std::string error;
-      std::unique_ptr<engine::BlockStore> store = engine::OpenRocksDbBlockStore(spill_path_, &error);
-      if (store == nullptr) return errors::FailedPrecondition("embedding engine '", name_, "': ", error);
+      std::unique_ptr<engine::BlockStore> store = engine::OpenSlotFileBlockStore(
+          spill_path_, name_, r->engine().block_bytes(), &error);
+      if (store == nullptr) return errors::FailedPrecondition(error);
       r->engine().AttachStore(std::move(store), budget_);
     }
     *out = r.release();
@@ -641,6 +643,9 @@ class EngineSizeOp : public OpKernel {
     Tensor* io = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(4, TensorShape({4}), &io));
     std::copy_n(z.ssd_io, 4, io->flat<int64_t>().data());
+    Tensor* index = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(5, TensorShape({}), &index));
+    index->scalar<int64_t>()() = z.ssd_index_bytes;
   }
 };
 

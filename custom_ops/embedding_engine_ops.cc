@@ -241,10 +241,12 @@ REGISTER_OP("FusedEmb>EngineSize")
     .Output("bytes_held: int64")
     .Output("ssd_bytes: int64")
     .Output("ssd_io: int64")
+    .Output("ssd_index_bytes: int64")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       for (int i = 0; i < 4; ++i) c->set_output(i, c->Scalar());
       c->set_output(4, c->Vector(4));
+      c->set_output(5, c->Scalar());
       return absl::OkStatus();
     })
     .Doc(R"doc(
@@ -253,6 +255,7 @@ bytes_held: the DRAM bytes the engine holds (arena chunks and hash index backing
 ssd_bytes: the bytes of the blocks in the SSD tier (0 without one).
 ssd_io: [4] since creation: blocks read from the SSD tier, their bytes, blocks spilled
   to it, their bytes.
+ssd_index_bytes: the DRAM bytes of the SSD tier's index of its keys (0 without one).
 )doc");
 
 REGISTER_OP("FusedEmb>EnginePin")

@@ -1,8 +1,8 @@
 // The SSD tier and spilling: with a store attached (Engine::AttachStore, a table's memory
 // budget), at most budget_bytes of blocks and index stay in DRAM (budget / num_shards per
-// shard); the others are in a BlockStore (block_store.h; RocksDB in
-// rocksdb_block_store.cc), whole. Every batch operation runs between Pin (the blocks of
-// its keys read back into DRAM, one MultiGet per shard) and Unpin (the least recently used
+// shard); the others are in a BlockStore (block_store.h; a file of block slots in
+// slot_file_block_store.cc), whole. Every batch operation runs between Pin (the blocks of
+// its keys read back into DRAM, one MultiGet per shard) and Unpin (the least counted
 // unpinned blocks spilled while the shard is over its share, one WriteBatch), so the
 // operations only ever see DRAM blocks and a budget cannot change a result.
 //
@@ -147,9 +147,11 @@ class Tier {
   // Spills unpinned blocks of `sh` (locked) to the store while it holds more than its
   // budget, down to 90% of it, so one scan of the shard pays for a tenth of the budget's
   // blocks instead of one. Victims: blocks not pinned by the last kRecentPins calls first;
-  // then the least recently seen (the header's last step, which the statistics advance
-  // on every access), then the least counted: a block seen long ago and rarely is the
-  // one least likely to be needed by the next batches.
+  // then the least counted (the header's access count, which the statistics advance on
+  // every access), then the least recently seen (the header's last step): as FBGEMM's
+  // DRAM cache and HierarchicalKV evict by score, DRAM keeps the keys accessed most,
+  // which on skewed (Zipf) keys hit more often than the most recent ones. A block read
+  // back with a low count is the first victim again: admission by count.
   std::string Spill(ShardState& t, Shard& sh) {
     const bool over = sh.live_bytes() > shard_budget_;
     if (!over && t.erased.empty()) return "";
@@ -180,7 +182,7 @@ class Tier {
       uint32_t ref;
       bool operator<(const Candidate& o) const {
         if (recent != o.recent) return !recent;
-        return last_step != o.last_step ? last_step < o.last_step : count < o.count;
+        return count != o.count ? count < o.count : last_step < o.last_step;
       }
     };
     std::vector<Candidate> candidates;

@@ -43,6 +43,7 @@ def test_structure(tmp_path):
         assert fit["0.1"][mode]["blocks_read_per_step"] > 0, mode  # Zipf hits on SSD blocks
         assert fit["0.1"][mode]["rows"] == fit["1.0"][mode]["rows"] >= 40000, mode
     assert sorted(result["per_block_us"]) == ["0.1"]
+    assert 8 <= result["dram_bytes_per_cold_key"]["0.1"] <= 24  # the SSD tier's key index
     assert result["keys"]["generator"] == "ZipfKeys" and result["keys"]["exponent"] > 1
     assert os.path.exists(result["plot"])
     assert os.listdir(tmp_path) == ["tiered.png"]  # the workers' stores removed

@@ -1,5 +1,5 @@
 """Tables larger than memory (issue 26): the storage engine under a DRAM budget spills
-blocks to an SSD tier (RocksDB) and reads them back, invisibly to results.
+blocks to an SSD tier (a file of block slots) and reads them back, invisibly to results.
 
 The reference of every check is the same work without a budget (every block in DRAM),
 compared bit for bit with numpy: rows, optimizer slots, statistics and losses. Budgets
@@ -7,7 +7,9 @@ are 5% of the table (the table 20x the budget), so nearly every block of a step 
 back from the SSD tier; admission and eviction policies are on; training crosses a
 checkpoint restore and runs on 1 and 2 ranks.
 """
+import gc
 import os
+import subprocess
 import tempfile
 
 import numpy as np
@@ -210,7 +212,7 @@ def test_tiered_checkpoint_errors_name_what_is_wrong(tmp_path):
                        f"{tmp_path / 'plain'}"):
         plain.write_checkpoint(str(tmp_path / "plain"))  # exists already
     tiered.write_checkpoint(ckpt)
-    with pytest.raises(tf.errors.InternalError, match=f"checkpoint to {ckpt}"):
+    with pytest.raises(tf.errors.InternalError, match=f"cannot write the checkpoint at {ckpt}"):
         tiered.write_checkpoint(ckpt)  # exists already
     params = initializers._params(INIT)  # pylint: disable=protected-access
     wider = EmbeddingEngine("wider", DIM + 1, INIT, params, OPTIMIZER)
@@ -231,10 +233,9 @@ def test_the_spill_directory_is_private_and_removed_with_its_engine(tmp_path):
             for _ in range(2))
     assert a.spill_path != b.spill_path and os.path.dirname(a.spill_path) == str(tmp_path)
     a.apply_gradients([1, 2], [1, 2], np.ones((2, DIM), np.float32), 1)
-    assert os.listdir(a.spill_path)  # RocksDB's files
+    assert os.listdir(a.spill_path)  # the slot file
     path = a.spill_path
     del a
-    import gc  # pylint: disable=import-outside-toplevel
     gc.collect()
     assert not os.path.exists(path)
 
@@ -248,6 +249,60 @@ def test_an_unusable_spill_dir_fails_at_construction_naming_table_and_path(tmp_p
         build_layer_with([spec])
     message = str(err.value)
     assert "\n" not in message and "items" in message and bad in message
+
+
+def test_an_unusable_spill_path_fails_when_the_engine_is_made_naming_engine_and_path(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    bad = str(blocker / "spill")
+    params = initializers._params(INIT)  # pylint: disable=protected-access
+    with pytest.raises(tf.errors.FailedPreconditionError) as err:
+        EmbeddingEngine("unusable", DIM, INIT, params, OPTIMIZER, memory_budget_bytes=0,
+                        spill_path=bad).size()
+    message = err.value.message
+    assert "\n" not in message and "unusable' at" in message and bad in message
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1.5 MiB tmpfs (root only), unmounted afterwards."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1536k", "tmpfs",
+                                            str(disk)], check=False).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_full_disk_fails_in_one_line_naming_engine_and_path_and_loses_no_checkpoint(
+        tmp_path, small_disk):
+    """The SSD tier's file grows until the disk is full: the spill that needs more space
+    fails with one line naming the engine and the file (no SIGBUS from the mapping), the
+    blocks stay in DRAM, and the checkpoint written before restores every block."""
+    params = initializers._params(INIT)  # pylint: disable=protected-access
+    plain = EmbeddingEngine("plain", DIM, INIT, params, OPTIMIZER)
+    full = EmbeddingEngine("full", DIM, INIT, params, OPTIMIZER, memory_budget_bytes=0,
+                           spill_path=str(small_disk / "store"))  # under the free-space check
+    keys = np.arange(500, dtype=np.int64)
+    grads = np.random.default_rng(3).standard_normal((len(keys), DIM)).astype(np.float32)
+    for e in (plain, full):
+        e.record(keys, keys % 3, keys, np.ones(len(keys), np.int64), 1, True)
+        e.apply_gradients(keys, keys, grads, 1)
+    ckpt = str(tmp_path / "ckpt")
+    full.write_checkpoint(ckpt)
+    many = np.arange(500, 40_500, dtype=np.int64)  # 40,000 blocks of 64 bytes: 2.5 MB
+    with pytest.raises(tf.errors.OpError) as err:
+        full.apply_gradients(many, many, np.ones((len(many), DIM), np.float32), 2)
+    message = err.value.message
+    assert "\n" not in message and "full' at" in message and str(small_disk) in message
+    assert "No space left on device" in message
+    assert int(full.size().stored) == 500 + len(many)  # nothing lost: still in DRAM
+    fresh = EmbeddingEngine("fresh", DIM, INIT, params, OPTIMIZER)
+    assert int(fresh.read_checkpoint([ckpt], 0, 1)) == len(keys)
+    assert_same_export(plain, fresh)
+    del full
+    gc.collect()  # the store's file unmapped and removed before the unmount
 
 
 def test_specs_validate_and_round_trip_the_tier():

@@ -63,7 +63,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--memory-budget-mb", type=float, default=None, metavar="MB",
                    help="DRAM for the embedding tables' blocks per rank (all tables "
-                        "together); the rest spills to an SSD tier (RocksDB), results "
+                        "together); the rest spills to an SSD tier (a file), results "
                         "unchanged (default: every row in DRAM)")
     p.add_argument("--spill-dir", default=None,
                    help="where the SSD tier's stores go (default: the system temporary "

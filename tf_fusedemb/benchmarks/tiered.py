@@ -15,9 +15,9 @@ the batch prefetched first (``EngineGroupTable.prefetch``: in the pipelined fit 
 during the previous step's compute, so it is timed apart and not counted in the step);
 the DRAM hit rate (1 - blocks read back from SSD per key of a step); SSD bytes read and
 written per step; the RSS the table adds; the wall time of a checkpoint as
-training/checkpoint.py writes it (``EngineGroupTable.write_checkpoint``; tiered: the SSD
-tier's RocksDB checkpoint with the DRAM tier's blocks written over it; all-DRAM: the
-blocks written as a new RocksDB database, straight from the engine).
+training/checkpoint.py writes it (``EngineGroupTable.write_checkpoint``: a new RocksDB database of every block, tiered:
+the SSD tier's blocks read out of its file with the DRAM tier's in their place;
+all-DRAM: straight from the engine).
 
 The exposed SSD wait is the step's time over the all-DRAM step's: with prefetch, what
 the step still waits for (spills of victims, index work) once its blocks are in DRAM.
@@ -30,7 +30,8 @@ Then the whole step as a user runs it (``benchmarks.tiered_fit``): per budget, o
 reported under ``fit`` and summed up as ``fit_ratio_vs_dram``, ``pipelined_ratio_vs_dram``
 (against the faster all-DRAM mode), ``per_block_us`` (the machine's extra CPU per block
 read back or spilled), ``hit_rate`` (of the plain fit's stored keys),
-``fit_rss_ratio_vs_dram`` and ``anon_rss_ratio_vs_dram``; ``keys`` names the key
+``fit_rss_ratio_vs_dram``, ``anon_rss_ratio_vs_dram`` and ``dram_bytes_per_cold_key``
+(the SSD tier's DRAM index per key it holds); ``keys`` names the key
 generator's parameters.
 
 The last line (``--json``) is one JSON object with ``step_ratio_vs_dram``,

@@ -10,11 +10,12 @@ between two consecutive batch ends: the data, the prefetch, the step and the cal
 everything a user waits for.
 
 Per worker: the median step, the whole machine's busy CPU seconds per step over the timed
-steps (``/proc/stat``, every core: RocksDB's background threads and the kernel's page-cache
+steps (``/proc/stat``, every core: the kernel's page-cache and writeback
 work count), the blocks read back from and spilled to the SSD tier, the DRAM hit rate
 (the share of a step's stored keys whose block was in DRAM when the step or its prefetch
 asked for it; new keys left out), and the RSS the table added, anonymous and file-backed
-apart (page cache is reclaimable; anonymous memory is what a budget bounds).
+apart (page cache is reclaimable; anonymous memory is what a budget bounds), and the
+DRAM of the SSD tier's index per cold key (``dram_bytes_per_cold_key``).
 """
 import os
 import statistics
@@ -24,6 +25,8 @@ from typing import Any, Dict, List, NamedTuple, Optional
 import numpy as np
 
 from tf_fusedemb.benchmarks.storage import DIM, ZipfKeys
+
+BLOCK_BYTES = 28 + 2 * 4 * DIM  # a block of the table: header, row, Adagrad accumulator
 
 NEW_FRACTION = 0.02  # of each timed batch: keys never seen before
 MODES = ("fit", "pipelined")
@@ -126,7 +129,9 @@ def fit_worker(budget: Optional[int], rows: int, batch: int, steps: int, spill_d
             "anon_rss_growth_bytes": memory.anon - base.anon,
             "file_rss_growth_bytes": memory.file - base.file,
             "rss_growth_bytes": memory.anon + memory.file - base.anon - base.file,
-            "dram_bytes": after["bytes"], "ssd_bytes": after["ssd_bytes"]}
+            "dram_bytes": after["bytes"], "ssd_bytes": after["ssd_bytes"],
+            "ssd_index_bytes": after["ssd_index_bytes"],
+            "cold_keys": after["ssd_bytes"] // BLOCK_BYTES}
 
 
 def fit_summary(per: Dict[str, Dict[str, Dict[str, Any]]]) -> Dict[str, Any]:
@@ -135,7 +140,7 @@ def fit_summary(per: Dict[str, Dict[str, Dict[str, Any]]]) -> Dict[str, Any]:
     fastest_dram = min(dram[m]["step_ms"] for m in MODES)
     out: Dict[str, Any] = {"fit_ratio_vs_dram": {}, "pipelined_ratio_vs_dram": {},
                            "per_block_us": {}, "hit_rate": {}, "fit_rss_ratio_vs_dram": {},
-                           "anon_rss_ratio_vs_dram": {}}
+                           "anon_rss_ratio_vs_dram": {}, "dram_bytes_per_cold_key": {}}
     for f, r in per.items():
         out["fit_ratio_vs_dram"][f] = round(r["fit"]["step_ms"] / dram["fit"]["step_ms"], 3)
         out["pipelined_ratio_vs_dram"][f] = round(r["pipelined"]["step_ms"] / fastest_dram, 3)
@@ -148,4 +153,7 @@ def fit_summary(per: Dict[str, Dict[str, Dict[str, Any]]]) -> Dict[str, Any]:
             moved = r["fit"]["blocks_read_per_step"] + r["fit"]["blocks_spilled_per_step"]
             extra_cpu = r["fit"]["cpu_s_per_step"] - dram["fit"]["cpu_s_per_step"]
             out["per_block_us"][f] = round(1e6 * extra_cpu / moved, 3) if moved else None
+            cold = r["fit"]["cold_keys"]
+            out["dram_bytes_per_cold_key"][f] = (
+                round(r["fit"]["ssd_index_bytes"] / cold, 2) if cold else None)
     return out

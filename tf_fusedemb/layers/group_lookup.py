@@ -222,13 +222,15 @@ class GroupLookup(tf.Module):
         static tables their payload (per row the key (8) and dim float32 values per row
         and optimizer slot, per tracked key 5 int64: key, count, table, ID, last step;
         hash-table overhead not counted); ``ssd_bytes``, the bytes of its blocks in the
-        SSD tier (TableSpec.memory_budget_bytes; 0 without one); ``ssd_blocks_read`` and
+        SSD tier (TableSpec.memory_budget_bytes; 0 without one); ``ssd_index_bytes``, the
+        DRAM of the SSD tier's index of its keys (apart from ``bytes``); ``ssd_blocks_read`` and
         ``ssd_blocks_spilled``, the blocks moved between the tiers so far."""
         rows, tracked = int(self.table.size().numpy()), int(self.stats.size().numpy())
         blocks_read, blocks_spilled = self._backend.ssd_blocks_moved(self._storage)
         return {"rows": rows, "tracked_keys": tracked,
                 "bytes": self._backend.memory_bytes(self._storage, self.group.dim),
                 "ssd_bytes": self._backend.ssd_bytes(self._storage),
+                "ssd_index_bytes": self._backend.ssd_index_bytes(self._storage),
                 "ssd_blocks_read": blocks_read, "ssd_blocks_spilled": blocks_spilled}
 
     def route(self, flats: Sequence[FlatFeature], context: LookupContext = NO_CONTEXT,

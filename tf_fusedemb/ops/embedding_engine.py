@@ -13,8 +13,8 @@ Example::
     rows = engine.apply_gradients(keys, keys, grads, step=1)         # one pass per key
 
 With ``memory_budget_bytes``, the engine keeps at most that many bytes of blocks and
-index in DRAM and spills the others whole to a RocksDB store in ``spill_path`` (an SSD
-tier); every call returns what it would without a budget.
+index in DRAM and spills the others whole to a file of block slots in ``spill_path``
+(an SSD tier); every call returns what it would without a budget.
 """
 import itertools
 from typing import Dict, NamedTuple, Optional, Sequence, Tuple
@@ -58,12 +58,14 @@ class EngineSize(NamedTuple):
     and SSD), ``bytes_held`` (DRAM: arena chunks and hash-index arrays the engine
     allocated), ``ssd_bytes`` (blocks in the SSD tier; 0 without one), ``ssd_io``
     int64[4] since creation: blocks read back from SSD, their bytes, blocks spilled,
-    their bytes."""
+    their bytes; ``ssd_index_bytes`` (DRAM of the SSD tier's index of its keys, apart
+    from ``bytes_held`` and the budget; 0 without one)."""
     stored: tf.Tensor
     tracked: tf.Tensor
     bytes_held: tf.Tensor
     ssd_bytes: tf.Tensor
     ssd_io: tf.Tensor
+    ssd_index_bytes: tf.Tensor
 
 
 def _op(name: str):
@@ -96,7 +98,7 @@ class EmbeddingEngine(tf.saved_model.experimental.TrackableResource):
             with its own index, arena and lock.
         memory_budget_bytes: None: every block in DRAM. Else the DRAM bytes of blocks and
             index kept at most (blocks a running call or a prefetch pinned aside); the
-            others live in a RocksDB store (see TableSpec.memory_budget_bytes).
+            others live in a file of block slots (see TableSpec.memory_budget_bytes).
         spill_path: the store's directory, required with a budget: this engine's alone
             (emptied when the engine is made, removed when it is destroyed); see
             tf_fusedemb.storage.spill_dir for where the storage layer puts it.
@@ -240,9 +242,8 @@ class EmbeddingEngine(tf.saved_model.experimental.TrackableResource):
     def write_checkpoint(self, directory: str) -> Optional[tf.Operation]:
         """Writes every block of this engine (rows, slots and statistics; both tiers) to
         ``directory`` (which must not exist; its parent must), straight from its arenas:
-        a tiered engine's SSD-tier RocksDB checkpoint, its files hard-linked, with the
-        DRAM tier's blocks written over it; an untiered engine's blocks as a new RocksDB
-        database of the same format. Returns the op (None eagerly)."""
+        as a new RocksDB database (a tiered engine's: the SSD tier's blocks, with the
+        DRAM tier's in place of their stored copies). Returns the op (None eagerly)."""
         return _op("EngineWriteCheckpoint")(self.resource_handle, directory)
 
     def read_checkpoint(self, directories: Sequence[str], rank: int, num_ranks: int) -> tf.Tensor:

@@ -46,7 +46,7 @@ class TableSpec:
         memory_budget_bytes: None keeps every row in DRAM. An int >= 0 (engine storage
             only) bounds the DRAM the table's blocks (row, slots, statistics) and index
             take on each rank; the other blocks are spilled whole to an SSD tier
-            (RocksDB), invisibly to results. A table setting, not a layer one, because
+            (a file of block slots), invisibly to results. A table setting, not a layer one, because
             tables differ in size; the tables fused into one group share one engine
             whose budget is the sum of theirs, and tiered tables fuse only with tiered
             tables of the same ``spill_dir``.

@@ -202,6 +202,10 @@ class StorageBackend(abc.ABC):
         """Bytes of the group's blocks on this rank's SSD tier (eager); 0: none."""
         return 0
 
+    def ssd_index_bytes(self, storage: GroupStorage) -> int:
+        """DRAM bytes of the index of the group's keys on this rank's SSD tier (eager)."""
+        return 0
+
     def ssd_blocks_moved(self, storage: GroupStorage) -> Tuple[int, int]:
         """(blocks read back from the SSD tier, blocks spilled to it) since the group's
         storage was made, on this rank (eager); (0, 0) without a tier."""
@@ -255,6 +259,9 @@ class EngineBackend(StorageBackend):
 
     def ssd_bytes(self, storage: GroupStorage) -> int:
         return int(_engine_table(storage).ssd_bytes().numpy())
+
+    def ssd_index_bytes(self, storage: GroupStorage) -> int:
+        return int(_engine_table(storage).ssd_index_bytes().numpy())
 
     def ssd_blocks_moved(self, storage: GroupStorage) -> Tuple[int, int]:
         io = _engine_table(storage).ssd_io().numpy()

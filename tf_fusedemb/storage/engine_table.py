@@ -112,6 +112,11 @@ class EngineGroupTable(GroupTable):
         """int64 scalar: bytes of the blocks in the SSD tier (0 without a budget)."""
         return self.engine.size().ssd_bytes
 
+    def ssd_index_bytes(self) -> tf.Tensor:
+        """int64 scalar: DRAM bytes of the SSD tier's index of its keys (0 without a
+        budget)."""
+        return self.engine.size().ssd_index_bytes
+
     def ssd_io(self) -> tf.Tensor:
         """int64[4] since creation: blocks read back from the SSD tier, their bytes, blocks
         spilled to it, their bytes (zeros without a budget)."""

@@ -1,7 +1,7 @@
-// The SSD tier of the storage engine on RocksDB (see rocksdb_block_store.cc for the
-// options chosen and why).
-#ifndef TF_FUSEDEMB_ROCKSDB_BLOCK_STORE_H_
-#define TF_FUSEDEMB_ROCKSDB_BLOCK_STORE_H_
+// The storage engine's checkpoint format, a RocksDB database of every block (see
+// rocksdb_checkpoint.cc for the options chosen and why).
+#ifndef TF_FUSEDEMB_ROCKSDB_CHECKPOINT_H_
+#define TF_FUSEDEMB_ROCKSDB_CHECKPOINT_H_
 
 #include <cstdint>
 #include <functional>
@@ -14,11 +14,6 @@
 namespace tensorflow {
 namespace fusedemb {
 namespace engine {
-
-// A fresh, empty RocksDB store at `path` (a directory the caller made for this engine
-// alone; anything in it is destroyed first); removed from disk when the store is
-// destroyed. nullptr with *error set (naming `path`) when it cannot be opened.
-std::unique_ptr<BlockStore> OpenRocksDbBlockStore(const std::string& path, std::string* error);
 
 // Writes `blocks` as a new checkpoint at `dir` (which must not exist; its parent must),
 // in the format BlockStore::Checkpoint writes: the checkpoint of an engine without an SSD
@@ -35,4 +30,4 @@ std::string ReadBlockCheckpoint(const std::string& dir,
 }  // namespace fusedemb
 }  // namespace tensorflow
 
-#endif  // TF_FUSEDEMB_ROCKSDB_BLOCK_STORE_H_
+#endif  // TF_FUSEDEMB_ROCKSDB_CHECKPOINT_H_

@@ -1,0 +1,146 @@
+// The format of every engine checkpoint: a closed RocksDB database (the distribution's
+// librocksdb-dev) of every block, keyed by the 8-byte big-endian key.
+//
+// Options, and why:
+//  * Point lookups (OptimizeForPointLookup: a bloom filter per SST file and a hash index
+//    in data blocks) and no compression (rows and optimizer slots are float32 noise to a
+//    compressor): the options the engine's SSD tier ran on when it was a RocksDB store,
+//    kept so that every checkpoint, old or new, is read with the options it was written
+//    with.
+//  * A checkpoint is written as SST files (the blocks sorted by key, one contiguous key
+//    range per thread) that a new database ingests (moved, not copied): no memtable, no
+//    WAL and no compaction. A tiered engine's store (slot_file_block_store.cc) passes its
+//    blocks, read out of its file, with the DRAM tier's over them; an untiered engine its
+//    blocks straight from its arenas, so its checkpoint holds no second copy of the table.
+#include "rocksdb_checkpoint.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "rocksdb/db.h"
+#include "rocksdb/options.h"
+#include "rocksdb/slice.h"
+#include "rocksdb/sst_file_writer.h"
+
+namespace tensorflow {
+namespace fusedemb {
+namespace engine {
+namespace {
+
+constexpr uint64_t kBlockCacheMiB = 8;
+constexpr size_t kMemtableBytes = size_t{8} << 20;
+constexpr size_t kBlocksPerSstFile = size_t{1} << 16;  // at least, per checkpoint writer thread
+
+void EncodeKey(int64_t key, char out[8]) {
+  const uint64_t k = static_cast<uint64_t>(key);
+  for (int b = 0; b < 8; ++b) out[b] = static_cast<char>(k >> (56 - 8 * b));
+}
+
+int64_t DecodeKey(const rocksdb::Slice& s) {
+  uint64_t k = 0;
+  for (int b = 0; b < 8; ++b) k = (k << 8) | static_cast<unsigned char>(s[b]);
+  return static_cast<int64_t>(k);
+}
+
+rocksdb::Options CheckpointOptions() {
+  rocksdb::Options o;
+  o.create_if_missing = true;
+  o.error_if_exists = true;
+  o.OptimizeForPointLookup(kBlockCacheMiB);
+  o.compression = rocksdb::kNoCompression;
+  o.write_buffer_size = kMemtableBytes;
+  o.max_write_buffer_number = 2;
+  o.max_background_jobs = 2;
+  return o;
+}
+
+// Writes sorted[lo, hi) into a new SST file at `file` (keys in RocksDB's byte order).
+rocksdb::Status WriteSstFile(const rocksdb::Options& options, const std::string& file,
+                             const std::vector<BlockRef>& sorted, size_t lo, size_t hi) {
+  rocksdb::SstFileWriter writer(rocksdb::EnvOptions(), options);
+  rocksdb::Status s = writer.Open(file);
+  char k[8];
+  for (size_t i = lo; s.ok() && i < hi; ++i) {
+    EncodeKey(sorted[i].key, k);
+    s = writer.Put(rocksdb::Slice(k, 8), rocksdb::Slice(sorted[i].data, sorted[i].size));
+  }
+  return s.ok() ? writer.Finish() : s;
+}
+
+// Creates the checkpoint database at `dir` (which must not exist) and puts `blocks`
+// (unique keys) into it, then closes it: a checkpoint directory is a complete, closed
+// RocksDB database. The blocks are sorted by key and
+// written as SST files, one contiguous key range per thread, which the database then
+// ingests (moved, not copied): no memtable, no WAL and no compaction, and each thread
+// writes its file sequentially.
+rocksdb::Status WriteCheckpointBlocks(const std::string& dir, std::vector<BlockRef> blocks) {
+  rocksdb::Options options = CheckpointOptions();
+  options.disable_auto_compactions = true;  // written once, read once: no compaction
+  rocksdb::DB* raw = nullptr;
+  rocksdb::Status s = rocksdb::DB::Open(options, dir, &raw);
+  std::unique_ptr<rocksdb::DB> db(raw);
+  if (!s.ok()) return s;
+  if (blocks.empty()) return db->Close();
+  std::sort(blocks.begin(), blocks.end(), [](const BlockRef& a, const BlockRef& b) {
+    return static_cast<uint64_t>(a.key) < static_cast<uint64_t>(b.key);  // big-endian bytes
+  });
+  const size_t parts = std::clamp<size_t>(blocks.size() / kBlocksPerSstFile, 1,
+                                          std::max(1u, std::thread::hardware_concurrency()));
+  std::vector<std::string> files(parts);
+  std::vector<rocksdb::Status> written(parts);
+  std::vector<std::thread> writers;
+  for (size_t p = 0; p < parts; ++p) {
+    files[p] = dir + "/blocks-" + std::to_string(p) + ".sst";
+    writers.emplace_back([&, p] {
+      written[p] = WriteSstFile(options, files[p], blocks, blocks.size() * p / parts,
+                                blocks.size() * (p + 1) / parts);
+    });
+  }
+  for (std::thread& w : writers) w.join();
+  for (const rocksdb::Status& w : written) {
+    if (!w.ok()) return w;
+  }
+  rocksdb::IngestExternalFileOptions ingest;
+  ingest.move_files = true;
+  s = db->IngestExternalFile(files, ingest);
+  return s.ok() ? db->Close() : s;
+}
+
+// Calls f for every block of `db` in key order.
+rocksdb::Status Scan(rocksdb::DB* db, const std::function<void(int64_t, const char*, size_t)>& f) {
+  rocksdb::ReadOptions ro;
+  ro.total_order_seek = true;  // OptimizeForPointLookup's hash index needs it to iterate
+  std::unique_ptr<rocksdb::Iterator> it(db->NewIterator(ro));
+  for (it->SeekToFirst(); it->Valid(); it->Next()) {
+    f(DecodeKey(it->key()), it->value().data(), it->value().size());
+  }
+  return it->status();
+}
+
+}  // namespace
+
+std::string WriteBlockCheckpoint(const std::string& dir, std::vector<BlockRef> blocks) {
+  const rocksdb::Status s = WriteCheckpointBlocks(dir, std::move(blocks));
+  return s.ok() ? "" : "cannot write the checkpoint at " + dir + ": " + s.ToString();
+}
+
+std::string ReadBlockCheckpoint(const std::string& dir,
+                                const std::function<void(int64_t, const char*, size_t)>& f) {
+  rocksdb::Options options = CheckpointOptions();
+  options.create_if_missing = false;
+  options.error_if_exists = false;
+  rocksdb::DB* raw = nullptr;
+  rocksdb::Status s = rocksdb::DB::OpenForReadOnly(options, dir, &raw);
+  std::unique_ptr<rocksdb::DB> db(raw);
+  if (s.ok()) s = Scan(db.get(), f);
+  return s.ok() ? "" : "cannot read the SSD-tier checkpoint at " + dir + ": " + s.ToString();
+}
+
+}  // namespace engine
+}  // namespace fusedemb
+}  // namespace tensorflow
