@@ -153,14 +153,17 @@ class Engine {
   const BlockStore* store() const { return tier_.store(); }
 
   // Brings the blocks of the keys at `pos` into DRAM and pins them there (Tier::Pin).
+  // Nothing to do without a store.
   std::string Pin(int s, Span pos, const int64_t* keys) {
+    if (!tiered()) return "";
     std::unique_lock<std::shared_mutex> lock(shards_[s]->mutex());
     return tier_.Pin(s, *shards_[s], pos, keys);
   }
 
   // Releases Pin's pins of the keys at `pos`, then spills while the shard is over budget
-  // (Tier::Unpin).
+  // (Tier::Unpin). Nothing to do without a store.
   std::string Unpin(int s, Span pos, const int64_t* keys) {
+    if (!tiered()) return "";
     std::unique_lock<std::shared_mutex> lock(shards_[s]->mutex());
     return tier_.Unpin(s, *shards_[s], pos, keys);
   }
