@@ -62,14 +62,31 @@ class ServingGroup(tf.Module):
         """Same contract as ``GroupLookup.__call__``: per feature [B_f, dim] pooled or
         [n_f, dim] one row per ID. ``context`` and ``record_statistics`` are ignored:
         serving neither trains, prefetches nor counts."""
-        outputs = []
-        for f, flat, combiner in zip(range(len(flats)), flats, combiners):
-            table = tf.fill(tf.shape(flat.ids), self._key_codec.feature_table[f])
-            rows = self._rows(flat.ids, table)
-            if combiner is None:
-                outputs.append(rows)
-                continue
-            ragged = tf.RaggedTensor.from_row_splits(rows, flat.row_splits, validate=False)
-            outputs.append(finish_pooling(tf.reduce_sum(ragged, axis=1),
-                                          tf.cast(ragged.row_lengths(), tf.float32), combiner))
+        # One key hash, index search and initializer for the whole group, not one per
+        # feature: the serving graph's size does not grow with the group's features.
+        ids = tf.concat([flat.ids for flat in flats], axis=0)
+        tables = tf.concat([tf.fill(tf.shape(flat.ids), self._key_codec.feature_table[f])
+                            for f, flat in enumerate(flats)], axis=0)
+        rows = tf.split(self._rows(ids, tables), [tf.size(flat.ids) for flat in flats])
+        pooled = [f for f, c in enumerate(combiners) if c is not None]
+        sums = self._row_sums([rows[f] for f in pooled], [flats[f] for f in pooled])
+        outputs = list(rows)
+        for f, total in zip(pooled, sums):
+            count = tf.cast(flats[f].row_splits[1:] - flats[f].row_splits[:-1], tf.float32)
+            outputs[f] = finish_pooling(total, count, combiners[f])
         return outputs
+
+    @staticmethod
+    def _row_sums(rows: Sequence[tf.Tensor], flats: Sequence[FlatFeature]) -> List[tf.Tensor]:
+        """Per feature, each sample's row sum float32[B_f, dim] of its ``rows`` [n_f, dim]
+        (samples split by ``row_splits``): one segment reduction for all features, each
+        sample's rows added in the same order as a reduction per feature."""
+        if not rows:
+            return []
+        splits = [tf.cast(flats[0].row_splits, tf.int64)]
+        for flat in flats[1:]:
+            splits.append(tf.cast(flat.row_splits[1:], tf.int64) + splits[-1][-1])
+        ragged = tf.RaggedTensor.from_row_splits(tf.concat(rows, axis=0),
+                                                 tf.concat(splits, axis=0), validate=False)
+        return tf.split(tf.reduce_sum(ragged, axis=1),
+                        [tf.size(flat.row_splits) - 1 for flat in flats])
