@@ -77,7 +77,8 @@ under TensorFlow's profiler on every rank; ``profile`` gives, per variant and ra
 median step's milliseconds per category of :mod:`tf_fusedemb.benchmarks.op_profile`
 (dense, exchange, engine, pooling/recovery, other embedding ops, input, waiting on
 collectives, Python/tf.function overhead), the op executions per step and the largest op
-types; ``graph_ops`` is the number of ops in the traced step graph.
+types; ``graph_ops`` is the number of ops in the traced step graph, the bodies of the
+functions it calls included.
 
 Counting, per variant (``lookup_comm``): ``alltoall_rounds_per_step`` from in-graph
 counters during the timed steps (FusedEmbedding's ``comm_counters()``; for TFRA a shim

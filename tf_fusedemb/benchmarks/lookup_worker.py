@@ -205,12 +205,19 @@ class GraphFacts(NamedTuple):
     tracing: Dict[str, int]
 
 
+def graph_op_count(concrete: Any) -> int:
+    """The ops of a traced step (a ConcreteFunction): its graph's nodes and the nodes of
+    every function it calls (their bodies run as part of the step)."""
+    graph_def = concrete.graph.as_graph_def()
+    return len(graph_def.node) + sum(len(f.node_def) for f in graph_def.library.function)
+
+
 def _graph_facts(variants, batches) -> GraphFacts:
     ops, sizes = {}, {}
     for v in variants.values():
         concrete = v.concrete(*batches[0])
         ops[v.name] = lookup_comm.graph_alltoall_ops(concrete)
-        sizes[v.name] = len(concrete.graph.get_operations())
+        sizes[v.name] = graph_op_count(concrete)
     return GraphFacts(ops, sizes, {v.name: int(v.step.experimental_get_tracing_count())
                                    for v in variants.values()})
 

@@ -68,12 +68,12 @@ class ServingGroup(tf.Module):
         tables = tf.concat([tf.fill(tf.shape(flat.ids), self._key_codec.feature_table[f])
                             for f, flat in enumerate(flats)], axis=0)
         rows = tf.split(self._rows(ids, tables), [tf.size(flat.ids) for flat in flats])
-        pooled = [f for f, c in enumerate(combiners) if c is not None]
-        sums = self._row_sums([rows[f] for f in pooled], [flats[f] for f in pooled])
+        pooled = [(f, c) for f, c in enumerate(combiners) if c is not None]
+        sums = self._row_sums([rows[f] for f, _ in pooled], [flats[f] for f, _ in pooled])
         outputs = list(rows)
-        for f, total in zip(pooled, sums):
+        for (f, combiner), total in zip(pooled, sums):
             count = tf.cast(flats[f].row_splits[1:] - flats[f].row_splits[:-1], tf.float32)
-            outputs[f] = finish_pooling(total, count, combiners[f])
+            outputs[f] = finish_pooling(total, count, combiner)
         return outputs
 
     @staticmethod

@@ -98,19 +98,38 @@ def recover_features(rows: TensorLike, sort_indices: TensorLike, unique_inverse:
                                 f"{len(combiners)} combiners")
     rec = tf.gather(_validate.int_tensor(sort_indices, tf.int32, "sort_indices"),
                     _validate.int_tensor(unique_inverse, tf.int32, "unique_inverse"))
-    pool_parts, sizes, key_offset = [], [], tf.constant(0, tf.int64)
-    for rs, combiner in zip(feature_row_splits, combiners):
-        rs = tf.cast(rs, tf.int64)
-        if combiner is None:  # one output row per key: unit segments, identity "sum"
-            rs = tf.range(rs[-1] + 1, dtype=tf.int64)
-        pool_parts.append(rs[1:] + key_offset)
-        sizes.append(tf.shape(rs, out_type=tf.int64)[0] - 1)
-        key_offset += rs[-1]
-    pool_splits = tf.concat([tf.zeros([1], tf.int64)] + pool_parts, axis=0)
-    feature_splits = tf.concat([tf.zeros([1], tf.int64), tf.cumsum(tf.stack(sizes))], axis=0)
+    pool_splits, sizes = group_pool_splits(feature_row_splits, combiners)
+    feature_splits = tf.concat([tf.zeros([1], tf.int64), tf.cumsum(sizes)], axis=0)
     pooled = recovery_pool(rows, rec, pool_splits, feature_splits,
                            [c or "sum" for c in combiners])
-    return tf.split(pooled, tf.stack(sizes), axis=0, num=len(combiners))
+    return tf.split(pooled, sizes, axis=0, num=len(combiners))
+
+
+def group_pool_splits(feature_row_splits: Sequence[tf.Tensor],
+                      combiners: Sequence[Optional[str]]) -> Tuple[tf.Tensor, tf.Tensor]:
+    """(pool_splits int64[1 + sum B_f], sizes int64[F]): the features' samples as one
+    list of segments over the group's keys in fused order (feature f's ``rs_f`` shifted by
+    the keys of the features before it; a feature without a combiner has one segment per
+    key), and each feature's segment count B_f (n_f without a combiner).
+
+    Vectorized over the features (a few ops per feature for their sizes, not a dozen):
+    the step's graph stays small however many features a group fuses."""
+    splits = [tf.cast(rs, tf.int64) for rs in feature_row_splits]
+    splits = [rs if c is not None else tf.range(rs[-1] + 1, dtype=tf.int64)  # unit segments
+              for rs, c in zip(splits, combiners)]
+    sizes = tf.stack([tf.size(rs, out_type=tf.int64) for rs in splits]) - 1  # B_f
+    flat = tf.concat(splits, axis=0)  # feature f's rs_f at [start_f, start_f + B_f]
+    ends = tf.cumsum(sizes)
+    # Kept element j (every rs_f[1:], in order) is of feature f = #{ends <= j}, at flat
+    # position start_f + 1 + (j - ends_f + B_f) = j + f + 1 (start_f = ends_f - B_f + f).
+    kept = tf.range(ends[-1], dtype=tf.int64)
+    feature = tf.searchsorted(ends, kept, side="right", out_type=tf.int64)
+    last = tf.gather(flat, ends + tf.range(tf.size(ends, out_type=tf.int64)))  # rs_f[-1]
+    keys_before = tf.cumsum(last, exclusive=True)
+    pool_splits = tf.concat([tf.zeros([1], tf.int64),
+                             tf.gather(flat, kept + feature + 1) + tf.gather(keys_before, feature)],
+                            axis=0)
+    return pool_splits, sizes
 
 
 @tf.RegisterGradient("FusedEmb>RecoveryGather")

@@ -51,7 +51,7 @@ from tf_fusedemb.layers.routed_lookup import RoutedLookup
 from tf_fusedemb.pipeline.options import PipelineOptions
 from tf_fusedemb.training import keysets
 from tf_fusedemb.training.loop import TrainLoop
-from tf_fusedemb.training.micro_batches import micro_batch_slices, slice_rows
+from tf_fusedemb.training.micro_batches import micro_batch_parts
 from tf_fusedemb.training.replicas import replicas_of
 from tf_fusedemb.training.loss import LossLike
 from tf_fusedemb.training.step import (DENSE_GRADS, Schedule, StepResult, after, as_keras_loss,
@@ -225,10 +225,10 @@ class NestedPipeline:
         """Per micro-batch, per lookup: the RoutedLookup of ``x``'s slice, no rows yet
         (DBP stage 3)."""
         first = self.layers[0]
-        bounds = micro_batch_slices(
-            _batch_size(_feature(x, first.features[0].name, first, self._sources)),
-            self.options.num_micro_batches)
-        return [self.route_slice(slice_rows(x, lo, hi), i) for i, (lo, hi) in enumerate(bounds)]
+        parts = micro_batch_parts(
+            (x,), self.options.num_micro_batches,
+            lambda: _batch_size(_feature(x, first.features[0].name, first, self._sources)))
+        return [self.route_slice(x_i, i) for i, (x_i,) in enumerate(parts)]
 
     def route_slice(self, x: Mapping[str, tf.Tensor], i: int) -> List[RoutedLookup]:
         """Per lookup, the RoutedLookup of micro-batch ``i``, whose inputs are ``x``."""

@@ -1,5 +1,5 @@
 """Splitting a rank's batch into N contiguous micro-batches (NestPipe FWP)."""
-from typing import Any, List, Tuple, Union
+from typing import Any, Callable, List, Sequence, Tuple, Union
 
 import tensorflow as tf
 
@@ -30,6 +30,17 @@ def slice_rows(value: Any, lo: tf.Tensor, hi: tf.Tensor) -> Any:
         size = tf.concat([[hi - lo], value.dense_shape[1:]], 0)
         return tf.sparse.slice(value, start, size)
     return tf.convert_to_tensor(value)[lo:hi]
+
+
+def micro_batch_parts(values: Sequence[Any], num_micro_batches: int,
+                      batch_size: Callable[[], tf.Tensor]) -> List[Tuple[Any, ...]]:
+    """Per micro-batch, each of ``values`` (``slice_rows``'s kinds) cut to its rows
+    (``micro_batch_slices`` of ``batch_size()``). One micro-batch is the batch itself:
+    the values as they are, so a step without micro-batches traces no slicing ops."""
+    if num_micro_batches == 1:
+        return [tuple(values)]
+    return [tuple(slice_rows(v, lo, hi) for v in values)
+            for lo, hi in micro_batch_slices(batch_size(), num_micro_batches)]
 
 
 def batch_size_of(y: Any) -> tf.Tensor:

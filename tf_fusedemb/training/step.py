@@ -46,7 +46,7 @@ from tf_fusedemb.layers.routed_lookup import RoutedLookup
 from tf_fusedemb.layers.row_update import RowUpdate, row_gradient
 from tf_fusedemb.training import keysets
 from tf_fusedemb.training.loss import KerasLoss, LossLike, LossPartial, LossTotals
-from tf_fusedemb.training.micro_batches import batch_size_of, micro_batch_slices, slice_rows
+from tf_fusedemb.training.micro_batches import batch_size_of, micro_batch_parts
 from tf_fusedemb.training.replicas import replicas_of
 
 LOSS_STATS = "fusedemb/loss_stats"
@@ -244,8 +244,9 @@ def _forwards(model: tf_keras.Model, x: Any, y: Any, sample_weight: Any, loss: K
     forwards: List[MicroBatchForward] = []
     reg: Optional[tf.Tensor] = None
     lookup_inputs = {f.name for layer in fused_embedding_layers(model) for f in layer.features}
-    for i, (lo, hi) in enumerate(micro_batch_slices(batch_size_of(y), schedule.micro_batches)):
-        x_i = slice_rows(x, lo, hi)
+    parts = micro_batch_parts((x, y, sample_weight), schedule.micro_batches,
+                              lambda: batch_size_of(y))
+    for i, (x_i, y_i, weight_i) in enumerate(parts):
         if forwards and isinstance(x_i, dict):  # x not a dict: which part feeds the lookups
             # is unknown. Dense compute after the previous micro-batch's; the lookups once
             # the previous micro-batch's rows are retrieved (its row AlltoAll then goes
@@ -260,7 +261,7 @@ def _forwards(model: tf_keras.Model, x: Any, y: Any, sample_weight: Any, loss: K
             for routed in mine:  # their gradient is this step's to apply (apply_rows)
                 tape.watch(routed.rows)
             pred = model(x_i, training=True)
-            partial = loss.partial(slice_rows(y, lo, hi), pred, slice_rows(sample_weight, lo, hi))
+            partial = loss.partial(y_i, pred, weight_i)
             if i == 0:
                 reg = regularization(model)
         schedule.after_forward(i, pred)
