@@ -37,6 +37,17 @@ def test_speedups_are_torchrec_time_over_ours():
                    "speedup_vs_torchrec_fp32": 84.0 / 80.0}
 
 
+def test_speedup_by_round_is_each_rounds_own_ratio():
+    runs = {"fused": [80.0, 40.0], "fused_bf16": [50.0, 50.0],
+            "torchrec_table_wise": [84.0, 84.0], "torchrec_table_wise_bf16": [60.0, 30.0],
+            "torchrec_row_wise": [100.0, 60.0], "torchrec_row_wise_bf16": [70.0, 70.0]}
+    got = peers.speedups_by_round(runs)
+    assert got == [{"speedup_vs_torchrec_best": 60.0 / 50.0,
+                    "speedup_vs_torchrec_fp32": 84.0 / 80.0},
+                   {"speedup_vs_torchrec_best": 30.0 / 40.0,
+                    "speedup_vs_torchrec_fp32": 60.0 / 40.0}]
+
+
 def test_a_missing_torchrec_environment_names_the_fix(tmp_path):
     with pytest.raises(SystemExit, match="make peers-env"):
         peers.check_peer_python(str(tmp_path / "no-python"))

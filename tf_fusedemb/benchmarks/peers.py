@@ -22,7 +22,7 @@ another, each in fresh processes on ``--np`` ranks:
 Each run reports its median step time; the result gives each configuration's median over
 the rounds and ``speedup_vs_torchrec_best`` (TorchRec's fastest configuration over our
 fastest mode) and ``speedup_vs_torchrec_fp32`` (both float32: TorchRec's faster sharding
-over ``fused``). The last line of stdout is one JSON object.
+over ``fused``), and ``speedup_by_round``: both ratios of each round alone. The last line of stdout is one JSON object.
 """
 import argparse
 import json
@@ -64,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--np", type=int, default=2, help="ranks (one host)")
     parser.add_argument("--batch-size", type=int, default=4096, help="samples per rank")
     parser.add_argument("--num-batches", type=int, default=8, help="distinct global batches")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per run")
     parser.add_argument("--lr", type=float, default=0.05, help="Adagrad learning rate")
@@ -165,6 +165,13 @@ def speedups(medians: Dict[str, float]) -> Dict[str, float]:
             "speedup_vs_torchrec_fp32": min(peers_fp32) / medians["fused"]}
 
 
+def speedups_by_round(runs: Dict[str, List[float]]) -> List[Dict[str, float]]:
+    """``speedups`` of each round alone (its runs' step ms, one per configuration): how
+    much the ratio varies between rounds, beside the ratio of the medians."""
+    rounds = min(len(v) for v in runs.values())
+    return [speedups({k: v[r] for k, v in runs.items()}) for r in range(rounds)]
+
+
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo``), or the platform's processor string."""
     try:
@@ -189,6 +196,7 @@ def main(argv=None) -> int:
                 f"{k} {v[-1]:.1f} ms" for k, v in runs.items()), file=sys.stderr, flush=True)
     medians = {k: float(np.median(v)) for k, v in runs.items()}
     result = {"step_ms": medians, "runs_ms": runs, **speedups(medians),
+              "speedup_by_round": speedups_by_round(runs),
               "samples_per_s": {k: args.np * args.batch_size * 1e3 / v for k, v in medians.items()},
               "environment": {"np": args.np, "batch_size_per_rank": args.batch_size,
                               "rounds": args.rounds, "steps_per_run": args.steps,
