@@ -129,6 +129,11 @@ class StepProfiler:
         return summarize(self.logdir, embedding_scope)
 
 
+# Events of the compute threads that are not op executions: the executor's own, and the
+# thread pool's bookkeeping (``ThreadpoolListener::Record``, ``StartRegion``, ...).
+_NOT_OPS = ("ExecutorState", "ThreadpoolListener")
+
+
 def read_events(logdir: str) -> Tuple[List[Interval], List[OpEvent], List[float]]:
     """(step windows, op executions, completion times of the asynchronous collectives) of
     the profile in ``logdir``, in µs."""
@@ -152,7 +157,7 @@ def read_events(logdir: str) -> Tuple[List[Interval], List[OpEvent], List[float]
                 if (kernel or "").startswith("Horovod"):
                     completions.append(begin)
             elif line.name.startswith("tf_Compute") and ":" in name and \
-                    not name.startswith("ExecutorState"):
+                    not name.startswith(_NOT_OPS):
                 op_name, op_type = name.rsplit(":", 1)
                 ops.append(OpEvent(op_name, op_type, begin, end))
     return sorted(steps), ops, sorted(completions)
