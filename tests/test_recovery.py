@@ -7,6 +7,7 @@ import np_reference
 from tf_fusedemb.ops import (rankwise_sort, recover_features, recovery_gather, recovery_pool,
                              segment_unique)
 from tf_fusedemb.ops import reference as tf_ref
+from tf_fusedemb.ops.recovery import UniformSplits, group_pool_splits
 
 
 def fused_case(seed, n=600, m=5, d=8):
@@ -114,6 +115,41 @@ def test_recover_features_for_a_mixed_group():
                   for r in multi.to_list()]
     np.testing.assert_allclose(outs[1], want_multi, rtol=1e-6)
     np.testing.assert_allclose(outs[2], table[seq.flat_values.numpy() + 60], rtol=1e-6)
+
+
+def _pool_splits_numpy(row_splits, combiners):
+    """The group's pooling segments, feature after feature, by a plain loop."""
+    parts, sizes, offset = [np.zeros(1, np.int64)], [], 0
+    for rs, combiner in zip(row_splits, combiners):
+        rs = np.arange(rs[-1] + 1) if combiner is None else np.asarray(rs, np.int64)
+        parts.append(rs[1:] + offset)
+        sizes.append(len(rs) - 1)
+        offset += rs[-1]
+    return np.concatenate(parts), np.array(sizes, np.int64)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_group_pool_splits_of_ragged_and_uniform_features(seed):
+    """Features given as row splits or as L IDs per sample, empty ones among them, with and
+    without a combiner: the segments a loop over the features builds."""
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        splits, given, combiners = [], [], []
+        for _ in range(rng.integers(1, 6)):
+            samples = int(rng.integers(0, 5))
+            if rng.integers(0, 2):
+                rs = np.concatenate([[0], np.cumsum(rng.integers(0, 4, samples))])
+                given.append(tf.constant(rs, tf.int64))
+            else:
+                per_sample = int(rng.integers(1, 4))
+                rs = np.arange(samples + 1) * per_sample
+                given.append(UniformSplits(per_sample, tf.constant(rs[-1], tf.int64)))
+            splits.append(rs)
+            combiners.append([None, "sum", "mean"][rng.integers(0, 3)])
+        got, sizes = group_pool_splits(given, combiners)
+        want, want_sizes = _pool_splits_numpy(splits, combiners)
+        np.testing.assert_array_equal(got, want, err_msg=f"{splits} {combiners}")
+        np.testing.assert_array_equal(sizes, want_sizes)
 
 
 @pytest.mark.parametrize("args,message", [

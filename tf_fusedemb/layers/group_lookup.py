@@ -307,7 +307,7 @@ class GroupLookup(tf.Module):
         back = tf.cast(back, tf.float32)
         back.set_shape([None, self.group.dim])
         return ops.recover_features(back, routed.route.sort_indices, routed.unique_inverse,
-                                    [f.row_splits for f in flats], combiners)
+                                    [f.sample_splits() for f in flats], combiners)
 
     def __call__(self, flats: Sequence[FlatFeature], combiners: Combiners,
                  context: LookupContext = NO_CONTEXT,

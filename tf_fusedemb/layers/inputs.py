@@ -3,23 +3,52 @@ from typing import Any, List, Optional, Tuple, Union
 
 import tensorflow as tf
 
+from tf_fusedemb.ops.recovery import SampleSplits, UniformSplits
 from tf_fusedemb.specs import FeatureSpec
 
 
 class FlatFeature:
     """One feature's IDs flattened: ``ids`` int64[n], ``row_splits`` int64[B+1] per
-    sample, ``dense_length`` L when the input was a dense [B, L] tensor (else None)."""
+    sample, ``dense_length`` L when the input was a dense [B, L] tensor (else None).
 
-    def __init__(self, ids: tf.Tensor, row_splits: tf.Tensor, dense_length: Optional[int] = None):
-        self.ids, self.row_splits, self.dense_length = ids, row_splits, dense_length
+    Give ``row_splits``, or ``ids_per_sample`` L when every sample has exactly L IDs (a
+    [B] or [B, L] input): then ``row_splits`` is only built if something reads it; the
+    step's recovery pools such a feature from L alone (``sample_splits``), so a model of
+    many one-ID features runs no per-feature splits op."""
+
+    def __init__(self, ids: tf.Tensor, row_splits: Optional[tf.Tensor] = None,
+                 dense_length: Optional[int] = None, ids_per_sample: Optional[int] = None):
+        if (row_splits is None) == (ids_per_sample is None):
+            raise ValueError("FlatFeature: give row_splits or ids_per_sample, not both")
+        self.ids, self.dense_length, self.ids_per_sample = ids, dense_length, ids_per_sample
+        self._row_splits = row_splits
         # A deferred range check (``flatten_feature(defer_range_check=True)``): bool[n]
         # marking the IDs out of range; None: nothing to check.
         self.invalid: Optional[tf.Tensor] = None
 
     @property
+    def row_splits(self) -> tf.Tensor:
+        """int64[B+1]: sample b's IDs are ``ids[row_splits[b]:row_splits[b+1]]``."""
+        if self._row_splits is None:
+            splits = tf.range(self.batch_size + 1, dtype=tf.int64)
+            self._row_splits = splits if self.ids_per_sample == 1 else \
+                splits * self.ids_per_sample
+        return self._row_splits
+
+    @property
     def batch_size(self) -> tf.Tensor:
         """int64 scalar B, the samples of the batch."""
-        return tf.shape(self.row_splits, out_type=tf.int64)[0] - 1
+        if self.ids_per_sample is None:
+            return tf.shape(self.row_splits, out_type=tf.int64)[0] - 1
+        n = tf.size(self.ids, out_type=tf.int64)
+        return n if self.ids_per_sample == 1 else n // self.ids_per_sample
+
+    def sample_splits(self) -> SampleSplits:
+        """How the IDs split into samples, for ``recover_features``: ``UniformSplits``
+        where every sample has the same number of IDs, else ``row_splits``."""
+        if self.ids_per_sample is None:
+            return self.row_splits
+        return UniformSplits(self.ids_per_sample, tf.size(self.ids, out_type=tf.int64))
 
 
 def flatten_feature(spec: FeatureSpec, value: Any, id_bits: Optional[int] = None,
@@ -52,9 +81,11 @@ def flatten_feature(spec: FeatureSpec, value: Any, id_bits: Optional[int] = None
         value = to_tensor(name, value)
         _check_dtype(name, value.dtype)
         if value.shape.rank == 1:
-            n = tf.size(value, out_type=tf.int64)
-            flat = FlatFeature(value, tf.range(n + 1, dtype=tf.int64))
-        elif value.shape.rank == 2:
+            flat = FlatFeature(value, ids_per_sample=1)
+        elif value.shape.rank == 2 and (value.shape[1] or 0) >= 1:  # L IDs per sample
+            flat = FlatFeature(tf.reshape(value, [-1]), dense_length=value.shape[1],
+                               ids_per_sample=value.shape[1])
+        elif value.shape.rank == 2:  # L unknown when traced (or 0)
             batch = tf.shape(value, out_type=tf.int64)[0]
             length = tf.shape(value, out_type=tf.int64)[1]
             flat = FlatFeature(tf.reshape(value, [-1]),

@@ -4,13 +4,24 @@
 ``recovery_pool`` gathers and pools (sum/mean/sqrtn) per sample for a whole group in
 one kernel; ``recover_features`` is what a layer calls for one fused group.
 """
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 
 from tf_fusedemb.ops import _loader, _validate
 from tf_fusedemb.ops._validate import TensorLike
 from tf_fusedemb.specs import COMBINERS
+
+
+class UniformSplits(NamedTuple):
+    """A feature whose every sample has ``ids_per_sample`` L IDs: ``num_ids`` int64
+    scalar n of them, so B = n / L samples (its row splits are 0, L, 2L, ..., n)."""
+    ids_per_sample: int
+    num_ids: tf.Tensor
+
+
+# How a feature's IDs split into samples: row splits int64[B+1], or UniformSplits.
+SampleSplits = Union[tf.Tensor, UniformSplits]
 
 
 def recovery_gather(rows: TensorLike, sort_indices: TensorLike, unique_inverse: TensorLike,
@@ -78,7 +89,7 @@ def finish_pooling(total: TensorLike, count: TensorLike, combiner: str) -> tf.Te
 
 
 def recover_features(rows: TensorLike, sort_indices: TensorLike, unique_inverse: TensorLike,
-                     feature_row_splits: Sequence[tf.Tensor],
+                     feature_row_splits: Sequence[SampleSplits],
                      combiners: Sequence[Optional[str]]) -> List[tf.Tensor]:
     """Per-feature embeddings of one fused group, with one pooling kernel for the group.
 
@@ -86,7 +97,8 @@ def recover_features(rows: TensorLike, sort_indices: TensorLike, unique_inverse:
       rows: float[m, D] received rows (rank-sorted order).
       sort_indices: int32[u] I_s.  unique_inverse: int32[n] I_u.
       feature_row_splits: F int64 tensors; feature f's keys are the next ``rs_f[-1]``
-        keys of the fused order and ``rs_f`` [B_f+1] splits them per sample.
+        keys of the fused order and ``rs_f`` [B_f+1] splits them per sample. A
+        ``UniformSplits`` stands for the splits of a feature with L keys per sample.
       combiners: F entries, 'sum' | 'mean' | 'sqrtn' to pool, or None to keep one row
         per key (one-hot or sequence features).
 
@@ -105,31 +117,65 @@ def recover_features(rows: TensorLike, sort_indices: TensorLike, unique_inverse:
     return tf.split(pooled, sizes, axis=0, num=len(combiners))
 
 
-def group_pool_splits(feature_row_splits: Sequence[tf.Tensor],
+def group_pool_splits(feature_row_splits: Sequence[SampleSplits],
                       combiners: Sequence[Optional[str]]) -> Tuple[tf.Tensor, tf.Tensor]:
     """(pool_splits int64[1 + sum B_f], sizes int64[F]): the features' samples as one
-    list of segments over the group's keys in fused order (feature f's ``rs_f`` shifted by
-    the keys of the features before it; a feature without a combiner has one segment per
-    key), and each feature's segment count B_f (n_f without a combiner).
+    list of segments over the group's keys in fused order (feature f's row splits shifted
+    by the keys of the features before it; a feature without a combiner has one segment
+    per key), and each feature's segment count B_f (n_f without a combiner).
 
-    Vectorized over the features (a few ops per feature for their sizes, not a dozen):
-    the step's graph stays small however many features a group fuses."""
-    splits = [tf.cast(rs, tf.int64) for rs in feature_row_splits]
-    splits = [rs if c is not None else tf.range(rs[-1] + 1, dtype=tf.int64)  # unit segments
-              for rs, c in zip(splits, combiners)]
-    sizes = tf.stack([tf.size(rs, out_type=tf.int64) for rs in splits]) - 1  # B_f
-    flat = tf.concat(splits, axis=0)  # feature f's rs_f at [start_f, start_f + B_f]
+    Vectorized over the features: a feature given as ``UniformSplits`` costs no op of its
+    own beyond its size, a ragged one two, so the step's graph stays small however many
+    features a group fuses."""
+    uniform = [_as_uniform(s, c) for s, c in zip(feature_row_splits, combiners)]
+    ragged = [tf.cast(s, tf.int64) for s, u in zip(feature_row_splits, uniform) if u is None]
+    num_ids = tf.stack([u.num_ids if u else rs[-1] for u, rs in _zip_ragged(uniform, ragged)])
+    sizes = tf.stack([_uniform_size(u) if u else tf.size(rs, out_type=tf.int64) - 1
+                      for u, rs in _zip_ragged(uniform, ragged)])  # B_f
     ends = tf.cumsum(sizes)
-    # Kept element j (every rs_f[1:], in order) is of feature f = #{ends <= j}, at flat
-    # position start_f + 1 + (j - ends_f + B_f) = j + f + 1 (start_f = ends_f - B_f + f).
+    # Kept split j (every feature's row splits but the leading 0, in order) is sample k
+    # of feature f = #{ends <= j}: its value is (k + 1) L_f, or rs_f[k + 1] if ragged.
     kept = tf.range(ends[-1], dtype=tf.int64)
     feature = tf.searchsorted(ends, kept, side="right", out_type=tf.int64)
-    last = tf.gather(flat, ends + tf.range(tf.size(ends, out_type=tf.int64)))  # rs_f[-1]
-    keys_before = tf.cumsum(last, exclusive=True)
-    pool_splits = tf.concat([tf.zeros([1], tf.int64),
-                             tf.gather(flat, kept + feature + 1) + tf.gather(keys_before, feature)],
+    sample = kept - tf.gather(ends - sizes, feature)
+    per_sample = [u.ids_per_sample if u else 0 for u in uniform]
+    value = sample + 1
+    if any(length != 1 for length in per_sample):
+        value *= tf.gather(tf.constant(per_sample, tf.int64), feature)
+    if ragged:
+        flat = tf.concat(ragged, axis=0)
+        lengths = [tf.size(rs, out_type=tf.int64) for rs in ragged]
+        starts = iter(tf.unstack(tf.cumsum(tf.stack(lengths), exclusive=True)))
+        start = tf.stack([tf.zeros([], tf.int64) if u else next(starts) for u in uniform])
+        of_ragged = tf.gather(tf.constant([u is None for u in uniform]), feature)
+        # Position in ``flat`` of a ragged feature's split (0 for the others: in range).
+        at = tf.where(of_ragged, tf.gather(start, feature) + sample + 1, tf.zeros_like(sample))
+        value = tf.where(of_ragged, tf.gather(flat, at), value)
+    keys_before = tf.cumsum(num_ids, exclusive=True)
+    pool_splits = tf.concat([tf.zeros([1], tf.int64), value + tf.gather(keys_before, feature)],
                             axis=0)
     return pool_splits, sizes
+
+
+def _as_uniform(splits: SampleSplits, combiner: Optional[str]) -> Optional[UniformSplits]:
+    """``splits`` as UniformSplits where they are uniform: given so, or a feature without
+    a combiner (one segment per key); None for a pooled ragged feature."""
+    if isinstance(splits, UniformSplits):
+        return splits if combiner is not None else UniformSplits(1, splits.num_ids)
+    if combiner is None:
+        return UniformSplits(1, tf.cast(splits, tf.int64)[-1])
+    return None
+
+
+def _uniform_size(u: UniformSplits) -> tf.Tensor:
+    """B = n / L of a uniform feature."""
+    return u.num_ids if u.ids_per_sample == 1 else u.num_ids // u.ids_per_sample
+
+
+def _zip_ragged(uniform: Sequence[Optional[UniformSplits]], ragged: Sequence[tf.Tensor]):
+    """(uniform, None) or (None, its row splits) per feature, in feature order."""
+    rest = iter(ragged)
+    return [(u, None) if u else (None, next(rest)) for u in uniform]
 
 
 @tf.RegisterGradient("FusedEmb>RecoveryGather")
