@@ -293,14 +293,33 @@ memory budget. A no-op without an SSD tier.
 REGISTER_OP("FusedEmb>EngineWriteCheckpoint")
     .Input("handle: resource")
     .Input("directory: string")
+    .Attr("track_changes: bool = false")
     .SetIsStateful()
     .SetShapeFn(shape_inference::NoOutputs)
     .Doc(R"doc(
 Writes every block of the engine (rows, slots and statistics; both tiers) to `directory`,
 which must not exist (its parent must): for a tiered engine the SSD tier's RocksDB
 checkpoint (its files hard-linked) with the DRAM tier's blocks written over it; for an
-engine without an SSD tier a new RocksDB database of its blocks. The engine is not
-changed.
+engine without an SSD tier a new RocksDB database of its blocks. The blocks are not
+changed. track_changes: from here on, record the keys whose blocks change (for
+EngineWriteDelta); false stops recording.
+)doc");
+
+REGISTER_OP("FusedEmb>EngineWriteDelta")
+    .Input("handle: resource")
+    .Input("directory: string")
+    .Output("counts: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(2));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Writes to `directory` (which must not exist; its parent must), in EngineWriteCheckpoint's
+format, the blocks of the keys changed since the last EngineWriteCheckpoint with
+track_changes or EngineWriteDelta, and for each such key without a block any more a
+deletion (an empty value); then records changes afresh. counts: [blocks, deletions].
+Fails when changes are not being recorded.
 )doc");
 
 REGISTER_OP("FusedEmb>EngineReadCheckpoint")
@@ -317,7 +336,9 @@ REGISTER_OP("FusedEmb>EngineReadCheckpoint")
     .Doc(R"doc(
 Puts into the engine (tiered or not) the blocks that `rank` of `num_ranks` owns (owner =
 Mix64(ID) mod num_ranks) out of every directory EngineWriteCheckpoint wrote (one per saving
-rank), in place of the engine's blocks of the same keys. restored: the blocks put.
+rank), in place of the engine's blocks of the same keys; a delta's deletions (empty values,
+EngineWriteDelta) erase their keys' blocks on every rank. restored: the blocks put and
+deletions applied.
 )doc");
 
 }  // namespace fusedemb
