@@ -15,6 +15,8 @@ Example (one group on one rank)::
     stats = EngineStatistics("g0", ["user", "item"], table.engine)
     table.set_admission([2, 1])         # min_count per table, decided inside the update
 """
+import dataclasses
+import enum
 from typing import Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -27,7 +29,29 @@ from tf_fusedemb.storage import initializers
 from tf_fusedemb.storage.group_table import GroupTable
 from tf_fusedemb.storage.statistics import AccessStatistics
 
-__all__ = ["EngineGroupTable", "EngineStatistics"]
+__all__ = ["BlockWrite", "DeltaCounts", "EngineGroupTable", "EngineStatistics"]
+
+
+class BlockWrite(enum.Enum):
+    """What a checkpoint write of an engine table's blocks writes.
+
+    FULL: every block; the engine records no changes afterwards.
+    FULL_TRACKED: every block; from then on the engine records the keys whose blocks
+      change (a per-shard set of keys: custom_ops/engine_changes.h), for a DELTA.
+    DELTA: the blocks of the keys changed since the previous FULL_TRACKED or DELTA write,
+      and a deletion for each such key without a block any more; restarts the record.
+    """
+    FULL = "full"
+    FULL_TRACKED = "full_tracked"
+    DELTA = "delta"
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaCounts:
+    """What a delta write wrote: ``blocks`` (changed keys' blocks) and ``deletions``
+    (changed keys without a block any more)."""
+    blocks: int
+    deletions: int
 
 
 class EngineGroupTable(GroupTable):
@@ -127,16 +151,24 @@ class EngineGroupTable(GroupTable):
         """Whether the table has a memory budget (an SSD tier)."""
         return self.engine.memory_budget_bytes is not None
 
-    def write_checkpoint(self, directory: str) -> None:
+    def write_checkpoint(self, directory: str, write: BlockWrite = BlockWrite.FULL
+                         ) -> Optional[DeltaCounts]:
         """Writes the table's blocks (rows, slots and statistics of both tiers) to
         ``directory`` as a RocksDB database, in C++ (EmbeddingEngine.write_checkpoint):
-        a tiered table through its SSD tier's own checkpoint, an untiered one anew. Eager."""
-        self.engine.write_checkpoint(directory)
+        a tiered table through its SSD tier's own checkpoint, an untiered one anew; or,
+        for ``BlockWrite.DELTA``, only the blocks changed since the previous tracked
+        write, and deletions (EmbeddingEngine.write_delta). Returns the DeltaCounts of a
+        delta, None otherwise. Eager."""
+        if write is BlockWrite.DELTA:
+            blocks, deletions = self.engine.write_delta(directory).numpy().tolist()
+            return DeltaCounts(int(blocks), int(deletions))
+        self.engine.write_checkpoint(directory, track_changes=write is BlockWrite.FULL_TRACKED)
+        return None
 
     def read_checkpoint(self, directories: Sequence[str], rank: int, size: int) -> int:
         """Puts the blocks that ``rank`` of ``size`` owns out of every saving rank's
-        ``write_checkpoint`` directory into this table (tiered or not); returns how many.
-        Eager."""
+        ``write_checkpoint`` directory into this table (tiered or not); a delta's
+        deletions erase their keys. Returns the blocks put and deletions applied. Eager."""
         return int(self.engine.read_checkpoint(directories, rank, size).numpy())
 
     def prefetch(self, keys: tf.Tensor) -> Optional[tf.Operation]:
