@@ -1,10 +1,12 @@
 """Worker of tests/test_incremental_checkpoint.py on several ranks: restores a chain
-written by another number of ranks and a full checkpoint of the same step into two fresh
-models and asserts their states equal on every rank; then changes the model further and
-saves its own chain (a full checkpoint and two deltas) and a full reference into --out.
+written by another number of ranks into a fresh model, and into a fresh tiered one (a
+memory budget, its SSD tier under --spill-dir), and a full checkpoint of the same step
+into a third, and asserts their states equal on every rank; then changes the model
+further and saves its own chain (a full checkpoint and two deltas) and a full reference
+into --out.
 
     horovodrun -np 2 --gloo -H localhost:2 python tests/incremental_checkpoint_worker.py \\
-        --restore CHAIN/ckpt-3 --reference FULL/ckpt-3 --out DIR
+        --restore CHAIN/ckpt-3 --reference FULL/ckpt-3 --out DIR --spill-dir SPILL
 """
 import argparse
 import os
@@ -23,14 +25,17 @@ def main(argv=None):
     parser.add_argument("--restore", required=True)
     parser.add_argument("--reference", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--spill-dir", required=True)
     args = parser.parse_args(argv)
 
     states = []
-    for path in (args.restore, args.reference):
-        model, layer = icm.build()
+    for path, build in ((args.restore, dict(budget=1500, spill_dir=args.spill_dir)),
+                        (args.restore, {}), (args.reference, {})):
+        model, layer = icm.build(**build)
         CheckpointManager(os.path.dirname(path), model, model.optimizer).restore(path)
         states.append(icm.state(model, layer))
-    icm.assert_same(states[0], states[1], "chain vs full checkpoint on this rank")
+    icm.assert_same(states[0], states[2], "chain restored tiered vs full checkpoint")
+    icm.assert_same(states[1], states[2], "chain vs full checkpoint on this rank")
     assert len(states[0][f"{icm.engine_group(layer).group.name}/keys"]) > 0
 
     # Go on from the restored state: its own chain on this world size.
