@@ -149,7 +149,7 @@ class CheckpointManager:
     # ---- save -------------------------------------------------------------------------
     def save(self, step: int, state: Optional[Dict[str, Any]] = None) -> str:
         """Writes checkpoint ``step`` (all ranks must call it): full, or with
-        ``incremental`` a delta on the previous save (see the class doc); returns its
+        ``incremental`` a delta on the previous save (see the module doc); returns its
         path."""
         with self.comm.watch(f"checkpoint save {int(step)}"):
             try:
