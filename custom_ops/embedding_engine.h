@@ -206,12 +206,13 @@ class Engine {
   // an engine without a store through `write_new` (a new checkpoint of the blocks alone:
   // the caller's store format, which this header does not know). The blocks are written
   // from the arenas, never copied whole. Holds every shard's lock meanwhile, so no block
-  // moves between the tiers or changes. Once written, `track_changes` starts recording
-  // the keys that change from here (for WriteDelta); without it, recording stops.
+  // moves between the tiers or changes. Once written, a non-empty `changes_for` (who
+  // will write the deltas: a checkpoint manager's id) starts recording the keys that
+  // change from here, for WriteDelta by that owner; "" stops recording.
   using CheckpointWriter =
       std::function<std::string(const std::string& dir, std::vector<BlockRef> blocks)>;
   std::string WriteCheckpoint(const std::string& dir, const CheckpointWriter& write_new,
-                              bool track_changes) {
+                              const std::string& changes_for) {
     std::lock_guard<std::mutex> serial(checkpoint_mu_);
     const auto locks = LockAll();
     std::vector<BlockRef> dram;
@@ -224,9 +225,17 @@ class Engine {
     const std::string error = tiered() ? tier_.store()->Checkpoint(dir, std::move(dram))
                                        : write_new(dir, std::move(dram));
     if (error.empty()) {
-      for (ChangeSet& c : changes_) c.Restart(track_changes);
+      for (ChangeSet& c : changes_) c.Restart(!changes_for.empty());
+      changes_for_ = changes_for;
     }
     return error;
+  }
+
+  // Whether the engine records changes for `owner` (its last checkpoint write, full or
+  // delta, was that owner's): only then does that owner's WriteDelta follow its own.
+  bool RecordsChangesFor(const std::string& owner) {
+    std::lock_guard<std::mutex> serial(checkpoint_mu_);
+    return !owner.empty() && owner == changes_for_;
   }
 
   // What WriteDelta wrote: blocks (changed keys' current blocks) and deletions (changed
@@ -236,21 +245,21 @@ class Engine {
   };
 
   // Writes to `dir` (through `write_new`, in WriteCheckpoint's format) the blocks of the
-  // keys changed since the last WriteCheckpoint(track_changes) or WriteDelta, from
-  // either tier, and a deletion (an empty value) for each such key without a block any
-  // more; then records changes afresh. Applied in order over that checkpoint
-  // (PutBlocks), deltas give back every block as it is now. An error if changes are not
-  // being recorded. Holds every shard's lock meanwhile, as WriteCheckpoint.
+  // keys changed since `owner`'s last checkpoint write (WriteCheckpoint with changes_for
+  // `owner`, or WriteDelta), from either tier, and a deletion (an empty value) for each
+  // such key without a block any more; then records changes afresh. Applied in order
+  // over that checkpoint (PutBlocks), deltas give back every block as it is now. An
+  // error if the engine does not record changes for `owner` (none, or another owner
+  // wrote a checkpoint since). Holds every shard's lock meanwhile, as WriteCheckpoint.
   std::string WriteDelta(const std::string& dir, const CheckpointWriter& write_new,
-                         DeltaCounts* counts) {
+                         const std::string& owner, DeltaCounts* counts) {
     std::lock_guard<std::mutex> serial(checkpoint_mu_);
-    const auto locks = LockAll();
-    for (const ChangeSet& c : changes_) {
-      if (!c.tracking()) {
-        return "no checkpoint of every block was written with change tracking before this "
-               "delta (write one with track_changes first)";
-      }
+    if (owner.empty() || owner != changes_for_) {
+      return "the engine records no changes since a checkpoint of its blocks by this "
+             "writer (none was written with changes recorded for it, or another writer's "
+             "checkpoint came since): write a full checkpoint first";
     }
+    const auto locks = LockAll();
     std::vector<BlockRef> out;
     std::deque<std::string> read_back;  // blocks read from the SSD tier (stable addresses)
     *counts = DeltaCounts();
@@ -385,6 +394,7 @@ class Engine {
   // under the shard's writer lock; restarted by a checkpoint write under every shard's
   // reader lock and checkpoint_mu_, which keeps two checkpoint writes apart.
   std::vector<ChangeSet> changes_;
+  std::string changes_for_;  // who records them ("": nobody, not recording); checkpoint_mu_
   std::mutex checkpoint_mu_;
 };
 

@@ -650,38 +650,56 @@ class EngineSizeOp : public OpKernel {
 };
 
 // ------------------------------------------------------------------ checkpoints
-// The engine and the directory (input 1, a scalar string) of a checkpoint write.
-Status CheckpointInputs(OpKernelContext* ctx, core::RefCountPtr<EngineResource>* r,
-                        std::string* dir) {
-  TF_RETURN_IF_ERROR(GetEngine(ctx, r));
-  const Tensor& t = ctx->input(1);
-  if (!TensorShapeUtils::IsScalar(t.shape())) {
-    return errors::InvalidArgument("directory must be a scalar string");
+// Input `index` of a checkpoint op, a scalar string named `what`.
+Status ScalarString(OpKernelContext* ctx, int index, const char* what, std::string* out) {
+  const Tensor& t = ctx->input(index);
+  if (!TensorShapeUtils::IsScalar(t.shape()) || t.dtype() != DT_STRING) {
+    return errors::InvalidArgument(what, " must be a scalar string");
   }
-  *dir = t.scalar<tstring>()();
+  *out = t.scalar<tstring>()();
   return OkStatus();
 }
 
+// The engine, the directory (input 1) and the owner of the recorded changes (input 2) of
+// a checkpoint write.
+Status CheckpointInputs(OpKernelContext* ctx, core::RefCountPtr<EngineResource>* r,
+                        std::string* dir, std::string* owner) {
+  TF_RETURN_IF_ERROR(GetEngine(ctx, r));
+  TF_RETURN_IF_ERROR(ScalarString(ctx, 1, "directory", dir));
+  return ScalarString(ctx, 2, "changes_for", owner);
+}
+
 // Writes an engine's blocks, both tiers, to a directory: a tiered engine's through its
-// store's checkpoint, an untiered engine's as a new checkpoint of the same format; with
-// track_changes, the engine records changes from here for EngineWriteDelta.
+// store's checkpoint, an untiered engine's as a new checkpoint of the same format; the
+// engine then records changes for EngineWriteDelta by `changes_for` ("" : none).
 class EngineWriteCheckpointOp : public OpKernel {
  public:
-  explicit EngineWriteCheckpointOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("track_changes", &track_changes_));
-  }
+  using OpKernel::OpKernel;
 
   void Compute(OpKernelContext* ctx) override {
     core::RefCountPtr<EngineResource> r;
-    std::string dir;
-    OP_REQUIRES_OK(ctx, CheckpointInputs(ctx, &r, &dir));
-    const std::string error =
-        r->engine().WriteCheckpoint(dir, engine::WriteBlockCheckpoint, track_changes_);
+    std::string dir, owner;
+    OP_REQUIRES_OK(ctx, CheckpointInputs(ctx, &r, &dir, &owner));
+    const std::string error = r->engine().WriteCheckpoint(dir, engine::WriteBlockCheckpoint, owner);
     OP_REQUIRES(ctx, error.empty(), errors::Internal("embedding engine: ", error));
   }
+};
 
- private:
-  bool track_changes_;
+// Whether the engine records changes for an owner (EngineWriteDelta by it would follow
+// its own last checkpoint write).
+class EngineRecordsChangesForOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<EngineResource> r;
+    OP_REQUIRES_OK(ctx, GetEngine(ctx, &r));
+    std::string owner;
+    OP_REQUIRES_OK(ctx, ScalarString(ctx, 1, "owner", &owner));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<bool>()() = r->engine().RecordsChangesFor(owner);
+  }
 };
 
 // Writes the blocks changed since the last checkpoint (and deletions of the keys removed)
@@ -692,10 +710,11 @@ class EngineWriteDeltaOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     core::RefCountPtr<EngineResource> r;
-    std::string dir;
-    OP_REQUIRES_OK(ctx, CheckpointInputs(ctx, &r, &dir));
+    std::string dir, owner;
+    OP_REQUIRES_OK(ctx, CheckpointInputs(ctx, &r, &dir, &owner));
     Engine::DeltaCounts counts;
-    const std::string error = r->engine().WriteDelta(dir, engine::WriteBlockCheckpoint, &counts);
+    const std::string error =
+        r->engine().WriteDelta(dir, engine::WriteBlockCheckpoint, owner, &counts);
     OP_REQUIRES(ctx, error.empty(), errors::FailedPrecondition("embedding engine: ", error));
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({2}), &out));
@@ -797,6 +816,7 @@ FUSEDEMB_ENGINE_KERNEL("EngineExport", EngineExportOp);
 FUSEDEMB_ENGINE_KERNEL("EngineSize", EngineSizeOp);
 FUSEDEMB_ENGINE_KERNEL("EngineWriteCheckpoint", EngineWriteCheckpointOp);
 FUSEDEMB_ENGINE_KERNEL("EngineWriteDelta", EngineWriteDeltaOp);
+FUSEDEMB_ENGINE_KERNEL("EngineRecordsChangesFor", EngineRecordsChangesForOp);
 FUSEDEMB_ENGINE_KERNEL("EngineReadCheckpoint", EngineReadCheckpointOp);
 
 }  // namespace fusedemb

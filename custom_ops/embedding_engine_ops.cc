@@ -293,7 +293,7 @@ memory budget. A no-op without an SSD tier.
 REGISTER_OP("FusedEmb>EngineWriteCheckpoint")
     .Input("handle: resource")
     .Input("directory: string")
-    .Attr("track_changes: bool = false")
+    .Input("changes_for: string")
     .SetIsStateful()
     .SetShapeFn(shape_inference::NoOutputs)
     .Doc(R"doc(
@@ -301,13 +301,29 @@ Writes every block of the engine (rows, slots and statistics; both tiers) to `di
 which must not exist (its parent must): for a tiered engine the SSD tier's RocksDB
 checkpoint (its files hard-linked) with the DRAM tier's blocks written over it; for an
 engine without an SSD tier a new RocksDB database of its blocks. The blocks are not
-changed. track_changes: from here on, record the keys whose blocks change (for
-EngineWriteDelta); false stops recording.
+changed. changes_for: who writes the deltas on this checkpoint (e.g. a checkpoint
+manager's id): from here on the engine records the keys whose blocks change, for
+EngineWriteDelta by that owner; "" stops recording.
+)doc");
+
+REGISTER_OP("FusedEmb>EngineRecordsChangesFor")
+    .Input("handle: resource")
+    .Input("owner: string")
+    .Output("records: bool")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Scalar());
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Whether the engine records changes for `owner`: its last checkpoint write (full or delta)
+was that owner's, so EngineWriteDelta by `owner` follows it.
 )doc");
 
 REGISTER_OP("FusedEmb>EngineWriteDelta")
     .Input("handle: resource")
     .Input("directory: string")
+    .Input("changes_for: string")
     .Output("counts: int64")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
@@ -316,10 +332,10 @@ REGISTER_OP("FusedEmb>EngineWriteDelta")
     })
     .Doc(R"doc(
 Writes to `directory` (which must not exist; its parent must), in EngineWriteCheckpoint's
-format, the blocks of the keys changed since the last EngineWriteCheckpoint with
-track_changes or EngineWriteDelta, and for each such key without a block any more a
+format, the blocks of the keys changed since the last EngineWriteCheckpoint or
+EngineWriteDelta by `changes_for`, and for each such key without a block any more a
 deletion (an empty value); then records changes afresh. counts: [blocks, deletions].
-Fails when changes are not being recorded.
+Fails unless the engine records changes for `changes_for`.
 )doc");
 
 REGISTER_OP("FusedEmb>EngineReadCheckpoint")

@@ -184,7 +184,8 @@ def test_engine_delta_writes_changed_blocks_and_deletions(tmp_path, monkeypatch,
     """The engine alone: after a tracked full write, a delta holds exactly the keys that
     changed (by update, row write, statistics, row removal, forgetting), a deletion for
     each key gone; the full write then the delta read into a fresh engine (tiered or not)
-    equal the engine, block for block. Without tracking a delta is refused."""
+    equal the engine, block for block. A delta is refused unless the engine records
+    changes for its writer."""
     import tempfile
     import tensorflow as tf
     from tf_fusedemb.ops.embedding_engine import EmbeddingEngine
@@ -206,19 +207,22 @@ def test_engine_delta_writes_changed_blocks_and_deletions(tmp_path, monkeypatch,
     rng = np.random.default_rng(3)
     e.record(keys, keys % 2, keys, np.ones(len(keys), np.int64), 1, True)
     e.apply_gradients(keys, keys, rng.standard_normal((len(keys), 4)).astype(np.float32), 1)
-    with pytest.raises(tf.errors.FailedPreconditionError, match="no checkpoint of every block "
-                                                                "was written with change"):
-        e.write_delta(str(tmp_path / "untracked"))
-    e.write_checkpoint(str(tmp_path / "full"), track_changes=True)
+    refused = "the engine records no changes since a checkpoint of its blocks by this writer"
+    with pytest.raises(tf.errors.FailedPreconditionError, match=refused):
+        e.write_delta(str(tmp_path / "untracked"), "me")
+    e.write_checkpoint(str(tmp_path / "full"), changes_for="me")
+    assert bool(e.records_changes_for("me")) and not bool(e.records_changes_for("other"))
+    with pytest.raises(tf.errors.FailedPreconditionError, match=refused):
+        e.write_delta(str(tmp_path / "other"), "other")
     updated, written, removed, forgotten = keys[:50], keys[100:110], keys[200:210], keys[205:210]
     e.apply_gradients(updated, updated, np.ones((50, 4), np.float32), 2)
     e.write_rows(written, np.full((10, 4), 0.5, np.float32), np.zeros((10, 1, 4), np.float32))
     e.remove_rows(removed)  # rows go, statistics stay (header-only blocks)
     e.forget(forgotten)  # these go entirely
-    counts = e.write_delta(str(tmp_path / "delta")).numpy().tolist()
+    counts = e.write_delta(str(tmp_path / "delta"), "me").numpy().tolist()
     # Changed: 50 + 10 + 10 keys; of them, the 5 forgotten have no block any more.
     assert counts == [65, 5]
-    assert e.write_delta(str(tmp_path / "empty")).numpy().tolist() == [0, 0]
+    assert e.write_delta(str(tmp_path / "empty"), "me").numpy().tolist() == [0, 0]
     for tiered in (False, budget is not None):
         fresh = engine(f"fresh{tiered}", tiered)
         for link in ("full", "delta", "empty"):
@@ -230,3 +234,26 @@ def test_engine_delta_writes_changed_blocks_and_deletions(tmp_path, monkeypatch,
             for name in want.fields._fields:
                 np.testing.assert_array_equal(getattr(got.fields, name),
                                               getattr(want.fields, name), name)
+
+
+def test_a_save_by_another_manager_in_between_makes_the_next_save_full(tmp_path):
+    """Deltas are relative to their own manager's previous save: after another manager
+    (incremental or not) saved the same model, the next save is full, not a delta that
+    would miss the changes made before the other save."""
+    from tf_fusedemb.training import CheckpointManager
+    model, layer = icm.build()
+    mine = CheckpointManager(str(tmp_path / "mine"), model, model.optimizer, incremental=True)
+    others = [CheckpointManager(str(tmp_path / "other"), model, model.optimizer,
+                                incremental=True),
+              CheckpointManager(str(tmp_path / "plain"), model, model.optimizer)]
+    icm.change(model, layer, 0)
+    mine.save(1)
+    for step, other in enumerate(others, start=2):
+        icm.change(model, layer, step)
+        other.save(step)
+        icm.change(model, layer, step + 2)
+        path = mine.save(step)
+        assert _meta(path)["kind"] == "full", other
+        icm.assert_same(_restored(path)[1], icm.state(model, layer), f"after {other}")
+    icm.change(model, layer, 6)
+    assert _meta(mine.save(4))["kind"] == "delta"  # nobody in between

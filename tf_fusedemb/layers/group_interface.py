@@ -28,7 +28,7 @@ import tensorflow as tf
 from tf_fusedemb.layers.lookup_context import LookupContext
 from tf_fusedemb.layers.routed_lookup import RoutedLookup
 from tf_fusedemb.specs import FusedGroup
-from tf_fusedemb.storage.engine_table import BlockWrite
+from tf_fusedemb.storage.engine_table import FULL_WRITE, BlockWrite
 
 Combiners = Sequence[Optional[str]]
 GroupState = Dict[str, np.ndarray]
@@ -111,12 +111,16 @@ class DistributedGroupLookup(GroupEmbeddings, Protocol):
         """Adds 1 to the group's optimizer step; returns the new step (int64 scalar)."""
 
     def save_state(self, directory: Optional[str] = None,
-                   write: BlockWrite = BlockWrite.FULL) -> GroupState:
+                   write: BlockWrite = FULL_WRITE) -> GroupState:
         """This rank's state of the group as numpy arrays (rows, optimizer slots, each
         row's (table, ID), access statistics, step): one checkpoint shard's part. A
         storage-engine table writes its blocks to ``directory`` (which must not exist)
-        instead of the arrays: every block, or (``BlockWrite.DELTA``) those changed since
-        its previous save."""
+        instead of the arrays: every block, or (a delta ``write``) those changed since
+        its owner's previous save."""
+
+    def records_changes_for(self, owner: str) -> bool:
+        """Whether a delta ``save_state`` for ``owner`` would follow that owner's last
+        one (the group's storage records changes for it, or is saved whole anyway)."""
 
     def restore_state(self, shards: Sequence[Mapping[str, np.ndarray]], rank: int,
                       size: int, directories: Sequence[str] = (),

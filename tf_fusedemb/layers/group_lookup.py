@@ -27,7 +27,7 @@ from tf_fusedemb.layers.row_update import RowUpdate, through_row_update
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FusedGroup
 from tf_fusedemb.storage.backend import StaticLayout, backend_for
-from tf_fusedemb.storage.engine_table import BlockWrite
+from tf_fusedemb.storage.engine_table import FULL_WRITE, BlockWrite
 from tf_fusedemb.storage.policy import GroupPolicy
 
 if TYPE_CHECKING:  # a type only: the static backend makes this table
@@ -124,12 +124,16 @@ class GroupLookup(tf.Module):
         keeping the IDs this rank owns (``GroupSnapshot.load_rows``). Eager."""
         self._snapshot.load_rows(table, ids, rows, self.comm.rank, self.comm.size)
 
-    def save_state(self, directory: Optional[str] = None,
-                   write: BlockWrite = BlockWrite.FULL) -> dict:
+    def save_state(self, directory: Optional[str] = None, write: BlockWrite = FULL_WRITE) -> dict:
         """This rank's state of the group, a checkpoint shard's part; a storage-engine
         table writes its blocks (every block, or those changed: ``write``) to
         ``directory`` (``GroupSnapshot.save``). Eager."""
         return self._snapshot.save(directory, write)
+
+    def records_changes_for(self, owner: str) -> bool:
+        """Whether a delta ``save_state`` for ``owner`` would follow that owner's last
+        one (``GroupSnapshot.records_changes_for``). Eager."""
+        return self._snapshot.records_changes_for(owner)
 
     def restore_state(self, shards: Sequence[GroupState], rank: int, size: int,
                       directories: Sequence[str] = (),

@@ -17,7 +17,7 @@ from tf_fusedemb.layers.group_keys import GroupKeys
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FusedGroup
 from tf_fusedemb.storage.backend import EngineBackend, GroupStorage
-from tf_fusedemb.storage.engine_table import BlockWrite, EngineGroupTable
+from tf_fusedemb.storage.engine_table import FULL_WRITE, BlockWrite, EngineGroupTable
 
 # A save_state entry saying the group's blocks are in its block checkpoint directory (the
 # name earlier versions wrote for tiered tables, which alone wrote blocks then).
@@ -108,8 +108,7 @@ class GroupSnapshot:
         self.storage.stats.register(keys, segment, ids,
                                     step=int(self.storage.table.step.numpy()))
 
-    def save(self, directory: Optional[str] = None,
-             write: BlockWrite = BlockWrite.FULL) -> dict:
+    def save(self, directory: Optional[str] = None, write: BlockWrite = FULL_WRITE) -> dict:
         """This rank's state of the group (eager), a checkpoint shard's part: the
         ``stored_rows`` arrays, ``step`` (int64 scalar) and the access statistics under
         ``stats/`` (keys, counts, categories, ids, last_steps).
@@ -132,6 +131,13 @@ class GroupSnapshot:
         state.update({"stats/" + k: v for k, v in self.storage.stats.export().items()})
         return state
 
+    def records_changes_for(self, owner: str) -> bool:
+        """Whether a delta ``save`` for ``owner`` would follow that owner's last save: a
+        storage-engine table records changes for it; other storage is saved whole anyway
+        (True). Eager."""
+        table = self.storage.table
+        return not isinstance(table, EngineGroupTable) or table.records_changes_for(owner)
+
     def restore(self, shards: Sequence[Mapping[str, np.ndarray]], rank: int, size: int,
                 directories: Sequence[str] = (), deltas: Sequence[Sequence[str]] = ()) -> None:
         """Loads, out of ``shards`` (the ``save`` dicts of every rank of the run
@@ -139,9 +145,10 @@ class GroupSnapshot:
         owns (owner = mix64(raw ID) mod size), with their optimizer slots, and the
         largest saved step. Shards saved as blocks (a storage-engine table) are read from
         ``directories`` (one per saving rank, as ``save`` was given them: a save of every
-        block), then from each of ``deltas`` in order (the directories of later
-        ``BlockWrite.DELTA`` saves, one per saving rank); ``shards`` are the last save's.
-        Shards saved as arrays hold every row: ``deltas`` do not apply to them. Eager."""
+        block), then from each of ``deltas`` in order (the directories of the later delta
+        saves, ``BlockWrite(delta=True)``, one per saving rank); ``shards`` are the last
+        save's. Shards saved as arrays hold every row: ``deltas`` do not apply to them.
+        Eager."""
         if any(BLOCK_CHECKPOINT in s for s in shards):
             self._restore_blocks(shards, rank, size, directories, deltas)
             return

@@ -30,7 +30,8 @@ over them, in order (checkpoint_chain.py), and gets every block exactly as a ful
 of the same step would hold it, onto any number of ranks, tiered or not. A chain with a
 link missing or damaged is refused, naming the link and the newest checkpoint that still
 restores. Pruning (``max_to_keep``) never removes a checkpoint a kept one builds on. The
-first save of a manager, and the first after a restore or a failed save, is full.
+first save of a manager, and the first after a restore, a failed save or a save of the
+same model by another manager, is full.
 
 Atomicity: everything is written into ``ckpt-<step>.tmp`` first; after a barrier rank 0
 writes meta.json, renames the directory into place and replaces ``latest`` with
@@ -59,7 +60,7 @@ import tf_keras
 from tf_fusedemb.comm import Communicator
 from tf_fusedemb.layers.fused_embedding import communicator_of, fused_embedding_layers
 from tf_fusedemb.specs import describe_plan_difference
-from tf_fusedemb.storage.engine_table import BlockWrite
+from tf_fusedemb.storage.engine_table import FULL_WRITE, BlockWrite
 from tf_fusedemb.training import checkpoint_chain, faults
 from tf_fusedemb.training.checkpoint_chain import DELTA, FULL, Link
 from tf_fusedemb.training.replicas import dense_variables, replicas_of
@@ -112,8 +113,9 @@ class CheckpointManager:
         reports what an uninterrupted one would.
       incremental: save deltas between full checkpoints (see the module doc): a delta
         writes the storage-engine blocks changed since the previous save, plus the dense
-        state and the groups of other storage in full. Use one incremental manager per
-        model: the engine records changes for the manager that saved it last.
+        state and the groups of other storage in full. The engines record changes for
+        the manager that saved them last: after a save by another manager of the same
+        model, the next save is full.
       full_every: with ``incremental``, every ``full_every``-th save is a full checkpoint
         (1: all of them), so a restore reads at most ``full_every`` links.
     """
@@ -131,8 +133,10 @@ class CheckpointManager:
         self.directory = directory
         self.incremental = incremental
         self.full_every = full_every
-        # The last link this manager saved, while the engines record changes since it.
+        # The last link this manager saved, while the engines record changes since it,
+        # for this manager (its id, unique in the process: the engines are the process's).
         self._chain: Optional[ChainPosition] = None
+        self._owner = uuid.uuid4().hex
         self.comm = communicator or communicator_of(model)
         self.layers = fused_embedding_layers(model)
         self.groups = [(li, g) for li, layer in enumerate(self.layers) for g in layer.groups]
@@ -161,15 +165,22 @@ class CheckpointManager:
                 raise
 
     def _next_write(self, final: str) -> BlockWrite:
-        """Whether the save into ``final`` writes every block or a delta (the same on
-        every rank: each rank's manager has seen the same saves and restores)."""
+        """Whether the save into ``final`` writes every block or a delta, the same on
+        every rank: a delta when this manager's chain goes on (each rank's manager has
+        seen the same saves and restores) and every group on every rank records changes
+        for it (none has been checkpointed by another manager since: a collective)."""
         if not self.incremental:
-            return BlockWrite.FULL
+            return FULL_WRITE
         chain = self._chain
+        full = BlockWrite(owner=self._owner)
         if (chain is None or chain.links >= self.full_every or os.path.exists(final)
                 or not os.path.isdir(chain.base.path)):
-            return BlockWrite.FULL_TRACKED
-        return BlockWrite.DELTA
+            return full
+        behind = sum(not g.records_changes_for(self._owner) for _, g in self.groups)
+        with self.comm.watch("barrier fusedemb/ckpt_kind"):
+            behind = int(self.comm.allreduce_sum(tf.constant(behind, tf.int32),
+                                                 "fusedemb/ckpt_kind").numpy())
+        return BlockWrite(delta=True, owner=self._owner) if behind == 0 else full
 
     def _save(self, step, state):
         final = os.path.join(self.directory, checkpoint_chain.checkpoint_name(step))
@@ -185,7 +196,7 @@ class CheckpointManager:
         if self.comm.rank == 0:
             self._dense.write(os.path.join(tmp, "dense"))
         self._barrier("ckpt_written")
-        base = self._chain.base if write is BlockWrite.DELTA and self._chain else None
+        base = self._chain.base if write.delta and self._chain else None
         if self.comm.rank == 0:
             meta = {"step": step, "world_size": self.comm.size, "state": state or {},
                     "plans": [layer.plan.fingerprint(policies=False) for layer in self.layers],
@@ -206,7 +217,7 @@ class CheckpointManager:
             os.replace(pointer, os.path.join(self.directory, LATEST))
             self._prune()
         self._barrier("ckpt_done")
-        if write is BlockWrite.FULL:
+        if not write.owner:  # not incremental
             self._chain = None
         else:
             # Every rank reads the link rank 0 wrote (its id), after the barrier.
