@@ -19,6 +19,7 @@
 //                         lookup, the optimizer update, gather, write, remove.
 //   engine_statistics.h   record, find and forget a key's statistics.
 //   engine_tier.h         the SSD tier under the blocks: pin, unpin, spill.
+//   engine_changes.h      the keys changed since the last checkpoint (delta checkpoints).
 // This file's Engine holds them together: it owns the shards, takes each shard's lock
 // (readers shared, writers exclusive) and hands the locked shard to the operation.
 //
@@ -30,6 +31,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -40,6 +42,7 @@
 
 #include "block_store.h"
 #include "engine_blocks.h"
+#include "engine_changes.h"
 #include "engine_config.h"
 #include "engine_initializer.h"
 #include "engine_optimizer.h"
@@ -60,6 +63,7 @@ class Engine {
  public:
   explicit Engine(const Config& c) : format_(c), rows_(format_), sharding_(c.num_shards) {
     for (int s = 0; s < c.num_shards; ++s) shards_.emplace_back(new Shard(format_.block_bytes()));
+    changes_.resize(c.num_shards);
   }
 
   const Config& config() const { return format_.config(); }
@@ -94,6 +98,7 @@ class Engine {
                              const float* grads, const StepConstants& step,
                              const int64_t* min_counts, int num_tables, float* out) {
     std::unique_lock<std::shared_mutex> lock(shards_[s]->mutex());
+    changes_[s].Mark(pos, keys);
     return rows_.ApplyGradients(*shards_[s], pos, keys, init_keys, grads, step, min_counts,
                                 num_tables, out);
   }
@@ -109,6 +114,7 @@ class Engine {
   // are left as they are.
   void WriteRows(int s, Span pos, const int64_t* keys, const float* values, const float* slots) {
     std::unique_lock<std::shared_mutex> lock(shards_[s]->mutex());
+    changes_[s].Mark(pos, keys);
     rows_.WriteRows(*shards_[s], pos, keys, values, slots);
   }
 
@@ -116,6 +122,7 @@ class Engine {
   void RemoveRows(int s, Span pos, const int64_t* keys) {
     Shard& sh = *shards_[s];
     std::unique_lock<std::shared_mutex> lock(sh.mutex());
+    changes_[s].Mark(pos, keys);
     rows_.RemoveRows(sh, pos, keys, [&](int64_t key) { tier_.EraseBlock(s, sh, key); });
   }
 
@@ -124,6 +131,7 @@ class Engine {
   // sets (table, id) and the last step (see RecordArgs).
   std::string Record(int s, Span pos, const RecordArgs& a) {
     std::unique_lock<std::shared_mutex> lock(shards_[s]->mutex());
+    changes_[s].Mark(pos, a.keys);
     return Statistics::Record(*shards_[s], pos, a);
   }
 
@@ -137,6 +145,7 @@ class Engine {
   void Forget(int s, Span pos, const int64_t* keys) {
     Shard& sh = *shards_[s];
     std::unique_lock<std::shared_mutex> lock(sh.mutex());
+    changes_[s].Mark(pos, keys);
     Statistics::Forget(sh, pos, keys, [&](int64_t key) { tier_.EraseBlock(s, sh, key); });
   }
 
@@ -197,10 +206,14 @@ class Engine {
   // an engine without a store through `write_new` (a new checkpoint of the blocks alone:
   // the caller's store format, which this header does not know). The blocks are written
   // from the arenas, never copied whole. Holds every shard's lock meanwhile, so no block
-  // moves between the tiers or changes.
+  // moves between the tiers or changes. Once written, a non-empty `changes_for` (who
+  // will write the deltas: a checkpoint manager's id) starts recording the keys that
+  // change from here, for WriteDelta by that owner; "" stops recording.
   using CheckpointWriter =
       std::function<std::string(const std::string& dir, std::vector<BlockRef> blocks)>;
-  std::string WriteCheckpoint(const std::string& dir, const CheckpointWriter& write_new) const {
+  std::string WriteCheckpoint(const std::string& dir, const CheckpointWriter& write_new,
+                              const std::string& changes_for) {
+    std::lock_guard<std::mutex> serial(checkpoint_mu_);
     const auto locks = LockAll();
     std::vector<BlockRef> dram;
     for (const auto& sh : shards_) {
@@ -209,20 +222,95 @@ class Engine {
         dram.push_back({h->key, reinterpret_cast<const char*>(h), sh->BytesOf(ref)});
       });
     }
-    return tiered() ? tier_.store()->Checkpoint(dir, std::move(dram))
-                    : write_new(dir, std::move(dram));
+    const std::string error = tiered() ? tier_.store()->Checkpoint(dir, std::move(dram))
+                                       : write_new(dir, std::move(dram));
+    if (error.empty()) {
+      for (ChangeSet& c : changes_) c.Restart(!changes_for.empty());
+      changes_for_ = changes_for;
+    }
+    return error;
+  }
+
+  // Whether the engine records changes for `owner` (its last checkpoint write, full or
+  // delta, was that owner's): only then does that owner's WriteDelta follow its own.
+  bool RecordsChangesFor(const std::string& owner) {
+    std::lock_guard<std::mutex> serial(checkpoint_mu_);
+    return !owner.empty() && owner == changes_for_;
+  }
+
+  // What WriteDelta wrote: blocks (changed keys' current blocks) and deletions (changed
+  // keys that have no block any more).
+  struct DeltaCounts {
+    int64_t blocks = 0, deletions = 0;
+  };
+
+  // Writes to `dir` (through `write_new`, in WriteCheckpoint's format) the blocks of the
+  // keys changed since `owner`'s last checkpoint write (WriteCheckpoint with changes_for
+  // `owner`, or WriteDelta), from either tier, and a deletion (an empty value) for each
+  // such key without a block any more; then records changes afresh. Applied in order
+  // over that checkpoint (PutBlocks), deltas give back every block as it is now. An
+  // error if the engine does not record changes for `owner` (none, or another owner
+  // wrote a checkpoint since). Holds every shard's lock meanwhile, as WriteCheckpoint.
+  std::string WriteDelta(const std::string& dir, const CheckpointWriter& write_new,
+                         const std::string& owner, DeltaCounts* counts) {
+    std::lock_guard<std::mutex> serial(checkpoint_mu_);
+    if (owner.empty() || owner != changes_for_) {
+      return "the engine records no changes since a checkpoint of its blocks by this "
+             "writer (none was written with changes recorded for it, or another writer's "
+             "checkpoint came since): write a full checkpoint first";
+    }
+    const auto locks = LockAll();
+    std::vector<BlockRef> out;
+    std::deque<std::string> read_back;  // blocks read from the SSD tier (stable addresses)
+    *counts = DeltaCounts();
+    for (int s = 0; s < num_shards(); ++s) {
+      const Shard& sh = *shards_[s];
+      std::vector<int64_t> in_store;  // changed keys without a block in DRAM
+      for (const int64_t key : changes_[s].Sorted()) {
+        if (const uint32_t* ref = sh.Find(key)) {
+          out.push_back({key, reinterpret_cast<const char*>(sh.Header(*ref)), sh.BytesOf(*ref)});
+        } else if (tiered()) {
+          in_store.push_back(key);
+        } else {
+          out.push_back({key, "", 0});
+        }
+      }
+      if (in_store.empty()) continue;
+      std::vector<std::string> blocks;
+      const std::string error = tier_.store()->MultiGet(in_store.data(), in_store.size(), &blocks);
+      if (!error.empty()) return error;
+      for (size_t i = 0; i < in_store.size(); ++i) {
+        read_back.push_back(std::move(blocks[i]));
+        out.push_back({in_store[i], read_back.back().data(), read_back.back().size()});
+      }
+    }
+    for (const BlockRef& b : out) ++(b.size == 0 ? counts->deletions : counts->blocks);
+    const std::string error = write_new(dir, std::move(out));
+    if (error.empty()) {
+      for (ChangeSet& c : changes_) c.Restart(true);
+    }
+    return error;
   }
 
   // Puts whole blocks, as a checkpoint holds them, in place of the blocks of keys:
-  // blocks[i] is keys[i]'s. Run between Pin and Unpin (each key in DRAM or absent). An
-  // error names a block of another engine's size (another dim or optimizer).
+  // blocks[i] is keys[i]'s; an empty block (a delta's deletion) erases the key's block.
+  // Run between Pin and Unpin (each key in DRAM or absent). An error names a block of
+  // another engine's size (another dim or optimizer).
   std::string PutBlocks(int s, Span pos, const int64_t* keys, const std::string* blocks) {
     Shard& sh = *shards_[s];
     std::unique_lock<std::shared_mutex> lock(sh.mutex());
+    changes_[s].Mark(pos, keys);
     const size_t full = format_.block_bytes(), meta = sizeof(BlockHeader);
     for (int64_t k = 0; k < pos.size; ++k) {
       const int32_t i = pos.data[k];
       const std::string& block = blocks[i];
+      if (block.empty()) {
+        if (const uint32_t* ref = sh.Find(keys[i])) {
+          if (sh.Header(*ref)->tracked()) --sh.tracked();
+          tier_.EraseBlock(s, sh, keys[i]);
+        }
+        continue;
+      }
       if (block.size() != full && block.size() != meta) {
         return "the block of key " + std::to_string(keys[i]) + " has " +
                std::to_string(block.size()) + " bytes; this engine's blocks have " +
@@ -302,6 +390,12 @@ class Engine {
   Sharding sharding_;
   std::vector<std::unique_ptr<Shard>> shards_;
   Tier tier_;  // the SSD tier; unattached: every block in DRAM
+  // Per shard, the keys changed since the last checkpoint (engine_changes.h): marked
+  // under the shard's writer lock; restarted by a checkpoint write under every shard's
+  // reader lock and checkpoint_mu_, which keeps two checkpoint writes apart.
+  std::vector<ChangeSet> changes_;
+  std::string changes_for_;  // who records them ("": nobody, not recording); checkpoint_mu_
+  std::mutex checkpoint_mu_;
 };
 
 }  // namespace engine

@@ -650,26 +650,83 @@ class EngineSizeOp : public OpKernel {
 };
 
 // ------------------------------------------------------------------ checkpoints
+// Input `index` of a checkpoint op, a scalar string named `what`.
+Status ScalarString(OpKernelContext* ctx, int index, const char* what, std::string* out) {
+  const Tensor& t = ctx->input(index);
+  if (!TensorShapeUtils::IsScalar(t.shape()) || t.dtype() != DT_STRING) {
+    return errors::InvalidArgument(what, " must be a scalar string");
+  }
+  *out = t.scalar<tstring>()();
+  return OkStatus();
+}
+
+// The engine, the directory (input 1) and the owner of the recorded changes (input 2) of
+// a checkpoint write.
+Status CheckpointInputs(OpKernelContext* ctx, core::RefCountPtr<EngineResource>* r,
+                        std::string* dir, std::string* owner) {
+  TF_RETURN_IF_ERROR(GetEngine(ctx, r));
+  TF_RETURN_IF_ERROR(ScalarString(ctx, 1, "directory", dir));
+  return ScalarString(ctx, 2, "changes_for", owner);
+}
+
 // Writes an engine's blocks, both tiers, to a directory: a tiered engine's through its
-// store's checkpoint, an untiered engine's as a new checkpoint of the same format.
+// store's checkpoint, an untiered engine's as a new checkpoint of the same format; the
+// engine then records changes for EngineWriteDelta by `changes_for` ("" : none).
 class EngineWriteCheckpointOp : public OpKernel {
  public:
-  explicit EngineWriteCheckpointOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+  using OpKernel::OpKernel;
 
   void Compute(OpKernelContext* ctx) override {
     core::RefCountPtr<EngineResource> r;
-    OP_REQUIRES_OK(ctx, GetEngine(ctx, &r));
-    const Tensor& dir = ctx->input(1);
-    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(dir.shape()),
-                errors::InvalidArgument("directory must be a scalar string"));
-    const std::string error = r->engine().WriteCheckpoint(dir.scalar<tstring>()(),
-                                                             engine::WriteBlockCheckpoint);
+    std::string dir, owner;
+    OP_REQUIRES_OK(ctx, CheckpointInputs(ctx, &r, &dir, &owner));
+    const std::string error = r->engine().WriteCheckpoint(dir, engine::WriteBlockCheckpoint, owner);
     OP_REQUIRES(ctx, error.empty(), errors::Internal("embedding engine: ", error));
   }
 };
 
+// Whether the engine records changes for an owner (EngineWriteDelta by it would follow
+// its own last checkpoint write).
+class EngineRecordsChangesForOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<EngineResource> r;
+    OP_REQUIRES_OK(ctx, GetEngine(ctx, &r));
+    std::string owner;
+    OP_REQUIRES_OK(ctx, ScalarString(ctx, 1, "owner", &owner));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<bool>()() = r->engine().RecordsChangesFor(owner);
+  }
+};
+
+// Writes the blocks changed since the last checkpoint (and deletions of the keys removed)
+// to a directory, in the same format; counts: [blocks, deletions] written.
+class EngineWriteDeltaOp : public OpKernel {
+ public:
+  explicit EngineWriteDeltaOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<EngineResource> r;
+    std::string dir, owner;
+    OP_REQUIRES_OK(ctx, CheckpointInputs(ctx, &r, &dir, &owner));
+    Engine::DeltaCounts counts;
+    const std::string error =
+        r->engine().WriteDelta(dir, engine::WriteBlockCheckpoint, owner, &counts);
+    OP_REQUIRES(ctx, error.empty(), errors::FailedPrecondition("embedding engine: ", error));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({2}), &out));
+    out->flat<int64_t>()(0) = counts.blocks;
+    out->flat<int64_t>()(1) = counts.deletions;
+  }
+};
+
 // Puts the blocks this rank owns, out of every saving rank's checkpoint directory, into
-// the engine (tiered or not), in batches of kBatch blocks.
+// the engine (tiered or not), in batches of kBatch blocks. A delta's deletions (empty
+// values) are applied on every rank: a deletion carries no ID to find its owner by, and
+// erasing a key this rank does not hold changes nothing.
 class EngineReadCheckpointOp : public EngineKernel {
  public:
   explicit EngineReadCheckpointOp(OpKernelConstruction* ctx) : EngineKernel(ctx) {}
@@ -702,6 +759,12 @@ class EngineReadCheckpointOp : public EngineKernel {
       const std::string error = engine::ReadBlockCheckpoint(dir, [&](int64_t key, const char* data,
                                                                       size_t size) {
         if (!status.ok()) return;
+        if (size == 0) {  // a delta's deletion
+          keys.push_back(key);
+          blocks.emplace_back();
+          if (keys.size() == kBatch) put();
+          return;
+        }
         BlockHeader h;
         if (size < sizeof(h)) {
           status = errors::DataLoss("checkpoint ", dir, ": the block of key ", key, " has ",
@@ -752,6 +815,8 @@ FUSEDEMB_ENGINE_KERNEL("EnginePrefetch", EnginePrefetchOp);
 FUSEDEMB_ENGINE_KERNEL("EngineExport", EngineExportOp);
 FUSEDEMB_ENGINE_KERNEL("EngineSize", EngineSizeOp);
 FUSEDEMB_ENGINE_KERNEL("EngineWriteCheckpoint", EngineWriteCheckpointOp);
+FUSEDEMB_ENGINE_KERNEL("EngineWriteDelta", EngineWriteDeltaOp);
+FUSEDEMB_ENGINE_KERNEL("EngineRecordsChangesFor", EngineRecordsChangesForOp);
 FUSEDEMB_ENGINE_KERNEL("EngineReadCheckpoint", EngineReadCheckpointOp);
 
 }  // namespace fusedemb

@@ -293,14 +293,49 @@ memory budget. A no-op without an SSD tier.
 REGISTER_OP("FusedEmb>EngineWriteCheckpoint")
     .Input("handle: resource")
     .Input("directory: string")
+    .Input("changes_for: string")
     .SetIsStateful()
     .SetShapeFn(shape_inference::NoOutputs)
     .Doc(R"doc(
 Writes every block of the engine (rows, slots and statistics; both tiers) to `directory`,
 which must not exist (its parent must): for a tiered engine the SSD tier's RocksDB
 checkpoint (its files hard-linked) with the DRAM tier's blocks written over it; for an
-engine without an SSD tier a new RocksDB database of its blocks. The engine is not
-changed.
+engine without an SSD tier a new RocksDB database of its blocks. The blocks are not
+changed. changes_for: who writes the deltas on this checkpoint (e.g. a checkpoint
+manager's id): from here on the engine records the keys whose blocks change, for
+EngineWriteDelta by that owner; "" stops recording.
+)doc");
+
+REGISTER_OP("FusedEmb>EngineRecordsChangesFor")
+    .Input("handle: resource")
+    .Input("owner: string")
+    .Output("records: bool")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Scalar());
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Whether the engine records changes for `owner`: its last checkpoint write (full or delta)
+was that owner's, so EngineWriteDelta by `owner` follows it.
+)doc");
+
+REGISTER_OP("FusedEmb>EngineWriteDelta")
+    .Input("handle: resource")
+    .Input("directory: string")
+    .Input("changes_for: string")
+    .Output("counts: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(2));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Writes to `directory` (which must not exist; its parent must), in EngineWriteCheckpoint's
+format, the blocks of the keys changed since the last EngineWriteCheckpoint or
+EngineWriteDelta by `changes_for`, and for each such key without a block any more a
+deletion (an empty value); then records changes afresh. counts: [blocks, deletions].
+Fails unless the engine records changes for `changes_for`.
 )doc");
 
 REGISTER_OP("FusedEmb>EngineReadCheckpoint")
@@ -317,7 +352,9 @@ REGISTER_OP("FusedEmb>EngineReadCheckpoint")
     .Doc(R"doc(
 Puts into the engine (tiered or not) the blocks that `rank` of `num_ranks` owns (owner =
 Mix64(ID) mod num_ranks) out of every directory EngineWriteCheckpoint wrote (one per saving
-rank), in place of the engine's blocks of the same keys. restored: the blocks put.
+rank), in place of the engine's blocks of the same keys; a delta's deletions (empty values,
+EngineWriteDelta) erase their keys' blocks on every rank. restored: the blocks put and
+deletions applied.
 )doc");
 
 }  // namespace fusedemb

@@ -17,12 +17,13 @@ namespace engine {
 
 // Writes `blocks` as a new checkpoint at `dir` (which must not exist; its parent must),
 // in the format BlockStore::Checkpoint writes: the checkpoint of an engine without an SSD
-// tier. Errors name `dir`.
+// tier. A block of size 0 is written as an empty value: a delta checkpoint's deletion of
+// its key (Engine::WriteDelta). Errors name `dir`.
 std::string WriteBlockCheckpoint(const std::string& dir, std::vector<BlockRef> blocks);
 
 // Calls f(key, data, size) for every block of the checkpoint at `dir` (as
-// BlockStore::Checkpoint or WriteBlockCheckpoint wrote it), in key order, read-only.
-// Errors name `dir`.
+// BlockStore::Checkpoint or WriteBlockCheckpoint wrote it), in key order, read-only;
+// size 0: a delta's deletion. Errors name `dir`.
 std::string ReadBlockCheckpoint(const std::string& dir,
                                 const std::function<void(int64_t, const char*, size_t)>& f);
 

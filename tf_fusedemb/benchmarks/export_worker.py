@@ -17,8 +17,10 @@ from tf_fusedemb.benchmarks.storage import rss_bytes
 from tf_fusedemb.comm import Communicator, get_communicator
 from tf_fusedemb.inference import export_saved_model
 from tf_fusedemb.layers import FusedEmbedding
+from tf_fusedemb.models import FusedModel
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FeatureSpec, OptimizerSpec, TableSpec
+from tf_fusedemb.training import CheckpointManager
 
 DIM = 16
 CHUNK = 1 << 18
@@ -56,15 +58,16 @@ class PeakRss:
         self.peak = max(self.peak, rss_bytes())
 
 
-def build(num_keys: int, comm: Communicator):
-    """The model and its table of ``num_keys`` keys (IDs 0..N-1), each rank loading the
-    rows it owns a chunk at a time (rows drawn from a generator seeded per chunk)."""
+def build(num_keys: int, comm: Communicator, model_class: Any = tf_keras.Model):
+    """The model (a ``model_class``) and its table of ``num_keys`` keys (IDs 0..N-1), each
+    rank loading the rows it owns a chunk at a time (rows drawn from a generator seeded
+    per chunk)."""
     tf_keras.backend.clear_session()
     layer = FusedEmbedding([FeatureSpec("c", TableSpec("c", DIM, OptimizerSpec.adagrad(0.05)))],
                            name="emb")
     inputs = {"c": tf_keras.Input([], dtype=tf.int64, name="c")}
     head = tf_keras.layers.Dense(1, kernel_initializer=tf_keras.initializers.GlorotUniform(1))
-    model = tf_keras.Model(inputs, head(layer(inputs)["c"]), name="exported")
+    model = model_class(inputs, head(layer(inputs)["c"]), name="exported")
     group, = layer.groups
     for start in range(0, num_keys, CHUNK):
         ids = np.arange(start, min(start + CHUNK, num_keys), dtype=np.int64)
@@ -124,15 +127,60 @@ def serve_fresh(path: str, work: str) -> Dict[str, Any]:
     return dict(json.loads(lines[-1][len("SERVED "):]), logits=np.load(logits))
 
 
+def directory_bytes(path: str) -> int:
+    """Bytes of the files under ``path``."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path)
+               for f in files)
+
+
+def incremental(args, comm: Communicator, work: str) -> Dict[str, Any]:
+    """A full save of ``args.incremental_keys`` rows, ``fit`` on ``args.touched`` of them
+    (drawn uniformly, each once; every rank feeds its slice), then a delta save."""
+    num_keys = args.incremental_keys
+    model, _ = build(num_keys, comm, FusedModel)
+    model.compile(optimizer=tf_keras.optimizers.Adagrad(0.01),
+                  loss=tf_keras.losses.BinaryCrossentropy(from_logits=True))
+    manager = CheckpointManager(os.path.join(work, "ckpt"), model, model.optimizer,
+                                incremental=True)
+
+    def timed_save(step: int) -> float:
+        comm.allgather_object(0)  # every rank starts together
+        begin = time.perf_counter()
+        manager.save(step)
+        return time.perf_counter() - begin
+
+    full_s = timed_save(1)
+    rng = np.random.default_rng(11)
+    touched = rng.choice(num_keys, int(num_keys * args.touched), replace=False)
+    mine = touched[comm.rank::comm.size]
+    labels = rng.integers(0, 2, (len(touched), 1)).astype(np.float32)[comm.rank::comm.size]
+    model.fit({"c": mine}, labels, batch_size=8192, epochs=1, verbose=0, shuffle=False)
+    delta_s = timed_save(2)
+    out: Dict[str, Any] = {"rows": num_keys, "touched_rows": len(touched),
+                           "full_save_s": full_s, "delta_save_s": delta_s,
+                           "incremental_save_ratio": delta_s / full_s}
+    if comm.rank == 0:
+        full = directory_bytes(os.path.join(work, "ckpt", "ckpt-1"))
+        delta = directory_bytes(os.path.join(work, "ckpt", "ckpt-2"))
+        out.update(full_save_bytes=full, delta_save_bytes=delta,
+                   incremental_bytes_ratio=delta / full)
+        shutil.rmtree(os.path.join(work, "ckpt"))
+    comm.allgather_object(0)
+    return out
+
+
 def run(args):
     comm = get_communicator()
     work = args.work_dir or (tempfile.mkdtemp(prefix="fusedemb_export_bench_")
                              if comm.rank == 0 else None)
     # Every rank uses rank 0's directory: the export directory must be shared.
     work = comm.allgather_object(work)[0]
-    results = {str(n): one_size(n, args, comm, work) for n in args.keys}
+    results = {str(n): one_size(n, args, comm, work) for n in args.keys} \
+        if "export" in args.parts else {}
+    increments = incremental(args, comm, work) if "incremental" in args.parts else None
     if comm.rank == 0:
         if args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
-        return {"keys": results, "world_size": comm.size, "dim": DIM}
+        return {"keys": results, "world_size": comm.size, "dim": DIM,
+                "incremental": increments}
     return None

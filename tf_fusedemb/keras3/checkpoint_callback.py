@@ -17,8 +17,9 @@ __all__ = ["ShardedCheckpoint"]
 
 class ShardedCheckpoint(CheckpointSchedule, keras.callbacks.Callback):
     """Keras 3's ``fit`` callback: saves as :class:`CheckpointSchedule` says (every
-    ``every_epochs`` epochs, every ``every_steps`` steps if given, at the end of ``fit``)
-    and resumes at the epoch the latest checkpoint was saved in."""
+    ``every_epochs`` epochs, every ``every_steps`` steps if given, at the end of ``fit``;
+    with ``incremental=True`` deltas between full checkpoints) and resumes at the epoch
+    the latest checkpoint was saved in."""
 
     def _resume_at(self, position: Optional[FitPosition]) -> None:
         # Keras 3's resume protocol, as keras.callbacks.BackupAndRestore sets it.

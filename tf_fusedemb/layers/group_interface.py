@@ -28,6 +28,7 @@ import tensorflow as tf
 from tf_fusedemb.layers.lookup_context import LookupContext
 from tf_fusedemb.layers.routed_lookup import RoutedLookup
 from tf_fusedemb.specs import FusedGroup
+from tf_fusedemb.storage.engine_table import FULL_WRITE, BlockWrite
 
 Combiners = Sequence[Optional[str]]
 GroupState = Dict[str, np.ndarray]
@@ -109,17 +110,25 @@ class DistributedGroupLookup(GroupEmbeddings, Protocol):
     def advance_step(self) -> tf.Tensor:
         """Adds 1 to the group's optimizer step; returns the new step (int64 scalar)."""
 
-    def save_state(self, directory: Optional[str] = None) -> GroupState:
+    def save_state(self, directory: Optional[str] = None,
+                   write: BlockWrite = FULL_WRITE) -> GroupState:
         """This rank's state of the group as numpy arrays (rows, optimizer slots, each
         row's (table, ID), access statistics, step): one checkpoint shard's part. A
         storage-engine table writes its blocks to ``directory`` (which must not exist)
-        instead of the arrays."""
+        instead of the arrays: every block, or (a delta ``write``) those changed since
+        its owner's previous save."""
+
+    def records_changes_for(self, owner: str) -> bool:
+        """Whether a delta ``save_state`` for ``owner`` would follow that owner's last
+        one (the group's storage records changes for it, or is saved whole anyway)."""
 
     def restore_state(self, shards: Sequence[Mapping[str, np.ndarray]], rank: int,
-                      size: int, directories: Sequence[str] = ()) -> None:
+                      size: int, directories: Sequence[str] = (),
+                      deltas: Sequence[Sequence[str]] = ()) -> None:
         """Loads what rank ``rank`` of ``size`` owns out of every saving rank's
         ``save_state`` (any number of them) and, for shards of a storage-engine table, of
-        the ``directories`` they were saved to (one per saving rank)."""
+        the ``directories`` they were saved to (one per saving rank), then of each delta's
+        directories in order; ``shards`` are the last save's."""
 
     def stored_rows(self) -> StoredRows:
         """The rows this rank stores and their identities: keys int64[s], values

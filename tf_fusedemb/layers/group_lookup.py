@@ -27,6 +27,7 @@ from tf_fusedemb.layers.row_update import RowUpdate, through_row_update
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FusedGroup
 from tf_fusedemb.storage.backend import StaticLayout, backend_for
+from tf_fusedemb.storage.engine_table import FULL_WRITE, BlockWrite
 from tf_fusedemb.storage.policy import GroupPolicy
 
 if TYPE_CHECKING:  # a type only: the static backend makes this table
@@ -123,17 +124,24 @@ class GroupLookup(tf.Module):
         keeping the IDs this rank owns (``GroupSnapshot.load_rows``). Eager."""
         self._snapshot.load_rows(table, ids, rows, self.comm.rank, self.comm.size)
 
-    def save_state(self, directory: Optional[str] = None) -> dict:
+    def save_state(self, directory: Optional[str] = None, write: BlockWrite = FULL_WRITE) -> dict:
         """This rank's state of the group, a checkpoint shard's part; a storage-engine
-        table writes its blocks to ``directory`` (``GroupSnapshot.save``). Eager."""
-        return self._snapshot.save(directory)
+        table writes its blocks (every block, or those changed: ``write``) to
+        ``directory`` (``GroupSnapshot.save``). Eager."""
+        return self._snapshot.save(directory, write)
+
+    def records_changes_for(self, owner: str) -> bool:
+        """Whether a delta ``save_state`` for ``owner`` would follow that owner's last
+        one (``GroupSnapshot.records_changes_for``). Eager."""
+        return self._snapshot.records_changes_for(owner)
 
     def restore_state(self, shards: Sequence[GroupState], rank: int, size: int,
-                      directories: Sequence[str] = ()) -> None:
+                      directories: Sequence[str] = (),
+                      deltas: Sequence[Sequence[str]] = ()) -> None:
         """Loads what rank ``rank`` of ``size`` owns out of every saving rank's
-        ``save_state`` and, for a storage-engine table, its directory (``GroupSnapshot.restore``).
-        Eager."""
-        self._snapshot.restore(shards, rank, size, directories)
+        ``save_state`` and, for a storage-engine table, its directory, then each delta's
+        directories in order (``GroupSnapshot.restore``). Eager."""
+        self._snapshot.restore(shards, rank, size, directories, deltas)
 
     def dense_rows(self) -> np.ndarray:
         """A static group's every row on this rank, float32[V_local, dim] (one host: all

@@ -17,7 +17,7 @@ from tf_fusedemb.layers.group_keys import GroupKeys
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FusedGroup
 from tf_fusedemb.storage.backend import EngineBackend, GroupStorage
-from tf_fusedemb.storage.engine_table import EngineGroupTable
+from tf_fusedemb.storage.engine_table import FULL_WRITE, BlockWrite, EngineGroupTable
 
 # A save_state entry saying the group's blocks are in its block checkpoint directory (the
 # name earlier versions wrote for tiered tables, which alone wrote blocks then).
@@ -108,7 +108,7 @@ class GroupSnapshot:
         self.storage.stats.register(keys, segment, ids,
                                     step=int(self.storage.table.step.numpy()))
 
-    def save(self, directory: Optional[str] = None) -> dict:
+    def save(self, directory: Optional[str] = None, write: BlockWrite = FULL_WRITE) -> dict:
         """This rank's state of the group (eager), a checkpoint shard's part: the
         ``stored_rows`` arrays, ``step`` (int64 scalar) and the access statistics under
         ``stats/`` (keys, counts, categories, ids, last_steps).
@@ -117,27 +117,40 @@ class GroupSnapshot:
         blocks (rows, slots and statistics) there instead, in C++ straight from the
         engine (``EngineGroupTable.write_checkpoint``): no row passes through Python, so
         the save holds no second copy of the table, and a tiered table's DRAM holds no
-        more than its budget meanwhile. The state is then ``step`` and
-        ``BLOCK_CHECKPOINT``."""
+        more than its budget meanwhile; ``write`` says whether every block or only those
+        changed since the previous save (``BlockWrite``). The state is then ``step`` and
+        ``BLOCK_CHECKPOINT``. Other storage always returns every row (``write`` does not
+        apply to it): an incremental checkpoint holds such a group in full."""
         step = np.array(self.storage.table.step.numpy())
         table = self.storage.table
         if directory is not None and isinstance(table, EngineGroupTable):
-            table.write_checkpoint(directory)
+            table.write_checkpoint(directory, write)
             return {"step": step, BLOCK_CHECKPOINT: np.array(True)}
         state = self.stored_rows().arrays()
         state["step"] = step
         state.update({"stats/" + k: v for k, v in self.storage.stats.export().items()})
         return state
 
+    def records_changes_for(self, owner: str) -> bool:
+        """Whether a delta ``save`` for ``owner`` would follow that owner's last save: a
+        storage-engine table records changes for it; other storage is saved whole anyway
+        (True). Eager."""
+        table = self.storage.table
+        return not isinstance(table, EngineGroupTable) or table.records_changes_for(owner)
+
     def restore(self, shards: Sequence[Mapping[str, np.ndarray]], rank: int, size: int,
-                directories: Sequence[str] = ()) -> None:
+                directories: Sequence[str] = (), deltas: Sequence[Sequence[str]] = ()) -> None:
         """Loads, out of ``shards`` (the ``save`` dicts of every rank of the run
         that saved, any number), the rows and statistics that rank ``rank`` of ``size``
         owns (owner = mix64(raw ID) mod size), with their optimizer slots, and the
         largest saved step. Shards saved as blocks (a storage-engine table) are read from
-        ``directories`` (one per saving rank, as ``save`` was given them). Eager."""
+        ``directories`` (one per saving rank, as ``save`` was given them: a save of every
+        block), then from each of ``deltas`` in order (the directories of the later delta
+        saves, ``BlockWrite(delta=True)``, one per saving rank); ``shards`` are the last
+        save's. Shards saved as arrays hold every row: ``deltas`` do not apply to them.
+        Eager."""
         if any(BLOCK_CHECKPOINT in s for s in shards):
-            self._restore_blocks(shards, rank, size, directories)
+            self._restore_blocks(shards, rank, size, directories, deltas)
             return
 
         def merged(key):
@@ -160,27 +173,31 @@ class GroupSnapshot:
         self.storage.stats.register(rows["keys"], merged("tables")[mine], ids[mine],
                                     step=int(self.storage.table.step.numpy()))
 
-    def _restore_blocks(self, shards, rank, size, directories):
+    def _restore_blocks(self, shards, rank, size, directories, deltas):
         """``restore`` of shards saved as blocks: the blocks this rank owns go into the
-        engine as they were saved (rows, slots and statistics)."""
-        if len(directories) != len(shards) or not all(BLOCK_CHECKPOINT in s for s in shards):
+        engine as they were saved (rows, slots and statistics), the full save's first,
+        then each delta's over them."""
+        if (any(len(d) != len(shards) for d in [directories, *deltas])
+                or not all(BLOCK_CHECKPOINT in s for s in shards)):
             raise ValueError(f"group '{self.group.name}': {len(shards)} saved shards, "
                              f"{len(directories)} block directories; every saving rank "
                              "writes one")
         table = self.storage.table
         if not isinstance(table, EngineGroupTable):  # other storage: through arrays
-            self.restore([self._arrays_of_blocks(shards, rank, size, directories)], rank, size)
+            self.restore([self._arrays_of_blocks(shards, rank, size, directories, deltas)],
+                         rank, size)
             return
-        table.read_checkpoint(directories, rank, size)
+        for link in [directories, *deltas]:
+            table.read_checkpoint(link, rank, size)
         table.step.assign(max(int(s["step"]) for s in shards))
         # The blocks held the per-key counts; the totals per table follow from them.
         self.storage.stats.recount_categories()
 
-    def _arrays_of_blocks(self, shards, rank, size, directories) -> dict:
+    def _arrays_of_blocks(self, shards, rank, size, directories, deltas) -> dict:
         """The ``save`` arrays of the saved blocks that rank ``rank`` of ``size`` owns,
         read into a temporary storage engine of the group's spec: what a table of other
         storage restores from. Holds this rank's share twice meanwhile."""
         storage = EngineBackend().create(self.group, f"{self.group.name}_blocks")
         engine = GroupSnapshot(self.group, storage, self.key_codec)
-        engine.restore(shards, rank, size, directories)
+        engine.restore(shards, rank, size, directories, deltas)
         return engine.save()

@@ -6,6 +6,12 @@ complete checkpoint, as Keras's own ``BackupAndRestore`` resumes:
 
     model.fit(data, epochs=10, callbacks=[ShardedCheckpoint("runs/ckpt")])
 
+With ``incremental=True`` the saves between full checkpoints (every ``full_every``-th)
+write only the embedding blocks changed since the previous save, plus the dense state:
+
+    model.fit(data, epochs=10, callbacks=[ShardedCheckpoint("runs/ckpt", every_steps=500,
+                                                            incremental=True)])
+
 What it saves is :class:`~tf_fusedemb.training.checkpoint.CheckpointManager`'s checkpoint
 (atomic, every rank's rows and the dense state and optimizer once): a collective, so every
 rank passes the callback. It resumes the way tf_keras's ``BackupAndRestore`` does: Keras
@@ -72,11 +78,16 @@ class CheckpointSchedule:
       every_steps: also save after every this many training steps (>= 1; None: not
         inside epochs). With ``steps_per_execution`` > 1 a save falls on the first
         execution that reaches the count.
-      max_to_keep: complete checkpoints kept.
+      max_to_keep: complete checkpoints kept (and the ones they build on, incremental).
+      incremental: save deltas between full checkpoints: a save writes only the
+        embedding blocks changed since the previous one, plus the dense state
+        (CheckpointManager's ``incremental``).
+      full_every: with ``incremental``, every ``full_every``-th save is full.
     """
 
     def __init__(self, directory: str, every_epochs: int = 1,
-                 every_steps: Optional[int] = None, max_to_keep: int = 3):
+                 every_steps: Optional[int] = None, max_to_keep: int = 3,
+                 incremental: bool = False, full_every: int = 10):
         super().__init__()
         if int(every_epochs) < 1:
             raise ValueError(f"ShardedCheckpoint: every_epochs must be >= 1, got {every_epochs}")
@@ -87,6 +98,8 @@ class CheckpointSchedule:
         self.every_epochs = int(every_epochs)
         self.every_steps = None if every_steps is None else int(every_steps)
         self.max_to_keep = max_to_keep
+        self.incremental = incremental
+        self.full_every = full_every
         self._manager: Optional[CheckpointManager] = None
         self._position = FitPosition()
         self._saved_steps = 0
@@ -95,7 +108,8 @@ class CheckpointSchedule:
     def _checkpoints(self) -> CheckpointManager:
         if self._manager is None:
             self._manager = CheckpointManager(self.directory, self.model, self.model.optimizer,
-                                              self.max_to_keep)
+                                              self.max_to_keep, incremental=self.incremental,
+                                              full_every=self.full_every)
         return self._manager
 
     model: Any  # set by Keras (Callback.set_model)

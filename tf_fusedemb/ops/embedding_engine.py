@@ -239,18 +239,36 @@ class EmbeddingEngine(tf.saved_model.experimental.TrackableResource):
                                   with_rows=with_rows, dim=self.dim, num_slots=self.num_slots)
         return EngineExport(out[0], EngineKeyFields(*out[1:6]), out[6], out[7])
 
-    def write_checkpoint(self, directory: str) -> Optional[tf.Operation]:
+    def write_checkpoint(self, directory: str, changes_for: str = "") -> Optional[tf.Operation]:
         """Writes every block of this engine (rows, slots and statistics; both tiers) to
         ``directory`` (which must not exist; its parent must), straight from its arenas:
         as a new RocksDB database (a tiered engine's: the SSD tier's blocks, with the
-        DRAM tier's in place of their stored copies). Returns the op (None eagerly)."""
-        return _op("EngineWriteCheckpoint")(self.resource_handle, directory)
+        DRAM tier's in place of their stored copies). With ``changes_for`` (who writes
+        the deltas, e.g. a checkpoint manager's id) the engine then records which keys
+        change, for that owner's :meth:`write_delta`; with "" it records nothing.
+        Returns the op (None eagerly)."""
+        return _op("EngineWriteCheckpoint")(self.resource_handle, directory, changes_for)
+
+    def write_delta(self, directory: str, changes_for: str) -> tf.Tensor:
+        """Writes to ``directory`` (which must not exist; its parent must), in
+        :meth:`write_checkpoint`'s format, the blocks of the keys changed since the last
+        checkpoint write by ``changes_for`` (full or delta), and an empty value (a
+        deletion) for each such key that has no block any more; then records changes
+        afresh. Returns int64[2]: [blocks, deletions] written. Fails unless
+        :meth:`records_changes_for` that owner."""
+        return _op("EngineWriteDelta")(self.resource_handle, directory, changes_for)
+
+    def records_changes_for(self, owner: str) -> tf.Tensor:
+        """bool scalar: whether the engine records changes for ``owner`` (its last
+        checkpoint write was that owner's, with changes recorded)."""
+        return _op("EngineRecordsChangesFor")(self.resource_handle, owner)
 
     def read_checkpoint(self, directories: Sequence[str], rank: int, num_ranks: int) -> tf.Tensor:
         """Puts into this engine (tiered or not) the blocks that ``rank`` of ``num_ranks``
         owns (owner = mix64(ID) mod num_ranks) out of ``directories``, one per saving
-        rank, as :meth:`write_checkpoint` wrote them. Returns the blocks put (int64
-        scalar)."""
+        rank, as :meth:`write_checkpoint` or :meth:`write_delta` wrote them (a delta's
+        deletions erase their keys on every rank). Returns the blocks put and deletions
+        applied (int64 scalar)."""
         return _op("EngineReadCheckpoint")(self.resource_handle, list(directories),
                                            tf.constant(rank, tf.int32),
                                            tf.constant(num_ranks, tf.int32))

@@ -15,6 +15,7 @@ Example (one group on one rank)::
     stats = EngineStatistics("g0", ["user", "item"], table.engine)
     table.set_admission([2, 1])         # min_count per table, decided inside the update
 """
+import dataclasses
 from typing import Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -27,7 +28,40 @@ from tf_fusedemb.storage import initializers
 from tf_fusedemb.storage.group_table import GroupTable
 from tf_fusedemb.storage.statistics import AccessStatistics
 
-__all__ = ["EngineGroupTable", "EngineStatistics"]
+__all__ = ["BlockWrite", "DeltaCounts", "EngineGroupTable", "EngineStatistics", "FULL_WRITE"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockWrite:
+    """What a checkpoint write of an engine table's blocks writes, and for whom the engine
+    records changes afterwards.
+
+    Fields:
+      delta: False: every block. True: only the blocks of the keys changed since
+        ``owner``'s previous write, and a deletion for each such key without a block any
+        more (refused unless the engine records changes for ``owner``).
+      owner: who writes the next delta (a checkpoint manager's id, unique in the
+        process): the engine records the keys whose blocks change from here on, in a
+        per-shard set (custom_ops/engine_changes.h), for that owner. "": it records
+        nothing (a full write only).
+    """
+    delta: bool = False
+    owner: str = ""
+
+    def __post_init__(self) -> None:
+        if self.delta and not self.owner:
+            raise ValueError("BlockWrite: a delta needs the owner its changes are recorded for")
+
+
+FULL_WRITE = BlockWrite()  # every block, no change recorded afterwards
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaCounts:
+    """What a delta write wrote: ``blocks`` (changed keys' blocks) and ``deletions``
+    (changed keys without a block any more)."""
+    blocks: int
+    deletions: int
 
 
 class EngineGroupTable(GroupTable):
@@ -127,16 +161,29 @@ class EngineGroupTable(GroupTable):
         """Whether the table has a memory budget (an SSD tier)."""
         return self.engine.memory_budget_bytes is not None
 
-    def write_checkpoint(self, directory: str) -> None:
+    def write_checkpoint(self, directory: str, write: BlockWrite = FULL_WRITE
+                         ) -> Optional[DeltaCounts]:
         """Writes the table's blocks (rows, slots and statistics of both tiers) to
         ``directory`` as a RocksDB database, in C++ (EmbeddingEngine.write_checkpoint):
-        a tiered table through its SSD tier's own checkpoint, an untiered one anew. Eager."""
-        self.engine.write_checkpoint(directory)
+        a tiered table through its SSD tier's own checkpoint, an untiered one anew; or,
+        for a delta ``write``, only the blocks changed since its owner's previous write,
+        and deletions (EmbeddingEngine.write_delta). Returns the DeltaCounts of a delta,
+        None otherwise. Eager."""
+        if write.delta:
+            blocks, deletions = self.engine.write_delta(directory, write.owner).numpy().tolist()
+            return DeltaCounts(int(blocks), int(deletions))
+        self.engine.write_checkpoint(directory, write.owner)
+        return None
+
+    def records_changes_for(self, owner: str) -> bool:
+        """Whether a delta write for ``owner`` would follow that owner's last write (the
+        engine records changes for it). Eager."""
+        return bool(self.engine.records_changes_for(owner).numpy())
 
     def read_checkpoint(self, directories: Sequence[str], rank: int, size: int) -> int:
         """Puts the blocks that ``rank`` of ``size`` owns out of every saving rank's
-        ``write_checkpoint`` directory into this table (tiered or not); returns how many.
-        Eager."""
+        ``write_checkpoint`` directory into this table (tiered or not); a delta's
+        deletions erase their keys. Returns the blocks put and deletions applied. Eager."""
         return int(self.engine.read_checkpoint(directories, rank, size).numpy())
 
     def prefetch(self, keys: tf.Tensor) -> Optional[tf.Operation]:

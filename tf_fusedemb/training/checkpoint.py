@@ -16,6 +16,23 @@ Layout of ``<dir>/ckpt-<step>/``:
                                 written anew; the .npz keeps the group's step
 ``<dir>/latest`` names the newest complete checkpoint.
 
+Incremental checkpoints (``incremental=True``): every ``full_every``-th save is full as
+above; the saves between are *deltas*. A delta's block directories hold only the blocks
+of the keys whose row, slots or statistics changed since the previous save, and a
+deletion (an empty value) for each key removed meanwhile (eviction, TTL, ``remove``); the
+engine knows them from a per-shard set of changed keys it records while asked to
+(custom_ops/engine_changes.h: the 28-byte block header has no bit to spare, and a removed
+key has no header left). The dense state, meta.json and every group of other storage
+(whose ``save_state`` returns arrays) are written in full in every delta. meta.json of a
+delta names the checkpoint it builds on (``"base": "ckpt-<step>"`` and that one's
+``"id"``); a restore reads the chain, the full checkpoint's blocks first and each delta's
+over them, in order (checkpoint_chain.py), and gets every block exactly as a full save
+of the same step would hold it, onto any number of ranks, tiered or not. A chain with a
+link missing or damaged is refused, naming the link and the newest checkpoint that still
+restores. Pruning (``max_to_keep``) never removes a checkpoint a kept one builds on. The
+first save of a manager, and the first after a restore, a failed save or a save of the
+same model by another manager, is full.
+
 Atomicity: everything is written into ``ckpt-<step>.tmp`` first; after a barrier rank 0
 writes meta.json, renames the directory into place and replaces ``latest`` with
 ``os.replace``. An interrupted save (an exception, or a rank killed half-way) leaves at
@@ -29,9 +46,11 @@ Restore onto M ranks: every rank reads all N shards and keeps the rows it owns u
 a storage-engine group's blocks are read from the N block directories the same way, in
 C++, into the engine (tiered or not).
 """
+import dataclasses
 import json
 import os
 import shutil
+import uuid
 from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
@@ -41,7 +60,9 @@ import tf_keras
 from tf_fusedemb.comm import Communicator
 from tf_fusedemb.layers.fused_embedding import communicator_of, fused_embedding_layers
 from tf_fusedemb.specs import describe_plan_difference
-from tf_fusedemb.training import faults
+from tf_fusedemb.storage.engine_table import FULL_WRITE, BlockWrite
+from tf_fusedemb.training import checkpoint_chain, faults
+from tf_fusedemb.training.checkpoint_chain import DELTA, FULL, Link
 from tf_fusedemb.training.replicas import dense_variables, replicas_of
 
 LATEST = "latest"
@@ -63,6 +84,14 @@ def saved_block_directory(checkpoint: str, layer: int, group: str, rank: int,
     return earlier if not os.path.exists(path) and os.path.exists(earlier) else path
 
 
+@dataclasses.dataclass(frozen=True)
+class ChainPosition:
+    """Where this manager's next delta would build: ``base`` (the link it saved last)
+    and ``links`` (how many links its chain has, the full one included)."""
+    base: Link
+    links: int
+
+
 def variable_record(variable: Any) -> List[Any]:
     """[name, shape, dtype name] of a dense variable (tf_keras's or Keras 3's), as
     meta.json records it to name the first difference of another model."""
@@ -77,17 +106,37 @@ class CheckpointManager:
       directory: where checkpoints go (shared by all ranks).
       model: the Keras model (its FusedEmbedding layers are found recursively).
       optimizer: the dense optimizer (its variables are saved with the dense weights).
-      max_to_keep: complete checkpoints kept; older ones are deleted after a save.
+      max_to_keep: complete checkpoints kept; older ones are deleted after a save, except
+        those a kept one builds on (incremental).
       extra: {name: trackable} saved with the dense weights (rank 0's values, restored on
         every rank), e.g. the state of a running training metric, so that a resumed run
         reports what an uninterrupted one would.
+      incremental: save deltas between full checkpoints (see the module doc): a delta
+        writes the storage-engine blocks changed since the previous save, plus the dense
+        state and the groups of other storage in full. The engines record changes for
+        the manager that saved them last: after a save by another manager of the same
+        model, the next save is full.
+      full_every: with ``incremental``, every ``full_every``-th save is a full checkpoint
+        (1: all of them), so a restore reads at most ``full_every`` links.
     """
 
     def __init__(self, directory: str, model: tf_keras.Model,
                  optimizer: Optional[tf_keras.optimizers.Optimizer] = None, max_to_keep: int = 3,
                  communicator: Optional[Communicator] = None,
-                 extra: Optional[Mapping[str, Any]] = None):
+                 extra: Optional[Mapping[str, Any]] = None, incremental: bool = False,
+                 full_every: int = 10):
+        if not isinstance(incremental, bool):
+            raise ValueError(f"CheckpointManager: incremental must be a bool, got {incremental!r}")
+        if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
+            raise ValueError(f"CheckpointManager: full_every must be an int >= 1, got "
+                             f"{full_every!r}")
         self.directory = directory
+        self.incremental = incremental
+        self.full_every = full_every
+        # The last link this manager saved, while the engines record changes since it,
+        # for this manager (its id, unique in the process: the engines are the process's).
+        self._chain: Optional[ChainPosition] = None
+        self._owner = uuid.uuid4().hex
         self.comm = communicator or communicator_of(model)
         self.layers = fused_embedding_layers(model)
         self.groups = [(li, g) for li, layer in enumerate(self.layers) for g in layer.groups]
@@ -103,29 +152,61 @@ class CheckpointManager:
 
     # ---- save -------------------------------------------------------------------------
     def save(self, step: int, state: Optional[Dict[str, Any]] = None) -> str:
-        """Writes checkpoint ``step`` (all ranks must call it); returns its path."""
+        """Writes checkpoint ``step`` (all ranks must call it): full, or with
+        ``incremental`` a delta on the previous save (see the module doc); returns its
+        path."""
         with self.comm.watch(f"checkpoint save {int(step)}"):
-            return self._save(int(step), state)
+            try:
+                return self._save(int(step), state)
+            except BaseException:
+                # The engines may have restarted their record of changes: the next save
+                # writes every block.
+                self._chain = None
+                raise
+
+    def _next_write(self, final: str) -> BlockWrite:
+        """Whether the save into ``final`` writes every block or a delta, the same on
+        every rank: a delta when this manager's chain goes on (each rank's manager has
+        seen the same saves and restores) and every group on every rank records changes
+        for it (none has been checkpointed by another manager since: a collective)."""
+        if not self.incremental:
+            return FULL_WRITE
+        chain = self._chain
+        full = BlockWrite(owner=self._owner)
+        if (chain is None or chain.links >= self.full_every or os.path.exists(final)
+                or not os.path.isdir(chain.base.path)):
+            return full
+        behind = sum(not g.records_changes_for(self._owner) for _, g in self.groups)
+        with self.comm.watch("barrier fusedemb/ckpt_kind"):
+            behind = int(self.comm.allreduce_sum(tf.constant(behind, tf.int32),
+                                                 "fusedemb/ckpt_kind").numpy())
+        return BlockWrite(delta=True, owner=self._owner) if behind == 0 else full
 
     def _save(self, step, state):
-        final = os.path.join(self.directory, f"ckpt-{step}")
+        final = os.path.join(self.directory, checkpoint_chain.checkpoint_name(step))
         tmp = final + ".tmp"
+        write = self._next_write(final)  # before the directory changes (the rename)
         if self.comm.rank == 0:
             self._remove_debris()
             os.makedirs(tmp)
         self._barrier("ckpt_mkdir")
         shard = os.path.join(tmp, f"shard-{self.comm.rank}-of-{self.comm.size}.npz")
-        np.savez(shard, **self._export_shards(tmp))
+        np.savez(shard, **self._export_shards(tmp, write))
         faults.inject("save", step, self.comm.rank, partial_file=shard)  # a no-op hook (tests)
         if self.comm.rank == 0:
             self._dense.write(os.path.join(tmp, "dense"))
         self._barrier("ckpt_written")
+        base = self._chain.base if write.delta and self._chain else None
         if self.comm.rank == 0:
             meta = {"step": step, "world_size": self.comm.size, "state": state or {},
                     "plans": [layer.plan.fingerprint(policies=False) for layer in self.layers],
                     "plan_specs": [layer.plan.to_dict(policies=False) for layer in self.layers],
                     "model": self._model_name,
                     "dense": [variable_record(v) for v in self._dense_vars]}
+            # A new id per link tells a base written again since from the original.
+            meta.update(checkpoint_chain.link_meta(
+                DELTA if base else FULL, base, uuid.uuid4().hex,
+                checkpoint_chain.written_files(tmp, BLOCKS_DIR)))
             with open(os.path.join(tmp, "meta.json"), "w") as f:
                 json.dump(meta, f)
             shutil.rmtree(final, ignore_errors=True)
@@ -136,6 +217,12 @@ class CheckpointManager:
             os.replace(pointer, os.path.join(self.directory, LATEST))
             self._prune()
         self._barrier("ckpt_done")
+        if not write.owner:  # not incremental
+            self._chain = None
+        else:
+            # Every rank reads the link rank 0 wrote (its id), after the barrier.
+            links = self._chain.links + 1 if base and self._chain else 1
+            self._chain = ChainPosition(checkpoint_chain.read_link(final), links)
         return final
 
     def _remove_debris(self):
@@ -150,22 +237,27 @@ class CheckpointManager:
             elif name == LATEST + ".tmp":
                 os.remove(path)
 
-    def _export_shards(self, tmp):
+    def _export_shards(self, tmp, write: BlockWrite):
         """Every group's ``save_state``, its arrays named ``l<layer>/<group>/<name>``; a
-        storage-engine group's blocks go to its directory under ``tmp/blocks``."""
+        storage-engine group's blocks (all, or a delta's: ``write``) go to its directory
+        under ``tmp/blocks``."""
         os.makedirs(os.path.join(tmp, BLOCKS_DIR), exist_ok=True)
         arrays = {}
         for li, g in self.groups:
             prefix = f"l{li}/{g.group.name}/"
             directory = block_directory(tmp, li, g.group.name, self.comm.rank, self.comm.size)
-            arrays.update({prefix + k: v for k, v in g.save_state(directory).items()})
+            arrays.update({prefix + k: v for k, v in g.save_state(directory, write).items()})
         return arrays
 
     def _prune(self):
-        steps = sorted(int(d[5:]) for d in os.listdir(self.directory)
-                       if d.startswith("ckpt-") and not d.endswith(".tmp"))
-        for s in steps[:-self.max_to_keep]:
-            shutil.rmtree(os.path.join(self.directory, f"ckpt-{s}"), ignore_errors=True)
+        """Removes all but the newest ``max_to_keep`` checkpoints and the links they
+        build on."""
+        names = [checkpoint_chain.checkpoint_name(s)
+                 for s in checkpoint_chain.steps_in(self.directory)]
+        keep = checkpoint_chain.needed_by(self.directory, names[-self.max_to_keep:])
+        for name in names:
+            if name not in keep:
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     def _barrier(self, name):
         with self.comm.watch(f"barrier fusedemb/{name}"):
@@ -182,23 +274,28 @@ class CheckpointManager:
 
     def restore(self, path: Optional[str] = None) -> Optional[Dict[str, Any]]:
         """Restores ``path`` (default: the latest) onto this world size; returns its
-        meta dict (with the user ``state``), or None when there is no checkpoint."""
+        meta dict (with the user ``state``), or None when there is no checkpoint. A
+        delta is restored with the links it builds on (see the class doc); a chain with
+        a link missing or damaged raises a one-line ValueError (BrokenChainError) naming
+        the link and the newest checkpoint that still restores, before anything is
+        loaded."""
         path = path or self.latest()
         if path is None:
             return None
-        with open(os.path.join(path, "meta.json")) as f:
-            meta = json.load(f)
+        chain = checkpoint_chain.chain_of(path)
+        meta = chain[-1].meta
         self._check_same_model(path, meta)  # before anything is loaded
-        shards = [np.load(os.path.join(path, f"shard-{r}-of-{meta['world_size']}.npz"))
-                  for r in range(meta["world_size"])]
         size = meta["world_size"]
+        shards = [np.load(os.path.join(path, f"shard-{r}-of-{size}.npz")) for r in range(size)]
         for li, g in self.groups:
             prefix = f"l{li}/{g.group.name}/"
+            full, *deltas = [[saved_block_directory(link.path, li, g.group.name, r,
+                                                    link.world_size)
+                              for r in range(link.world_size)] for link in chain]
             g.restore_state([{k[len(prefix):]: s[k] for k in s.files if k.startswith(prefix)}
-                             for s in shards], self.comm.rank, self.comm.size,
-                            [saved_block_directory(path, li, g.group.name, r, size)
-                             for r in range(size)])
+                             for s in shards], self.comm.rank, self.comm.size, full, deltas)
         self._dense.read(os.path.join(path, "dense")).expect_partial()
+        self._chain = None  # the next save writes every block (and restarts the record)
         # Every rank read the same dense values; the next step still makes them rank 0's
         # bit for bit (tf_fusedemb.training.replicas), whatever happened before.
         self._replicas.resync()
