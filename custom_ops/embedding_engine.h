@@ -201,6 +201,23 @@ class Engine {
     });
   }
 
+  // The keys of every block with a row, both tiers, appended to `keys` unsorted: what an
+  // export enumerates its rows by, 8 bytes a key where Export holds a block's fields.
+  // Holds every shard's lock meanwhile, as Export does.
+  std::string StoredKeys(std::vector<int64_t>* keys) const {
+    const auto locks = LockAll();
+    for (const auto& sh : shards_) {
+      sh->ForEach([&](uint32_t ref) {
+        if (Shard::IsStored(ref)) keys->push_back(sh->Header(ref)->key);
+      });
+    }
+    if (!tiered()) return "";
+    return tier_.store()->ForEach([&](int64_t key, const char*, size_t size) {
+      if (shards_[ShardOf(key)]->Find(key) != nullptr) return;  // a stale copy: see Tier::Pin
+      if (size == format_.block_bytes()) keys->push_back(key);
+    });
+  }
+
   // Writes every block of both tiers to `dir`: a tiered engine through its store's own
   // checkpoint (the SSD tier's files linked, the DRAM tier's blocks written over them),
   // an engine without a store through `write_new` (a new checkpoint of the blocks alone:

@@ -626,6 +626,27 @@ class EngineExportOp : public OpKernel {
   int64_t dim_, num_slots_;
 };
 
+class EngineStoredKeysOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<EngineResource> r;
+    OP_REQUIRES_OK(ctx, GetEngine(ctx, &r));
+    std::vector<int64_t> keys;
+    keys.reserve(r->engine().Size().stored);  // no regrowth: at most 16 bytes a key
+    const std::string error = r->engine().StoredKeys(&keys);
+    OP_REQUIRES(ctx, error.empty(), errors::Internal("embedding engine: ", error));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            0, TensorShape({static_cast<int64_t>(keys.size())}), &out));
+    int64_t* k = out->flat<int64_t>().data();
+    std::copy(keys.begin(), keys.end(), k);
+    std::vector<int64_t>().swap(keys);
+    std::sort(k, k + out->NumElements());
+  }
+};
+
 class EngineSizeOp : public OpKernel {
  public:
   using OpKernel::OpKernel;
@@ -814,6 +835,7 @@ FUSEDEMB_ENGINE_KERNEL("EngineUnpin", EnginePinOp<false>);
 FUSEDEMB_ENGINE_KERNEL("EnginePrefetch", EnginePrefetchOp);
 FUSEDEMB_ENGINE_KERNEL("EngineExport", EngineExportOp);
 FUSEDEMB_ENGINE_KERNEL("EngineSize", EngineSizeOp);
+FUSEDEMB_ENGINE_KERNEL("EngineStoredKeys", EngineStoredKeysOp);
 FUSEDEMB_ENGINE_KERNEL("EngineWriteCheckpoint", EngineWriteCheckpointOp);
 FUSEDEMB_ENGINE_KERNEL("EngineWriteDelta", EngineWriteDeltaOp);
 FUSEDEMB_ENGINE_KERNEL("EngineRecordsChangesFor", EngineRecordsChangesForOp);

@@ -234,6 +234,18 @@ tracked), ids, counts, last_steps: [k]; with_rows: values [k, dim] and slots
 [k, num_slots, dim] (zeros for a block without a row), else both with 0 rows.
 )doc");
 
+REGISTER_OP("FusedEmb>EngineStoredKeys")
+    .Input("handle: resource")
+    .Output("keys: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+The keys of every block with a row (both tiers), sorted: [s]. Reads no row and no field.
+)doc");
+
 REGISTER_OP("FusedEmb>EngineSize")
     .Input("handle: resource")
     .Output("stored: int64")

@@ -105,14 +105,16 @@ def test_keras3_export_serves_the_same_predictions(tmp_path):
     np.testing.assert_allclose(served["probability"].numpy(), tf.sigmoid(want).numpy(), **TOL)
 
 
-def test_keras3_sharded_checkpoint_resumes_as_keras_backup_and_restore(tmp_path):
+@pytest.mark.parametrize("incremental", [False, True])
+def test_keras3_sharded_checkpoint_resumes_as_keras_backup_and_restore(tmp_path, incremental):
     """Keras 3 fit saved every 4 steps, interrupted at step 7 of epoch 1 and resumed on a
     freshly built model: tf_fusedemb.keras3.ShardedCheckpoint(every_steps=4) resumes where
     Keras 3's BackupAndRestore(save_freq=4) resumes the same model with ordinary Embedding
-    layers (epoch 1 again, from the state after its step 4), and the two end equal."""
+    layers (epoch 1 again, from the state after its step 4), and the two end equal; with
+    ``incremental=True`` the saves after the first are deltas, restored as a chain."""
     from tf_fusedemb.keras3 import ShardedCheckpoint
     kpth.resume_like_backup_and_restore(
-        keras, "sgd", lambda d: ShardedCheckpoint(d, every_steps=4),
+        keras, "sgd", lambda d: ShardedCheckpoint(d, every_steps=4, incremental=incremental),
         lambda d: keras.callbacks.BackupAndRestore(d, save_freq=4), tmp_path, TOL)
 
 

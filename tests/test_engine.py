@@ -269,6 +269,27 @@ def test_export_load_round_trip(opt_name):
                                   src.lookup(partial["keys"]).numpy())
 
 
+@pytest.mark.parametrize("budget", [None, 0, 4000])
+def test_stored_keys_are_the_exported_keys(budget, tmp_path):
+    """The engine's key list (what an export enumerates its rows by) holds exactly the keys
+    its full export holds, sorted, from either tier: none only recorded (statistics
+    without a row), none removed, none twice when a block was read back from the SSD tier."""
+    rng = np.random.default_rng(9)
+    table = _engine_table(dim=4, name=f"keys{budget}", memory_budget_bytes=budget,
+                          spill_path=None if budget is None else str(tmp_path / "spill"))
+    stats = EngineStatistics("keys", CATEGORIES, table.engine)
+    keys = _keys(rng, 3000)
+    table.apply_gradients(keys, rng.normal(0, 1, (len(keys), 4)).astype(np.float32))
+    table.lookup(keys[::3])  # read back from the SSD tier where there is one
+    table.remove(keys[:50])
+    recorded_only = _keys(rng, 40, 2**62, 2**63 - 1)
+    stats.register(recorded_only, np.zeros(40, np.int64), recorded_only, step=1)
+    want = np.sort(np.setdiff1d(keys, keys[:50]))
+    np.testing.assert_array_equal(table.stored_keys(stats.known_keys), want)
+    np.testing.assert_array_equal(table.export()["keys"].numpy(), want)
+    np.testing.assert_array_equal(table.engine.stored_keys().numpy(), want)
+
+
 def test_graph_mode_equals_eager():
     rng = np.random.default_rng(5)
     eager, graph = _engine_table(name="eager"), _engine_table(name="graph")

@@ -1,4 +1,6 @@
 """Rank side of ``python -m tf_fusedemb.benchmarks.export`` (see there)."""
+import ctypes
+import gc
 import json
 import os
 import shutil
@@ -58,6 +60,11 @@ class PeakRss:
         self.peak = max(self.peak, rss_bytes())
 
 
+def release_freed_heap() -> None:
+    """Returns the memory glibc's malloc holds free to the kernel (``malloc_trim(0)``)."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def build(num_keys: int, comm: Communicator, model_class: Any = tf_keras.Model):
     """The model (a ``model_class``) and its table of ``num_keys`` keys (IDs 0..N-1), each
     rank loading the rows it owns a chunk at a time (rows drawn from a generator seeded
@@ -80,10 +87,14 @@ def build(num_keys: int, comm: Communicator, model_class: Any = tf_keras.Model):
 def one_size(num_keys: int, args, comm: Communicator, work: str) -> Dict[str, Any]:
     model, layer = build(num_keys, comm)
     rng = np.random.default_rng(7)
-    ids = np.concatenate([rng.integers(0, num_keys, KNOWN), num_keys + np.arange(UNSEEN)])
+    known = rng.integers(0, num_keys, KNOWN) if num_keys else np.zeros([0], np.int64)
+    ids = np.concatenate([known, num_keys + np.arange(UNSEEN)])
     # A collective: rank 0 asks for every sampled ID, the others for none.
     x = ids if comm.rank == 0 else ids[:0]
     want = tf.function(lambda x: model(x, training=False))({"c": tf.constant(x)}).numpy()
+    # What the table's loading freed goes back to the kernel first (glibc keeps freed heap
+    # resident): the peak is then the table, the process's fixed part and the export's own.
+    release_freed_heap()
     before = rss_bytes()
     out: Dict[str, Any] = {"export_s": {}, "variables_bytes": {}, "max_abs_diff": {}}
     with PeakRss() as peak:
@@ -96,6 +107,12 @@ def one_size(num_keys: int, args, comm: Communicator, work: str) -> Dict[str, An
     out.update(peak_rss_bytes_per_rank=max(e[0] for e in every),
                rss_before_export_bytes_per_rank=max(e[1] for e in every),
                table_bytes_per_rank=max(e[2] for e in every))
+    # The tables go before rank 0 serves: the serving process holds every row at once.
+    del model, layer
+    tf_keras.backend.clear_session()
+    gc.collect()
+    release_freed_heap()
+    out["rss_after_release_bytes_per_rank"] = max(comm.allgather_object(rss_bytes()))
     if comm.rank == 0:
         np.save(os.path.join(work, "ids.npy"), ids)
         for row_dtype in args.row_dtypes:
@@ -170,17 +187,19 @@ def incremental(args, comm: Communicator, work: str) -> Dict[str, Any]:
 
 
 def run(args):
+    """One job's part: the export of each of ``args.keys`` (a size per job, as the
+    launcher runs it) and/or the incremental checkpoints."""
     comm = get_communicator()
     work = args.work_dir or (tempfile.mkdtemp(prefix="fusedemb_export_bench_")
                              if comm.rank == 0 else None)
     # Every rank uses rank 0's directory: the export directory must be shared.
     work = comm.allgather_object(work)[0]
-    results = {str(n): one_size(n, args, comm, work) for n in args.keys} \
+    exports = {str(n): one_size(n, args, comm, work) for n in args.keys} \
         if "export" in args.parts else {}
     increments = incremental(args, comm, work) if "incremental" in args.parts else None
     if comm.rank == 0:
         if args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
-        return {"keys": results, "world_size": comm.size, "dim": DIM,
+        return {"keys": exports, "world_size": comm.size, "dim": DIM,
                 "incremental": increments}
     return None

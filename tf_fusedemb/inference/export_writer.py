@@ -60,16 +60,17 @@ def write_segment(lookup: GroupLookup, names: IndexNames, prefix: str, rank: int
     the group's index variables as slices [rank, start:stop] of int64[size, width] keys,
     [size, width, dim] rows and float32[size, width] scales (int8) plus int64[size]
     lengths, in bundles ``<prefix>-*``, reading ``chunk_rows`` rows at a time."""
-    keys, init_keys = lookup.stored_init_keys()
-    dim, count = lookup.group.dim, len(keys)
     chunk_rows = chunk_rows or CHUNK_ROWS
+    ordered = lookup.stored_init_keys(chunk_rows)
+    dim, no_keys = lookup.group.dim, np.zeros([0], np.int64)
     _save(f"{prefix}-lengths", [names.lengths], [f"{size} {rank},1"],
-          [np.array([count], np.int64)])
+          [np.array([ordered.num_keys], np.int64)])
+    # Every chunk but the last real one holds chunk_rows keys; past them, padding.
     for start in range(0, width, chunk_rows):
         stop = min(start + chunk_rows, width)
-        real = slice(min(start, count), min(stop, count))
-        segment = pad_segment(init_keys[real], read_rows(lookup, keys[real], init_keys[real]),
-                              row_dtype, stop - start)
+        keys, init_keys = next(ordered.chunks, (no_keys, no_keys))
+        segment = pad_segment(init_keys, read_rows(lookup, keys, init_keys), row_dtype,
+                              stop - start)
         where = f"{rank},1:{start},{stop - start}"
         tensors = [(names.keys, f"{size} {width} {where}", segment.keys[None]),
                    (names.rows, f"{size} {width} {dim} {where}:-", segment.rows[None])]

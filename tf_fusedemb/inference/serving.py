@@ -41,7 +41,10 @@ class ServingGroup(tf.Module):
         self.group = lookup.group
         self.key_mode, self.table_names = lookup.key_mode, lookup.table_names  # input checks
         self._key_codec = lookup.key_codec
-        keys, init_keys = lookup.stored_init_keys() if with_rows else (_NO_KEYS, _NO_KEYS)
+        keys, init_keys = _NO_KEYS, _NO_KEYS
+        if with_rows:  # one process holds them all: one chunk
+            ordered = lookup.stored_init_keys(max(1, lookup.num_stored_rows()))
+            keys, init_keys = next(ordered.chunks, (_NO_KEYS, _NO_KEYS))
         values = read_rows(lookup, keys, init_keys)
         self.index = KeyIndex([pad_segment(init_keys, values, check_row_dtype(row_dtype),
                                            segment_width([len(keys)]))],

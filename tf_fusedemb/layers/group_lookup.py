@@ -18,7 +18,7 @@ from tf_fusedemb.layers.exchange import (EXCHANGES, FlatExchange, bad_input, dec
                                          input_report, received_report)
 from tf_fusedemb.layers.group_interface import Combiners, GroupState, KeyExchange, StoredRows
 from tf_fusedemb.layers.group_keys import GroupKeys
-from tf_fusedemb.layers.group_snapshot import GroupSnapshot
+from tf_fusedemb.layers.group_snapshot import GroupSnapshot, InitOrderedKeys
 from tf_fusedemb.layers.hierarchical_exchange import HierarchicalExchange
 from tf_fusedemb.layers.inputs import FlatFeature, id_ranges, out_of_range_message
 from tf_fusedemb.layers.lookup_context import NO_CONTEXT, LookupContext
@@ -114,10 +114,10 @@ class GroupLookup(tf.Module):
         """The rows this rank stores and their identities (``GroupSnapshot.stored_rows``)."""
         return self._snapshot.stored_rows()
 
-    def stored_init_keys(self) -> Tuple[np.ndarray, np.ndarray]:
-        """(storage keys, init keys) of this rank's stored rows, in init-key order, no row
-        read (``GroupSnapshot.stored_init_keys``)."""
-        return self._snapshot.stored_init_keys()
+    def stored_init_keys(self, chunk_rows: int) -> InitOrderedKeys:
+        """This rank's stored rows' (storage keys, init keys) in init-key order,
+        ``chunk_rows`` at a time, no row read (``GroupSnapshot.stored_init_keys``)."""
+        return self._snapshot.stored_init_keys(chunk_rows)
 
     def load_rows(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
         """Writes ``rows`` float32[n, dim] as the values of ``ids`` int64[n] of ``table``,

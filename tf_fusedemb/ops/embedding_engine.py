@@ -239,6 +239,11 @@ class EmbeddingEngine(tf.saved_model.experimental.TrackableResource):
                                   with_rows=with_rows, dim=self.dim, num_slots=self.num_slots)
         return EngineExport(out[0], EngineKeyFields(*out[1:6]), out[6], out[7])
 
+    def stored_keys(self) -> tf.Tensor:
+        """int64[s], sorted: the keys of every block with a row, both tiers, without their
+        rows or fields (8 bytes a key where ``export`` returns about 40)."""
+        return _op("EngineStoredKeys")(self.resource_handle)
+
     def write_checkpoint(self, directory: str, changes_for: str = "") -> Optional[tf.Operation]:
         """Writes every block of this engine (rows, slots and statistics; both tiers) to
         ``directory`` (which must not exist; its parent must), straight from its arenas:

@@ -100,6 +100,11 @@ class TableStorage(Protocol):
     def contains(self, keys: tf.Tensor) -> tf.Tensor:
         """bool[u]: whether each of ``keys`` int64[u] has a stored row."""
 
+    def stored_keys(self, known: Callable[[], np.ndarray]) -> np.ndarray:
+        """int64[s], sorted: the keys with a stored row, no row read (eager); ``known``
+        lists the keys whose identity the statistics recorded, for a table that cannot
+        list its own."""
+
     def remove(self, keys: tf.Tensor) -> Optional[tf.Operation]:
         """Drops the rows and slots of ``keys`` int64[u] (eviction)."""
 

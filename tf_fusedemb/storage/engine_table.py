@@ -16,7 +16,7 @@ Example (one group on one rank)::
     table.set_admission([2, 1])         # min_count per table, decided inside the update
 """
 import dataclasses
-from typing import Dict, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import tensorflow as tf
@@ -205,6 +205,11 @@ class EngineGroupTable(GroupTable):
     def contains(self, keys: tf.Tensor) -> tf.Tensor:
         """bool[u]: whether each of ``keys`` int64[u] has a stored row."""
         return self.engine.find(self._as_keys(keys, "keys")).stored
+
+    def stored_keys(self, known: Callable[[], np.ndarray]) -> np.ndarray:
+        """int64[s], sorted: the keys of the blocks with a row, both tiers, listed by the
+        engine itself (8 bytes a key; ``known`` is not needed)."""
+        return self.engine.stored_keys().numpy()
 
     def remove(self, keys: tf.Tensor) -> Optional[tf.Operation]:
         """Removes the rows of ``keys`` int64[u] and their optimizer slots (absent keys

@@ -25,10 +25,14 @@ two updates would survive. ``validate_unique=True`` adds a check for debugging.
 import re
 from typing import Callable, Dict, Optional, Tuple, Union
 
+import numpy as np
 import tensorflow as tf
 
 from tf_fusedemb.specs import InitializerSpec, OptimizerSpec
 from tf_fusedemb.storage.optimizers import RowOptimizer
+
+# Keys asked per contains() call when a whole table's stored keys are listed.
+_CONTAINS_CHUNK = 1 << 20
 
 __all__ = ["GroupTable"]
 
@@ -206,6 +210,18 @@ class GroupTable(tf.Module):
     def contains(self, keys: tf.Tensor) -> tf.Tensor:
         """bool[u]: whether each of ``keys`` int64[u] has a stored (updated or loaded) row."""
         raise NotImplementedError
+
+    def stored_keys(self, known: Callable[[], np.ndarray]) -> np.ndarray:
+        """int64[s], sorted: the keys with a stored row, without reading a row (eager).
+        ``known`` gives every key whose identity the statistics recorded (sorted): a hash
+        table is not iterated, so its stored keys are the known ones it contains,
+        asked a chunk at a time."""
+        candidates = known()
+        stored = np.empty(len(candidates), bool)
+        for i in range(0, len(candidates), _CONTAINS_CHUNK):
+            chunk = tf.constant(candidates[i:i + _CONTAINS_CHUNK], tf.int64)
+            stored[i:i + _CONTAINS_CHUNK] = self.contains(chunk).numpy()
+        return candidates[stored]
 
     def remove(self, keys: tf.Tensor) -> Optional[tf.Operation]:
         """Removes the rows and optimizer slots of ``keys`` int64[u] (absent keys are

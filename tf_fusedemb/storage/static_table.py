@@ -250,6 +250,11 @@ class StaticGroupTable(GroupTable):
         raise ValueError(f"{self._kind}: a static table's rows cannot be removed (its memory "
                          "is fixed; eviction needs a dynamic table)")
 
+    def stored_keys(self, known: Callable[[], np.ndarray]) -> np.ndarray:
+        """int64[s], sorted: the keys of the touched rows (a static table holds its keys'
+        rows in an array: ``known`` is not needed)."""
+        return self.export()["keys"].numpy()
+
     def export(self, keys: Optional[tf.Tensor] = None) -> Dict[str, tf.Tensor]:
         if keys is None:  # int64[s], ascending like the keys
             words = tf.convert_to_tensor(self.touched_bits)
