@@ -148,7 +148,7 @@ Run Train(int64_t rows, int64_t batch, int steps, double fraction, const std::st
     auto store = e::OpenSlotFileBlockStore(spill, "tier_bench", eng.block_bytes(), &error);
     Check(error);
     const double payload = static_cast<double>(rows) * eng.block_bytes();
-    eng.AttachStore(std::move(store), static_cast<int64_t>(payload * fraction));
+    eng.AttachStore(std::move(store), static_cast<int64_t>(payload * fraction), "tier_bench");
   }
   ZipfIds ids(batch, 1.05);
   int64_t old_keys = 0;
@@ -179,10 +179,14 @@ Run Train(int64_t rows, int64_t batch, int steps, double fraction, const std::st
   std::sort(all.begin(), all.end());
   all.erase(std::unique(all.begin(), all.end()), all.end());
   run.rows.resize(all.size() * kDim);
-  const e::Partition p = eng.PartitionKeys(all.data(), static_cast<int64_t>(all.size()));
-  EachShard(eng, p, all.data(), [&](int s, e::Span span) {
-    eng.Lookup(s, span, all.data(), all.data(), run.rows.data());
-  });
+  for (size_t at = 0; at < all.size(); at += batch) {  // a batch at a time: within the budget
+    const int64_t* keys = all.data() + at;
+    const int64_t n = std::min<int64_t>(batch, static_cast<int64_t>(all.size() - at));
+    const e::Partition p = eng.PartitionKeys(keys, n);
+    EachShard(eng, p, keys, [&](int s, e::Span span) {
+      eng.Lookup(s, span, keys, keys, run.rows.data() + at * kDim);
+    });
+  }
   return run;
 }
 
