@@ -3,12 +3,12 @@
 // shard); the others are in a BlockStore (block_store.h; a file of block slots in
 // slot_file_block_store.cc), whole. Every batch operation runs between Pin (the blocks of
 // its keys read back into DRAM, one MultiGet per shard) and Unpin (the least counted
-// unpinned blocks spilled while the shard is over its share, one WriteBatch), so the
+// unpinned blocks spilled while the shard is over its share, one Write), so the
 // operations only ever see DRAM blocks and a budget cannot change a result.
 //
 // A block read back leaves its copy in the store (a delete per read would double the
 // store's writes): while the block is in DRAM that copy is stale and the DRAM block is the
-// one that counts. A spill overwrites it, an erasure in DRAM (EraseBlock) deletes it with
+// one that counts. A spill replaces it, an erasure in DRAM (EraseBlock) deletes it with
 // the next spill batch, and Export skips a stored key that DRAM holds.
 //
 // Owns the store and, per shard, the pins, the counts of what the store holds and the
@@ -142,7 +142,7 @@ class Tier {
         });
     // The store keeps its copy of each block read back: deleting it would cost a write per
     // read (half the store's writes). The copy is stale while the block is in DRAM, which
-    // is authoritative: a spill overwrites the copy, an erasure deletes it (EraseBlock),
+    // is authoritative: a spill replaces the copy, an erasure deletes it (EraseBlock),
     // Export skips it and a checkpoint writes the DRAM blocks over it.
     for (size_t k = 0; k < placed.size(); ++k) {
       const BlockHeader* h = sh.Adopted(placed[k].first);
