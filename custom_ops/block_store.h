@@ -28,10 +28,16 @@ class BlockStore {
  public:
   virtual ~BlockStore() = default;
 
-  // Reads the blocks of keys[0..n) in one batch: (*values)[i] is keys[i]'s block, or
-  // empty when the store has none.
-  virtual std::string MultiGet(const int64_t* keys, size_t n,
-                               std::vector<std::string>* values) = 0;
+  // Where a block read back goes: place(i, size) returns room for keys[i]'s `size` bytes,
+  // which the store then fills; a block goes straight to its final place (an engine's
+  // arena), with no buffer per block.
+  using Place = std::function<char*(size_t i, size_t size)>;
+
+  // Reads the blocks of keys[0..n) in one batch: for each key the store holds, calls
+  // place(i, its size) once (in an order of the store's choosing) and copies the block
+  // there; keys it does not hold are not placed. On an error (a corrupt or truncated
+  // store) every block placed is filled, and the rest are not placed.
+  virtual std::string MultiGet(const int64_t* keys, size_t n, const Place& place) = 0;
 
   // Deletes `deletes`, then writes `puts`, in one atomic batch (a key in both keeps its put).
   virtual std::string Write(const std::vector<BlockRef>& puts,

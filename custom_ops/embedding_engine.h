@@ -153,20 +153,22 @@ class Engine {
   // With a store attached, at most `budget_bytes` of blocks and index stay in DRAM; every
   // batch operation runs between Pin and Unpin of its keys (engine_tier.h). Call before
   // any other use.
-  void AttachStore(std::unique_ptr<BlockStore> store, int64_t budget_bytes) {
-    tier_.Attach(std::move(store), budget_bytes, num_shards());
+  void AttachStore(std::unique_ptr<BlockStore> store, int64_t budget_bytes,
+                   const std::string& name) {
+    tier_.Attach(std::move(store), budget_bytes, num_shards(), name);
   }
   bool tiered() const { return tier_.attached(); }
   // Bytes of a block with a row (the largest a store is given).
   size_t block_bytes() const { return format_.block_bytes(); }
   const BlockStore* store() const { return tier_.store(); }
 
-  // Brings the blocks of the keys at `pos` into DRAM and pins them there (Tier::Pin).
-  // Nothing to do without a store.
-  std::string Pin(int s, Span pos, const int64_t* keys) {
+  // Brings the blocks of the keys at `pos` into DRAM and pins them there (Tier::Pin; a
+  // step_batch, a training step's update, must fit the budget). Nothing to do without a
+  // store.
+  std::string Pin(int s, Span pos, const int64_t* keys, bool step_batch = false) {
     if (!tiered()) return "";
     std::unique_lock<std::shared_mutex> lock(shards_[s]->mutex());
-    return tier_.Pin(s, *shards_[s], pos, keys);
+    return tier_.Pin(s, *shards_[s], pos, keys, step_batch);
   }
 
   // Releases Pin's pins of the keys at `pos`, then spills while the shard is over budget
@@ -293,12 +295,17 @@ class Engine {
         }
       }
       if (in_store.empty()) continue;
-      std::vector<std::string> blocks;
-      const std::string error = tier_.store()->MultiGet(in_store.data(), in_store.size(), &blocks);
+      const size_t first = read_back.size();
+      read_back.resize(first + in_store.size());  // a key left empty: in neither tier
+      const std::string error = tier_.store()->MultiGet(
+          in_store.data(), in_store.size(), [&](size_t i, size_t size) {
+            read_back[first + i].resize(size);
+            return &read_back[first + i][0];
+          });
       if (!error.empty()) return error;
       for (size_t i = 0; i < in_store.size(); ++i) {
-        read_back.push_back(std::move(blocks[i]));
-        out.push_back({in_store[i], read_back.back().data(), read_back.back().size()});
+        const std::string& block = read_back[first + i];
+        out.push_back({in_store[i], block.data(), block.size()});
       }
     }
     for (const BlockRef& b : out) ++(b.size == 0 ? counts->deletions : counts->blocks);

@@ -169,6 +169,9 @@ class EngineKernel : public OpKernel {
     core::RefCountPtr<EngineResource> resource;
     const int64_t* keys = nullptr;
     int64_t n = 0;
+    // A training step's batch (the update's keys): with a tier, its blocks must fit the
+    // budget (Tier::Pin). Other calls (finds, exports, evictions) may pin any number.
+    bool step_batch = false;
     Engine& engine() const { return resource->engine(); }
     // Runs fn(shard, span) over the shards of the keys, in parallel; with an SSD tier,
     // between Pin and Unpin of the shard's keys (fn sees only DRAM blocks).
@@ -184,7 +187,7 @@ class EngineKernel : public OpKernel {
                                                F& fn) const {
       Engine& e = engine();
       return ShardedBatch(ctx, e, keys, n).Run(ctx, cost_per_key + kTierCostPerKey, [&](int s, Span p) {
-        std::string error = e.Pin(s, p, keys);
+        std::string error = e.Pin(s, p, keys, step_batch);
         try {
           if (error.empty()) error = fn(s, p);
         } catch (...) {  // out of memory: release the pins before ShardedBatch reports it
@@ -296,7 +299,7 @@ class EngineHandleOp : public OpKernel {
       std::unique_ptr<engine::BlockStore> store = engine::OpenSlotFileBlockStore(
           spill_path_, name_, r->engine().block_bytes(), &error);
       if (store == nullptr) return errors::FailedPrecondition(error);
-      r->engine().AttachStore(std::move(store), budget_);
+      r->engine().AttachStore(std::move(store), budget_, name_);
     }
     *out = r.release();
     return OkStatus();
@@ -374,6 +377,7 @@ class EngineApplyGradientsOp : public RowsKernel {
     const int num_tables = static_cast<int>(min_t.NumElements());
     const engine::StepConstants step =
         engine::MakeStepConstants(e.config(), step_t.scalar<int64_t>()());
+    b.step_batch = true;
     OP_REQUIRES_OK(ctx, b.Run(ctx, 200 + 20 * dim_, [&](int s, Span p) {
       return e.ApplyGradients(s, p, b.keys, b.init_keys, grads, step, min_counts, num_tables,
                               b.rows);

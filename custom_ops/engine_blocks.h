@@ -110,6 +110,8 @@ class Arena {
   // what the process holds resident for the arena (freed blocks stay resident for reuse).
   size_t bytes_used() const { return static_cast<size_t>(end_) * block_bytes_; }
   int64_t live() const { return live_; }
+  // Blocks ever handed out: every block's index is below it.
+  uint32_t end() const { return end_; }
 
   char* At(uint32_t i) const {
     int c;
@@ -251,6 +253,21 @@ class Blocks {
 
   int64_t stored() const { return full_.live(); }
   int64_t blocks() const { return full_.live() + meta_.live(); }
+  // A dense number per ref, below ref_numbers(): full blocks first, then meta blocks (for
+  // arrays indexed by block, such as the SSD tier's marks of pinned blocks).
+  size_t ref_numbers() const { return size_t{full_.end()} + meta_.end(); }
+  size_t RefNumber(uint32_t ref) const {
+    return IsStored(ref) ? ref : size_t{full_.end()} + (ref & ~kMetaBit);
+  }
+
+  // Calls f(ref) for every block ever handed out, freed ones included (the caller tells
+  // them apart: a freed block's first 4 bytes are the free list's), in address order: a
+  // scan of the headers at memory's sequential speed, not the index's random order.
+  template <typename F>
+  void ForEachAllocated(F&& f) const {
+    for (uint32_t i = 0; i < full_.end(); ++i) f(i);
+    for (uint32_t i = 0; i < meta_.end(); ++i) f(i | kMetaBit);
+  }
   // Bytes of the live blocks (what a memory budget bounds).
   int64_t live_bytes() const {
     return static_cast<int64_t>(full_.live() * full_.block_bytes() +

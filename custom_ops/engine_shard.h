@@ -70,11 +70,23 @@ class Shard {
   BlockHeader* Adopt(const std::string& bytes) {
     int64_t key;
     std::memcpy(&key, bytes.data(), sizeof(key));
+    char* room = AdoptRoom(key, bytes.size());
+    std::memcpy(room, bytes.data(), bytes.size());
+    return Adopted(room);
+  }
+
+  // Adopt in two halves, for a block copied straight into the arena (the SSD tier's
+  // reads): AdoptRoom makes `key`'s block (full when `bytes` is a full block's size, meta
+  // otherwise; the key has none here) and returns it to be overwritten with the block's
+  // bytes, header first; Adopted then counts the header copied in and returns it.
+  char* AdoptRoom(int64_t key, size_t bytes) {
     bool created;
-    uint32_t* ref = bytes.size() == blocks_.full_block_bytes() ? FindOrAddFull(key, &created)
-                                                               : FindOrAddMeta(key);
-    BlockHeader* h = Header(*ref);
-    std::memcpy(static_cast<void*>(h), bytes.data(), bytes.size());
+    uint32_t* ref = bytes == blocks_.full_block_bytes() ? FindOrAddFull(key, &created)
+                                                        : FindOrAddMeta(key);
+    return reinterpret_cast<char*>(Header(*ref));
+  }
+  BlockHeader* Adopted(char* room) {
+    BlockHeader* h = reinterpret_cast<BlockHeader*>(room);
     if (h->tracked()) ++tracked_;
     return h;
   }
@@ -90,6 +102,8 @@ class Shard {
   void ShrinkIndex() { index_.ShrinkIfSparse(); }
 
   size_t full_block_bytes() const { return blocks_.full_block_bytes(); }
+  size_t ref_numbers() const { return blocks_.ref_numbers(); }
+  size_t RefNumber(uint32_t ref) const { return blocks_.RefNumber(ref); }
   int64_t stored() const { return blocks_.stored(); }
   int64_t blocks() const { return blocks_.blocks(); }
   int64_t& tracked() { return tracked_; }
@@ -103,6 +117,12 @@ class Shard {
   template <typename F>
   void ForEach(F&& f) const {
     index_.ForEach(f);
+  }
+
+  // Calls f(ref) for every block ever handed out, freed ones included (Blocks).
+  template <typename F>
+  void ForEachAllocated(F&& f) const {
+    blocks_.ForEachAllocated(f);
   }
 
  private:

@@ -3,12 +3,12 @@
 // shard); the others are in a BlockStore (block_store.h; a file of block slots in
 // slot_file_block_store.cc), whole. Every batch operation runs between Pin (the blocks of
 // its keys read back into DRAM, one MultiGet per shard) and Unpin (the least counted
-// unpinned blocks spilled while the shard is over its share, one WriteBatch), so the
+// unpinned blocks spilled while the shard is over its share, one Write), so the
 // operations only ever see DRAM blocks and a budget cannot change a result.
 //
 // A block read back leaves its copy in the store (a delete per read would double the
 // store's writes): while the block is in DRAM that copy is stale and the DRAM block is the
-// one that counts. A spill overwrites it, an erasure in DRAM (EraseBlock) deletes it with
+// one that counts. A spill replaces it, an erasure in DRAM (EraseBlock) deletes it with
 // the next spill batch, and Export skips a stored key that DRAM holds.
 //
 // Owns the store and, per shard, the pins, the counts of what the store holds and the
@@ -63,11 +63,14 @@ class Tier {
     }
   };
 
-  // Call before any other use of the engine.
-  void Attach(std::unique_ptr<BlockStore> store, int64_t budget_bytes, int num_shards) {
+  // Call before any other use of the engine; `name` (the engine's) is named in errors.
+  void Attach(std::unique_ptr<BlockStore> store, int64_t budget_bytes, int num_shards,
+              std::string name) {
     store_ = std::move(store);
-    shard_budget_ = std::max<int64_t>(0, budget_bytes / num_shards);
+    budget_ = std::max<int64_t>(0, budget_bytes);
+    shard_budget_ = budget_ / num_shards;
     shards_ = std::vector<ShardState>(num_shards);
+    name_ = std::move(name);
   }
   bool attached() const { return store_ != nullptr; }
   BlockStore* store() const { return store_.get(); }
@@ -76,35 +79,32 @@ class Tier {
 
   // Brings the blocks of the keys at `pos` into DRAM and pins them there (a count per key:
   // a prefetch and the step's own operation may pin the same key). Keys in neither tier
-  // stay absent. On an error the pins are still taken: Unpin releases them.
-  std::string Pin(int s, Shard& sh, Span pos, const int64_t* keys) {
+  // stay absent. On an error the pins are still taken: Unpin releases them. A step_batch
+  // (a training step's update) whose blocks in this shard alone exceed the whole of a
+  // non-zero budget fails (TooSmall); other calls, such as an eviction's scan of every
+  // key, may pin any number of blocks for the length of the call.
+  std::string Pin(int s, Shard& sh, Span pos, const int64_t* keys, bool step_batch) {
     ShardState& t = shards_[s];
     std::vector<int64_t> missing;
     const uint32_t call = ++t.pin_calls;
+    int64_t pinned = 0;  // bytes of the blocks this call pins, once read back
     for (int64_t k = 0; k < pos.size; ++k) {
       const int64_t key = keys[pos.data[k]];
       PinState& pin = t.pins.try_emplace(key, PinState{0, call}).first->second;
       pin.last_pin = call;
-      if (++pin.count == 1 && sh.Find(key) == nullptr) missing.push_back(key);
+      if (++pin.count != 1) continue;
+      if (const uint32_t* ref = sh.Find(key)) {
+        pinned += static_cast<int64_t>(sh.BytesOf(*ref));
+      } else {
+        missing.push_back(key);
+      }
     }
-    if (missing.empty() || t.blocks == 0) return "";
-    std::vector<std::string> blocks;
-    std::string error = store_->MultiGet(missing.data(), missing.size(), &blocks);
-    if (!error.empty()) return error;
-    // The store keeps its copy of each block read back: deleting it would cost a write per
-    // read (half the store's writes). The copy is stale while the block is in DRAM, which
-    // is authoritative: a spill overwrites the copy, an erasure deletes it (EraseBlock),
-    // Export skips it and a checkpoint writes the DRAM blocks over it.
-    for (size_t i = 0; i < missing.size(); ++i) {
-      if (blocks[i].empty()) continue;
-      const BlockHeader* h = sh.Adopt(blocks[i]);
-      t.Add(*h, blocks[i].size(), blocks[i].size() == sh.full_block_bytes(), -1);
-      t.io[0] += 1;
-      t.io[1] += static_cast<int64_t>(blocks[i].size());
+    std::string error = ReadBack(t, sh, missing, &pinned);
+    if (error.empty() && step_batch && budget_ > 0 && pinned > budget_) {
+      error = TooSmall(s, pinned);
     }
-    return "";
+    return error;
   }
-
   // Releases Pin's pins of the keys at `pos`, then spills while the shard is over budget
   // (and deletes the store entries of blocks erased meanwhile, in the same batch).
   std::string Unpin(int s, Shard& sh, Span pos, const int64_t* keys) {
@@ -126,6 +126,52 @@ class Tier {
   }
 
  private:
+  // Reads the blocks of `missing` (keys without a DRAM block) from the store into DRAM,
+  // adding their bytes to *bytes.
+  std::string ReadBack(ShardState& t, Shard& sh, const std::vector<int64_t>& missing,
+                       int64_t* bytes) {
+    if (missing.empty() || t.blocks == 0) return "";
+    // Each block is read straight into its arena block (no buffer per block), then counted
+    // once the store has filled it (on an error too: every block placed is filled).
+    std::vector<std::pair<char*, size_t>> placed;
+    placed.reserve(missing.size());
+    const std::string error =
+        store_->MultiGet(missing.data(), missing.size(), [&](size_t i, size_t size) {
+          placed.emplace_back(sh.AdoptRoom(missing[i], size), size);
+          return placed.back().first;
+        });
+    // The store keeps its copy of each block read back: deleting it would cost a write per
+    // read (half the store's writes). The copy is stale while the block is in DRAM, which
+    // is authoritative: a spill replaces the copy, an erasure deletes it (EraseBlock),
+    // Export skips it and a checkpoint writes the DRAM blocks over it.
+    for (size_t k = 0; k < placed.size(); ++k) {
+      const BlockHeader* h = sh.Adopted(placed[k].first);
+      t.Add(*h, placed[k].second, placed[k].second == sh.full_block_bytes(), -1);
+      t.io[0] += 1;
+      t.io[1] += static_cast<int64_t>(placed[k].second);
+      *bytes += static_cast<int64_t>(placed[k].second);
+    }
+    return error;
+  }
+
+  // The error of a budget too small for one call's blocks. Why an error: pinned blocks
+  // cannot be spilled, so DRAM would hold many times the budget, and every block of a step
+  // would be spilled between its calls and read back again (three reads a step, no hit).
+  // Why the whole budget and not the shard's share (budget / shards): a call's blocks
+  // over the share but within the whole budget still train at the cost of re-reads, which
+  // the tier's exactness tests choose on purpose (every block moves at every call); a call
+  // whose blocks in one shard exceed the whole budget is a budget below 1/shards of one
+  // batch, a mistake. A budget of 0 keeps no block in DRAM between calls, on purpose.
+  std::string TooSmall(int s, int64_t pinned) const {
+    const int shards = static_cast<int>(shards_.size());
+    return "SSD tier of embedding engine '" + name_ + "': a memory budget of " +
+           std::to_string(budget_) +
+           " bytes is smaller than one batch's blocks: one call pins " + std::to_string(pinned) +
+           " bytes of blocks in shard " + std::to_string(s) + " of its " +
+           std::to_string(shards) + " alone (about " + std::to_string(pinned * shards) +
+           " bytes in all); give the table a budget well over that, or smaller batches";
+  }
+
   // Pin calls per shard during which a key stays a late victim after its pins are
   // released: a training step pins its keys in several calls (lookup, statistics, update),
   // and the header's last step only advances at the statistics, so without this the
@@ -173,7 +219,16 @@ class Tier {
     return "";
   }
 
-  // The blocks to spill to bring `sh` to `target` bytes, in victim order (see Spill).
+  // The blocks to spill to bring `sh` to `target` bytes (see Spill for the order; the
+  // victims come out in no particular order, since they are spilled together).
+  //
+  // Why no sort of the shard: a spill takes a tenth of the shard's blocks, so a sort cost
+  // each victim ten elements' log n comparisons, and a probe of the pins map per block
+  // scanned. The pinned and recent blocks are marked instead, from the pins map (a few
+  // calls' keys) into an array indexed by block, the headers are read in address order;
+  // then rounds of nth_element take the least ordered candidates: each round takes as many as the bytes still to free need if all
+  // were full blocks, all of which a sorted order would have taken too (the same victims
+  // as the sort, up to ties), and the rest of the candidates go to the next round.
   static std::vector<BlockRef> Victims(const ShardState& t, const Shard& sh, int64_t target) {
     struct Candidate {
       bool recent;
@@ -185,30 +240,49 @@ class Tier {
         return count != o.count ? count < o.count : last_step < o.last_step;
       }
     };
-    std::vector<Candidate> candidates;
+    enum Mark : uint8_t { kCandidate = 0, kRecent = 1, kPinned = 2 };
+    std::vector<uint8_t> marks(sh.ref_numbers(), kCandidate);
     const uint32_t now = t.pin_calls;
-    sh.ForEach([&](uint32_t ref) {
+    for (const auto& [key, pin] : t.pins) {
+      if (pin.count == 0 && now - pin.last_pin >= kRecentPins) continue;
+      if (const uint32_t* ref = sh.Find(key)) {
+        marks[sh.RefNumber(*ref)] = pin.count > 0 ? kPinned : kRecent;
+      }
+    }
+    // The headers in address order, freed blocks too: a freed block's key is not its own
+    // (the free list overwrote half of it), so the index's check of each victim below
+    // drops it; the index's own order would cost a cache miss per header.
+    std::vector<Candidate> candidates;
+    candidates.reserve(sh.ref_numbers());
+    sh.ForEachAllocated([&](uint32_t ref) {
+      const uint8_t mark = marks[sh.RefNumber(ref)];
+      if (mark == kPinned) return;  // pinned: stays
       const BlockHeader* h = sh.Header(ref);
-      auto it = t.pins.find(h->key);
-      if (it != t.pins.end() && it->second.count > 0) return;  // pinned: stays
-      const bool recent = it != t.pins.end() && now - it->second.last_pin < kRecentPins;
-      candidates.push_back({recent, h->last_step, h->count(), ref});
+      candidates.push_back({mark == kRecent, h->last_step, h->count(), ref});
     });
-    std::sort(candidates.begin(), candidates.end());
     std::vector<BlockRef> victims;
-    int64_t bytes = sh.live_bytes();
-    for (const Candidate& c : candidates) {
-      if (bytes <= target) break;
-      const size_t size = sh.BytesOf(c.ref);
-      const BlockHeader* h = sh.Header(c.ref);
-      victims.push_back({h->key, reinterpret_cast<const char*>(h), size});
-      bytes -= static_cast<int64_t>(size);
+    int64_t excess = sh.live_bytes() - target;
+    const int64_t largest = static_cast<int64_t>(sh.full_block_bytes());
+    auto rest = candidates.begin();
+    while (excess > 0 && rest != candidates.end()) {
+      const auto take = std::min<int64_t>(candidates.end() - rest, (excess + largest - 1) / largest);
+      std::nth_element(rest, rest + (take - 1), candidates.end());
+      for (auto c = rest; c != rest + take; ++c) {
+        const BlockHeader* h = sh.Header(c->ref);
+        const uint32_t* live = sh.Find(h->key);
+        if (live == nullptr || *live != c->ref) continue;  // a freed block
+        const size_t size = sh.BytesOf(c->ref);
+        victims.push_back({h->key, reinterpret_cast<const char*>(h), size});
+        excess -= static_cast<int64_t>(size);
+      }
+      rest += take;
     }
     return victims;
   }
 
   std::unique_ptr<BlockStore> store_;  // null: every block in DRAM
-  int64_t shard_budget_ = 0;           // DRAM bytes per shard with a store
+  int64_t budget_ = 0, shard_budget_ = 0;  // DRAM bytes with a store, in all and per shard
+  std::string name_;                   // the engine's, for errors
   std::vector<ShardState> shards_;     // with a store: one per shard, under its lock
 };
 

@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "engine_config.h"
@@ -40,6 +41,17 @@ class SlotTable {
     keys_[i] = key;
     slots_[i] = slot;
     ++size_;
+  }
+
+  // Sets key's slot, in the table or not; its slot before, or kNone when it had none.
+  uint32_t Set(int64_t key, uint32_t slot) {
+    if (size_ != 0) {
+      for (size_t i = Home(key); slots_[i] != kNone; i = Next(i)) {
+        if (keys_[i] == key) return std::exchange(slots_[i], slot);
+      }
+    }
+    Insert(key, slot);
+    return kNone;
   }
 
   // Removes key; its slot, or kNone when it had none. Backward-shift deletion: the entries

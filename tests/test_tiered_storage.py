@@ -305,6 +305,67 @@ def test_a_full_disk_fails_in_one_line_naming_engine_and_path_and_loses_no_check
     gc.collect()  # the store's file unmapped and removed before the unmount
 
 
+def test_a_budget_below_one_batch_fails_in_one_line_naming_engine_and_sizes():
+    """A call whose blocks in one shard alone exceed the whole budget fails before it runs
+    (they could never be spilled: every step would read its blocks back at every call),
+    in one line naming the engine, the budget and the bytes pinned; nothing is lost, and
+    smaller calls still run."""
+    plain, tiered = engines(budget=1000)
+    keys = np.arange(2000, dtype=np.int64)  # 125 blocks of 60 bytes per shard: 7,500 bytes
+    grads = np.ones((len(keys), DIM), np.float32)
+    for e in (plain, tiered):
+        e.apply_gradients(keys, keys, grads, 1)  # new keys: nothing to pin yet
+    with pytest.raises(tf.errors.OpError) as err:
+        tiered.apply_gradients(keys, keys, grads, 2)
+    message = err.value.message
+    assert "\n" not in message and "tiered': a memory budget" in message
+    assert "budget of 1000 bytes" in message and "pins" in message
+    assert int(tiered.size().stored) == len(keys)  # the pins released, every block kept
+    plain.apply_gradients(keys, keys, grads, 2)
+    for at in range(0, len(keys), 50):  # ~3 blocks per shard a call: within the budget
+        tiered.apply_gradients(keys[at:at + 50], keys[at:at + 50], grads[at:at + 50], 2)
+    assert_same_export(plain, tiered)
+
+
+def spilled_engine(name):
+    """(untiered engine, tiered engine with a budget of 0, the tiered one's slot file) after
+    the same statistics and updates of 100 keys: every block in the slot file."""
+    params = initializers._params(INIT)  # pylint: disable=protected-access
+    plain = EmbeddingEngine("plain", DIM, INIT, params, OPTIMIZER)
+    tiered = EmbeddingEngine(name, DIM, INIT, params, OPTIMIZER, memory_budget_bytes=0,
+                             spill_path=make_spill_path("g", [name], None))
+    keys = np.arange(100, dtype=np.int64)
+    for e in (plain, tiered):  # tracked: a checkpoint's reader assigns keys by (table, ID)
+        e.record(keys, keys % 3, keys, np.ones(len(keys), np.int64), 1, True)
+        e.apply_gradients(keys, keys, np.ones((100, DIM), np.float32), 1)
+    assert int(tiered.size().ssd_bytes) == 100 * (28 + 2 * 4 * DIM)
+    return plain, tiered, os.path.join(tiered.spill_path, "blocks.slots")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupt"])
+def test_a_damaged_slot_file_fails_in_one_line_naming_engine_and_path(damage):
+    """A store file cut short or overwritten under the engine fails the call that reads it
+    back in one line naming the engine and the file (no SIGBUS from the mapping, no block
+    of another key adopted); a checkpoint written before still holds every block."""
+    plain, tiered, file = spilled_engine("damaged")
+    ckpt = os.path.join(tempfile.gettempdir(), "ckpt")
+    tiered.write_checkpoint(ckpt)
+    if damage == "truncated":
+        os.truncate(file, 0)
+    else:
+        with open(file, "r+b") as f:
+            f.write(b"\x07" * os.path.getsize(file))
+    with pytest.raises(tf.errors.OpError) as err:
+        tiered.lookup(np.arange(10, dtype=np.int64), np.arange(10, dtype=np.int64))
+    message = err.value.message
+    assert "\n" not in message and "damaged' at" in message and file in message
+    assert ("is truncated" if damage == "truncated" else "is corrupt") in message
+    fresh = EmbeddingEngine("fresh", DIM, INIT, initializers._params(INIT),  # pylint: disable=protected-access
+                            OPTIMIZER)
+    assert int(fresh.read_checkpoint([ckpt], 0, 1)) == 100
+    assert_same_export(plain, fresh)
+
+
 def test_specs_validate_and_round_trip_the_tier():
     with pytest.raises(ValueError, match="memory_budget_bytes needs storage 'engine'"):
         TableSpec("t", 4, OPTIMIZER, storage="tfra", memory_budget_bytes=10)
