@@ -24,10 +24,10 @@ def test_fuse_model_gives_a_subclassed_model_one_group():
     assert isinstance(converted, WrappedModel) and converted.wrapped is original
     (layer,) = fused_embedding_layers(converted)
     assert len(layer.features) == 2 and len(layer.plan.groups) == 1
-    views = [l for l in original._flatten_layers() if isinstance(l, ShardedEmbedding)]  # pylint: disable=protected-access
+    inner = original._flatten_layers()  # pylint: disable=protected-access
+    views = [l for l in inner if isinstance(l, ShardedEmbedding)]
     assert len(views) == 2 and all(v.fused is layer for v in views)
-    assert not any(isinstance(l, tf_keras.layers.Embedding)
-                   for l in original._flatten_layers())  # pylint: disable=protected-access
+    assert not any(isinstance(l, tf_keras.layers.Embedding) for l in inner)
 
 
 def test_a_table_fed_by_another_tables_output_is_named_once(caplog):

@@ -196,8 +196,9 @@ class FusedEmbeddingMixin(_KerasLayer):
         record = training is not False
         self._check_inputs(inputs)
         if self.lookup_context.probe is not None:  # a probe pass looks nothing up
-            return {name: self.lookup_context.probe.stand_in(None, ids, shape) for name, (ids, shape)
-                    in self._output_shapes_of(inputs).items()}
+            probe = self.lookup_context.probe
+            return {name: probe.stand_in(None, ids, shape)
+                    for name, (ids, shape) in self._output_shapes_of(inputs).items()}
         marker = self._marker(record, refuse_eviction=training is True)
         outputs = {}
         for group in self.groups:

@@ -149,8 +149,8 @@ def fuse_model(model: tf_keras.Model, optimizer: OptimizerSpec, dynamic: bool = 
     Returns:
       From a functional or Sequential model, a functional FusedModel (not compiled) whose
       predictions equal ``model``'s and which shares no weights with it; from a subclassed
-      model, ``model`` converted, in a WrappedModel (see above). Under horovodrun every rank calls this with the same
-      model and keeps the rows it owns.
+      model, ``model`` converted, in a WrappedModel (see above). Under horovodrun every
+      rank calls this with the same model and keeps the rows it owns.
     Raises:
       ValueError: a Keras 3 model, a model never built, no Embedding, a functional model's
         nested model (other than a Sequential block) holding Embeddings, a block's layer

@@ -11,9 +11,10 @@ Sequential of the same layers. The ShardedEmbeddings share one FusedEmbedding ho
 the tables, so same-spec tables form one fused group: a training step of ours
 (``FusedModel``, which ``fuse_model`` wraps the model in) computes every table's keys
 before the forward pass and exchanges each group once
-(``tf_fusedemb.layers.keys_ahead``); plain ``fit`` looks each table up on its own. Lookup layers (``StringLookup``/``IntegerLookup``) are
-kept as they are, whatever their vocabulary's type. The model must have been called
-once (each Embedding's input rank decides pooled [B] or sequence [B, L] IDs).
+(``tf_fusedemb.layers.keys_ahead``); plain ``fit`` looks each table up on its own.
+Lookup layers (``StringLookup``/``IntegerLookup``) are kept as they are, whatever their
+vocabulary's type. The model must have been called once (each Embedding's input rank
+decides pooled [B] or sequence [B, L] IDs).
 
 tf_keras and Keras 3 track a layer's sub-layers differently; a :class:`ShardingDialect`
 says how one Keras does, and the walk is the same for both (``tf_fusedemb.keras3``'s
