@@ -307,10 +307,10 @@ def _backwards(forwards: Sequence[MicroBatchForward], scales: List[tf.Tensor],
             coefficients.append(reg_scale)
         # This micro-batch's backward after the previous one's dense gradients (FWP: its
         # gradient AlltoAll is in flight meanwhile).
+        watched = [(j, r) for j, r in enumerate(f.prepared) if r is not None]
         with tf.control_dependencies(previous):
-            watched = [(j, r) for j, r in enumerate(f.prepared) if r is not None]
-        grads = f.tape.gradient(targets, dense_vars + [r.rows for _, r in watched],
-                                output_gradients=coefficients)
+            grads = f.tape.gradient(targets, dense_vars + [r.rows for _, r in watched],
+                                    output_gradients=coefficients)
         local = [dense_gradient(g, v) for g, v in zip(grads, dense_vars)]
         previous = local if len(forwards) > 1 else []
         dense_sum = [a + g for a, g in zip(dense_sum, local)]
