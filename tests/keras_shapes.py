@@ -15,6 +15,8 @@ Shapes (each a function ``(k) -> built model`` of the Keras module ``k``):
                      feature, a cross layer, a deep tower;
   tfra_movielens     TFRA's MovieLens Keras + Horovod demo: a dict output
                      ``{"user_rating": ...}``, dict labels, AUC;
+  dependent_ids      a subclassed model whose third table's IDs come from another
+                     table's output (it keeps its own exchange);
   keras_rs_dlrm      a DLRM as keras-rs examples write it (Keras 3): dense features
                      through a bottom MLP, one Embedding per sparse feature, a dot
                      interaction, a top MLP; keras_rs_dlrm_layers: the same with
@@ -181,6 +183,27 @@ def tfra_movielens(k):
     return DualChannels()
 
 
+def dependent_ids(k):
+    """A subclassed model one of whose tables is looked up by IDs computed from another
+    table's output (the bucket of the user's row, argmax of its entries): that table
+    cannot be looked up before the forward pass."""
+    class TwoStage(k.Model):
+        def __init__(self):
+            super().__init__()
+            self.user = k.Sequential([_lookup(k, USERS), k.layers.Embedding(len(USERS) + 1, DIM)])
+            self.movie = k.Sequential([_lookup(k, MOVIES),
+                                       k.layers.Embedding(len(MOVIES) + 1, DIM)])
+            self.bucket = k.layers.Embedding(DIM, DIM, name="bucket")
+            self.rating = k.layers.Dense(1)
+
+        def call(self, features):
+            user = self.user(features["user_id"])
+            bucket = self.bucket(tf.argmax(user, axis=1))
+            return self.rating(tf.concat([user, self.movie(features["movie_title"]), bucket],
+                                         axis=1))
+    return TwoStage()
+
+
 def _dot_interaction(vectors):
     """The pairwise dot products of the vectors [B, DIM] (i < j): [B, n (n - 1) / 2]."""
     stacked = tf.stack(vectors, axis=1)                      # [B, n, DIM]
@@ -251,6 +274,7 @@ SHAPES: Dict[str, Shape] = {
                                 **_REGRESSION),
     "tfrs_dcn": Shape(tfrs_dcn, ("user_id", "movie_title", "genre"), **_REGRESSION),
     "tfra_movielens": Shape(tfra_movielens, ("user", "movie"), **_CATEGORICAL),
+    "dependent_ids": Shape(dependent_ids, ("user_id", "movie_title"), **_REGRESSION),
     "keras_rs_dlrm": Shape(keras_rs_dlrm, ("dense", "user", "movie"), **_REGRESSION),
     "keras_rs_dlrm_layers": Shape(keras_rs_dlrm_layers, ("dense", "user", "movie"),
                                   **_REGRESSION),
@@ -260,7 +284,11 @@ SHAPES: Dict[str, Shape] = {
 # Each example in the Keras it is written for (TensorFlow Recommenders and TFRA: tf_keras;
 # keras-rs: Keras 3); the shapes of the issue in both. keras_shapes_report.py runs all.
 TF_KERAS_SHAPES = ("dict_output", "bytes_vocabulary", "nested_blocks", "tfrs_ranking",
-                   "tfrs_model_ranking", "tfrs_dcn", "tfra_movielens")
+                   "tfrs_model_ranking", "tfrs_dcn", "tfra_movielens", "dependent_ids")
+# AlltoAll rounds per step of each shape on 2 ranks (flat exchange), tf_keras: 3 for one
+# fused group (keys, rows, gradients); the model with its own train_step looks its two
+# tables up alone; dependent_ids's third table makes its own exchange.
+ROUNDS = {"tfrs_model_ranking": 6, "dependent_ids": 6}
 KERAS3_SHAPES = ("dict_output", "bytes_vocabulary", "nested_blocks", "keras_rs_dlrm",
                  "keras_rs_dlrm_layers")
 # The shapes written with an example's own package, and that package's module.
@@ -367,25 +395,39 @@ def distributed_optimizer(k):
     return DistributedOptimizer
 
 
-def converted_run(k, name: str, initial, rows=slice(None), batch_size=BATCH, wrap=False):
+def converted_run(k, name: str, initial, rows=slice(None), batch_size=BATCH):
     """Shape ``name`` built from ``initial``, converted by fuse_model, trained on the
-    ``rows`` of ``data()`` (``wrap``: its optimizer in DistributedOptimizer): per-batch
-    losses, "tables" {leaf position: this rank's rows} and "dense" {leaf position:
-    weights}, positions in ``with_weights`` order."""
+    ``rows`` of ``data()`` (its optimizer in DistributedOptimizer on several ranks where
+    the converted model is a plain Keras model, not a FusedModel): per-batch losses,
+    "tables" {leaf position: this rank's rows}, "dense" {leaf position: weights},
+    positions in ``with_weights`` order, and "rounds" (AlltoAll rounds per step of all
+    its fused groups together on this rank)."""
+    from tf_fusedemb.comm import get_communicator  # pylint: disable=import-outside-toplevel
+    from tf_fusedemb.models.fused_model import SparseTrainingMixin  # pylint: disable=import-outside-toplevel
     original = built(k, name, initial)
     leaves_before = with_weights(original, k)
     converted = fuse(k, original)
     x, y = shape_data(name, rows)
     optimizer = k.optimizers.SGD(LR)
-    if wrap:
+    if get_communicator().size > 1 and not isinstance(converted, SparseTrainingMixin):
         optimizer = distributed_optimizer(k)(optimizer)
+    before = alltoall_rounds(converted)
     losses = train(k, converted, name, x, y, batch_size, optimizer)
     rows_of = fused_rows(converted)
     by_name = {l.name: l for l in leaves(converted)}
     return {"losses": losses,
             "tables": {i: rows_of[n] for i, (n, emb) in enumerate(leaves_before) if emb},
             "dense": {i: by_name[n].get_weights()
-                      for i, (n, emb) in enumerate(leaves_before) if not emb}}
+                      for i, (n, emb) in enumerate(leaves_before) if not emb},
+            "rounds": (alltoall_rounds(converted) - before) / len(losses)}
+
+
+def alltoall_rounds(model) -> int:
+    """AlltoAll rounds (keys, rows, gradients) this rank made so far in all the fused
+    groups of ``model`` (``CommCounters``)."""
+    from tf_fusedemb.layers import fused_embedding_layers  # pylint: disable=import-outside-toplevel
+    return sum(c["rounds"] for layer in fused_embedding_layers(model)
+               for c in layer.comm_counters().values())
 
 
 def max_diffs(runs: List[Dict], want_losses, want_weights) -> Dict[str, float]:
@@ -404,33 +446,23 @@ def max_diffs(runs: List[Dict], want_losses, want_weights) -> Dict[str, float]:
 
 def shapes_on_ranks(k_name: str, names, initials) -> List[Dict]:
     """One rank: ``converted_run`` of each shape in ``names`` from its initial weights on
-    this rank's half of every global batch of 2 * BATCH rows (DistributedOptimizer where
-    the converted model is a plain Keras model)."""
+    this rank's half of every global batch of 2 * BATCH rows."""
     import importlib  # pylint: disable=import-outside-toplevel
     from tf_fusedemb.comm import get_communicator  # pylint: disable=import-outside-toplevel
     k = importlib.import_module(k_name)
     comm = get_communicator()
     mine = np.arange(ROWS).reshape(-1, comm.size, BATCH)[:, comm.rank].reshape(-1)
-    return [converted_run(k, name, initial, mine, BATCH, wrap=needs_wrapper(k, name))
+    return [converted_run(k, name, initial, mine, BATCH)
             for name, initial in zip(names, initials)]
 
 
-def needs_wrapper(k, name):
-    """Whether the converted shape is a plain Keras model (not a FusedModel, which
-    averages the dense gradients itself)."""
-    return k.__name__ != "tf_keras" or name in SUBCLASSED
-
-
-# The shapes whose model is subclassed: fuse_model converts them in place.
-SUBCLASSED = ("tfrs_ranking", "tfrs_model_ranking", "tfrs_dcn", "tfra_movielens",
-              "keras_rs_dlrm", "keras_rs_dlrm_layers")
-
-
 def two_rank_diffs(run_ranks, k, names) -> Dict[str, Dict[str, float]]:
-    """{shape: ``max_diffs``} of the shapes ``names`` in Keras ``k`` on 2 ranks, in one job
-    (``run_ranks``: a DistributedTestCase's), against their references in this process on
-    the global batches of 2 * BATCH rows."""
+    """{shape: ``max_diffs`` and "rounds" (AlltoAll rounds per step on rank 0)} of the
+    shapes ``names`` in Keras ``k`` on 2 ranks, in one job (``run_ranks``: a
+    DistributedTestCase's), against their references in this process on the global
+    batches of 2 * BATCH rows."""
     refs = [reference(k, name, 2 * BATCH) for name in names]
     ranks = run_ranks(shapes_on_ranks, 2, (k.__name__, names, [r[0] for r in refs]))
-    return {name: max_diffs([r[i] for r in ranks], losses, trained)
+    return {name: dict(max_diffs([r[i] for r in ranks], losses, trained),
+                       rounds=ranks[0][i]["rounds"])
             for i, (name, (_, losses, trained)) in enumerate(zip(names, refs))}

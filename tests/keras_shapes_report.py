@@ -43,8 +43,7 @@ def shape_rows(comm):
             want = ks.reference(k, name, comm.size * ks.BATCH)
             initial = comm.allgather_object(want[0])[0]
             try:
-                run = ks.converted_run(k, name, initial, mine, ks.BATCH,
-                                       wrap=comm.size > 1 and ks.needs_wrapper(k, name))
+                run = ks.converted_run(k, name, initial, mine, ks.BATCH)
             except Exception as e:  # pylint: disable=broad-except  # reported, not hidden
                 runs, error = comm.allgather_object(None), f"{type(e).__name__}: {e}"
             else:

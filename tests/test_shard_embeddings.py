@@ -60,19 +60,22 @@ def fit_pair(ref, converted, x, y, optimizer):
 @pytest.mark.parametrize("vocab_type, convert", [
     ("str", shard_embeddings), ("bytes", shard_embeddings), ("str", fuse_model)])
 def test_tfrs_ranking_model_trains_like_keras(vocab_type, convert):
-    """shard_embeddings, and fuse_model which converts a subclassed model the same way."""
+    """shard_embeddings (trained by plain fit), and fuse_model, which converts a subclassed
+    model the same way and trains it in a FusedModel."""
     x, y = ratings_data()
     cls = ranking_class(vocab_type)
     ref, converted = cls(), cls()
     ref(tuple(v[:2] for v in x))
     converted(tuple(v[:2] for v in x))
     converted.set_weights(ref.get_weights())
-    assert convert(converted, OptimizerSpec.adagrad(0.1)) is converted
+    trained = convert(converted, OptimizerSpec.adagrad(0.1))
+    # fuse_model returns the model converted in place inside a FusedModel
+    assert (trained if convert is shard_embeddings else trained.wrapped) is converted
     sharded = [l for l in converted._flatten_layers() if isinstance(l, ShardedEmbedding)]
     assert len(sharded) == 2
     assert not any(isinstance(l, tf_keras.layers.Embedding) for l in converted._flatten_layers())
     (want_loss, want_pred), (got_loss, got_pred) = fit_pair(
-        ref, converted, x, y, lambda: tf_keras.optimizers.Adagrad(0.1))
+        ref, trained, x, y, lambda: tf_keras.optimizers.Adagrad(0.1))
     assert want_loss[1] < want_loss[0]
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got_pred, want_pred, rtol=1e-5, atol=1e-5)

@@ -81,7 +81,9 @@ KERAS3 = KerasDialect(
     first_node=lambda block: 0,  # Keras 3 numbers a nested model's calls from 0
     from_config=lambda config: keras.Model.from_config(
         config, custom_objects={"FusedEmbedding": FusedEmbedding}),
-    serialize=keras.layers.serialize, sharding=KERAS3_SHARDING)
+    serialize=keras.layers.serialize, sharding=KERAS3_SHARDING,
+    # Keras 3 has no FusedModel: its own fit trains the model, each table looked up alone.
+    train_fused=lambda model: model)
 
 
 def fuse_model(model: keras.Model, optimizer: OptimizerSpec, dynamic: bool = False,

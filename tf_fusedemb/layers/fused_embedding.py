@@ -1,5 +1,6 @@
 """``FusedEmbedding``: a dict of features in, a dict of embeddings out, fused and sharded."""
 import contextlib
+import dataclasses
 from typing import (TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple,
                     Union)
 
@@ -11,6 +12,7 @@ import tf_keras
 from tf_fusedemb.comm import Communicator, get_communicator
 from tf_fusedemb.comm.cost_model import TrafficHints, estimate
 from tf_fusedemb.layers.group_lookup import GroupLookup
+from tf_fusedemb.layers.key_probe import FeatureKey, ServedFeature
 from tf_fusedemb.layers.lookup_context import NO_CONTEXT, GroupName, LookupContext
 from tf_fusedemb.layers.routed_lookup import RoutedLookup
 from tf_fusedemb.layers.inputs import flatten_feature, to_tensor
@@ -69,6 +71,7 @@ class FusedEmbeddingMixin(_KerasLayer):
         self.groups = [GroupLookup(g, self._comm, key_mode, self.exchanges[g.name].kind,
                                    wire_dtype) for g in self.plan.groups]
         self._agreed = self._comm.size == 1
+        self._said_own_exchange: Tuple[str, ...] = ()  # features logged (note_own_exchange)
         # Installed by a training step for one forward pass (see lookup_context).
         self.lookup_context = NO_CONTEXT
         # The row-update marker (see tf_fusedemb.layers.row_update): always 0, trainable,
@@ -123,6 +126,14 @@ class FusedEmbeddingMixin(_KerasLayer):
                 f"({', '.join(f'rank {r}: {w}' for r, w in enumerate(wires))}); every rank "
                 "must pass the same")
         self._agreed = True
+
+    def note_own_exchange(self, feature: str) -> bool:
+        """Whether ``feature``'s own exchange (its IDs not computable ahead, see
+        ``keys_ahead``) is news: True the first time it is noted."""
+        if feature in self._said_own_exchange:
+            return False
+        self._said_own_exchange += (feature,)
+        return True
 
     # AutoGraph is off from here down (here, call, and what they call): the layer is written
     # with TensorFlow's own control flow, and converting it in a user's tf.function (a
@@ -184,20 +195,127 @@ class FusedEmbeddingMixin(_KerasLayer):
         # evaluate/predict (training=False): eviction and reports must not see eval data.
         record = training is not False
         self._check_inputs(inputs)
+        if self.lookup_context.probe is not None:  # a probe pass looks nothing up
+            probe = self.lookup_context.probe
+            return {name: probe.stand_in(None, ids, shape)
+                    for name, (ids, shape) in self._output_shapes_of(inputs).items()}
         marker = self._marker(record, refuse_eviction=training is True)
         outputs = {}
         for group in self.groups:
-            lookup = self._lookup_for(group)
-            feats = lookup.group.features
-            flats = self._flat_features(lookup, inputs)
-            combiners = [f.combiner for f in feats]
-            if lookup is group:
-                embs = group(flats, combiners, self.lookup_context, record, marker)
-            else:  # a substitute (serving, sharded inference): nothing trains
-                embs = lookup(flats, combiners, self.lookup_context, record)
-            for spec, flat, emb in zip(feats, flats, embs):
-                outputs[spec.name] = _shape_output(spec, flat, emb)
+            outputs.update(self._group_outputs(group, inputs, record, marker,
+                                               self.lookup_context))
         return outputs
+
+    def _group_outputs(self, group: GroupLookup, inputs: Mapping[str, Any], record: bool,
+                       marker: Optional[tf.Tensor], context: LookupContext
+                       ) -> Dict[str, tf.Tensor]:
+        """{feature: embeddings} of one group's features, looked up by the group (or its
+        substitute) during this pass."""
+        lookup = self._lookup_for(group)
+        feats = lookup.group.features
+        flats = self._flat_features(lookup, inputs)
+        combiners = [f.combiner for f in feats]
+        if lookup is group:
+            embs = group(flats, combiners, context, record, marker)
+        else:  # a substitute (serving, sharded inference): nothing trains
+            embs = lookup(flats, combiners, context, record)
+        return {spec.name: _shape_output(spec, flat, emb)
+                for spec, flat, emb in zip(feats, flats, embs)}
+
+    @tf.autograph.experimental.do_not_convert
+    def lookup_feature(self, name: str, ids: Any, training: Optional[bool] = None) -> tf.Tensor:
+        """The embeddings of the one feature ``name`` for ``ids`` (int [B] or [B, L], or
+        ragged/sparse as in ``call``): float32[B, dim] pooled, [B, L, dim] sequence. What
+        a ``ShardedEmbedding`` looking up its feature in this layer calls.
+
+        A training step of ours that computed the feature's IDs ahead (every table's keys
+        first, one exchange per group: ``tf_fusedemb.layers.keys_ahead``) has served them
+        already; else the feature makes an exchange of its own (its group's other features
+        take no IDs in it), as on plain Keras paths."""
+        context = self.lookup_context
+        key = FeatureKey(self.name, name)
+        spec = self._feature(name)
+        served = context.served_for(key)
+        if served is not None:
+            return served.checked(ids)
+        if context.probe is not None:
+            return context.probe.stand_in(key, ids, self._output_shapes_of({name: ids})[name][1])
+        if not self._symbolic(ids):
+            self.agree_across_ranks()
+        record = training is not False
+        marker = self._marker(record, refuse_eviction=training is True)
+        group = next(g for g in self.groups if spec in g.group.features)
+        # Collective names per feature: several features of one group may each make an
+        # exchange in one step.
+        own = dataclasses.replace(context, suffix=f"{context.suffix}/{name}") \
+            if len(self.features) > 1 else context
+        inputs = {f.name: ids if f.name == name else _no_ids(f) for f in group.group.features}
+        return self._group_outputs(group, inputs, record, marker, own)[name]
+
+    def route_ahead(self, ids: Mapping[str, tf.Tensor], context: LookupContext
+                    ) -> List[Optional[RoutedLookup]]:
+        """Key routing and row retrieval, ahead of the forward pass, of the features in
+        ``ids`` ({feature: int [B] or [B, L]}, computed ahead): per group (in
+        ``self.groups`` order) its RoutedLookup with ``rows`` (the group's other features
+        take no IDs), None where ``ids`` holds none of its features or a substitute
+        serves it."""
+        self.agree_across_ranks()
+        routed: List[Optional[RoutedLookup]] = []
+        for group in self.groups:
+            names = [f.name for f in group.group.features if f.name in ids]
+            if not names or self._lookup_for(group) is not group:
+                routed.append(None)
+                continue
+            r = group.route(self._flat_features(group, self._with_no_ids(group, ids)), context)
+            routed.append(r.with_rows(group.retrieve(r)))
+        return routed
+
+    def serve_ahead(self, routed: Sequence[Optional[RoutedLookup]], ids: Mapping[str, tf.Tensor],
+                    context: LookupContext) -> List[ServedFeature]:
+        """The embeddings of the features in ``ids`` from their groups' ``routed``
+        lookups (``route_ahead``'s): one row exchange per group. The caller differentiates
+        the rows (``routed[j].rows``) and applies their update."""
+        served: List[ServedFeature] = []
+        for group, r in zip(self.groups, routed):
+            if r is None:
+                continue
+            feats = group.group.features
+            flats = self._flat_features(group, self._with_no_ids(group, ids))
+            embs = group.serve(r, r.rows, flats, [f.combiner for f in feats], context)
+            served += [ServedFeature(FeatureKey(self.name, f.name), ids[f.name],
+                                     _shape_output(f, flat, emb))
+                       for f, flat, emb in zip(feats, flats, embs) if f.name in ids]
+        return served
+
+    def _with_no_ids(self, group: GroupLookup, ids: Mapping[str, tf.Tensor]) -> Dict[str, Any]:
+        """``ids`` for the group's features, empty ones where ``ids`` has none."""
+        return {f.name: ids[f.name] if f.name in ids else _no_ids(f) for f in group.group.features}
+
+    def _feature(self, name: str) -> FeatureSpec:
+        for f in self.features:
+            if f.name == name:
+                return f
+        raise ValueError(f"FusedEmbedding '{self.name}': no feature {name!r}; its features "
+                         f"are {sorted(f.name for f in self.features)}")
+
+    def _output_shapes_of(self, inputs: Mapping[str, Any]) -> Dict[str, Tuple[Any, tf.Tensor]]:
+        """{feature: (its IDs, the shape int32[2 or 3] of its embeddings)} of ``inputs``,
+        for a probe pass (which returns zeros of those shapes)."""
+        out = {}
+        for name, ids in inputs.items():
+            spec = self._feature(name)
+            if isinstance(ids, (tf.RaggedTensor, tf.SparseTensor)):
+                batch = tf.cast(ids.nrows() if isinstance(ids, tf.RaggedTensor)
+                                else ids.dense_shape[0], tf.int32)
+                shape = tf.stack([batch, spec.max_len, spec.dim]) if spec.is_sequence \
+                    else tf.stack([batch, spec.dim])
+            else:
+                ids = tf.convert_to_tensor(ids)
+                dims = tf.shape(ids)
+                shape = tf.concat([dims, [spec.dim]], 0) if spec.is_sequence \
+                    else tf.stack([dims[0], spec.dim])
+            out[name] = (ids, shape)
+        return out
 
     def _lookup_for(self, group: GroupLookup) -> Any:
         """What gives ``group``'s embeddings in this pass (``LookupContext.lookup_for``)."""
@@ -330,6 +448,8 @@ class FusedEmbeddingMixin(_KerasLayer):
         (B, L, dim) sequence (L = max_len for ragged/sparse, else the input's)."""
         out: Dict[str, tuple] = {}
         for f in self.features:
+            if f.name not in input_shapes:  # one feature of a shared layer (ShardedEmbedding)
+                continue
             shape = tuple(input_shapes[f.name])
             if not f.is_sequence:
                 out[f.name] = (shape[0], f.dim)
@@ -481,6 +601,11 @@ def _choose_exchanges(plan, topology, exchange, traffic):
         choices[g.name] = estimate(g.name, g.dim, topology, traffic,
                                    None if kind == "auto" else kind)
     return choices
+
+
+def _no_ids(spec: FeatureSpec) -> tf.Tensor:
+    """No IDs for ``spec``: int64[0] (pooled), int64[0, L] (sequence)."""
+    return tf.zeros([0, spec.max_len] if spec.is_sequence else [0], tf.int64)
 
 
 def _shape_output(spec, flat, emb):

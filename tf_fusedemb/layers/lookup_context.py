@@ -14,6 +14,12 @@ lookup
 * appends ``suffix`` to its collective names (micro-batches need distinct names: FWP);
 * uses the ``exchange`` the step asks for ("flat" | "hierarchical"), else its own, so one
   model can be trained with either (a measured choice, ``PipelineOptions(exchange="auto")``);
+* serves the *served* features (``ServedFeature``): embeddings of a feature looked up on
+  its own (``FusedEmbedding.lookup_feature``, a ``ShardedEmbedding``), which the step
+  computed ahead of the forward pass with its group's other features (one exchange per
+  group, ``tf_fusedemb.layers.keys_ahead``);
+* in a probe pass (``probe``), looks nothing up: it gives the probe its IDs and returns
+  zeros (``tf_fusedemb.layers.key_probe``);
 * without a prepared lookup, routes and retrieves during the forward pass and passes the
   owner-side rows through the layer's row-update marker (:mod:`tf_fusedemb.layers.row_update`)
   with ``row_update``, so whoever differentiates the layer's variables also updates the rows.
@@ -24,6 +30,7 @@ and retrieves, and its rows take the plain-Keras update of the layer's ranks.
 import dataclasses
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
+from tf_fusedemb.layers.key_probe import FeatureKey, KeyProbe, ServedFeature
 from tf_fusedemb.layers.routed_lookup import RoutedLookup
 from tf_fusedemb.layers.row_update import RowUpdate
 
@@ -52,12 +59,16 @@ class LookupContext:
       row_update: how rows looked up during the forward pass are updated from their
         gradient (a step of ours sets it); None: the plain-Keras update of the layer's
         ranks (``RowUpdate.for_ranks``).
+      served: the features whose embeddings the step computed ahead of the forward pass.
+      probe: set for a probe pass only (no lookup runs, see ``key_probe``).
     """
     prepared: Tuple[Tuple[Any, RoutedLookup], ...] = ()
     suffix: str = ""
     exchange: Optional[str] = None
     substitutes: Dict[GroupName, Any] = dataclasses.field(default_factory=dict)
     row_update: Optional[RowUpdate] = None
+    served: Tuple[ServedFeature, ...] = ()
+    probe: Optional[KeyProbe] = None
 
     @property
     def in_our_step(self) -> bool:
@@ -73,6 +84,10 @@ class LookupContext:
     def prepared_for(self, lookup: Any) -> Optional[RoutedLookup]:
         """The prepared lookup of ``lookup``, or None (route during the forward pass)."""
         return next((routed for owner, routed in self.prepared if owner is lookup), None)
+
+    def served_for(self, key: FeatureKey) -> Optional[ServedFeature]:
+        """The embeddings of feature ``key`` computed ahead, or None."""
+        return next((s for s in self.served if s.key == key), None)
 
 
 NO_CONTEXT = LookupContext()

@@ -4,6 +4,7 @@ from tf_fusedemb.models.checkpoint_callback import ShardedCheckpoint
 from tf_fusedemb.models.fuse_model import fuse_model
 from tf_fusedemb.models.fused_model import FusedModel
 from tf_fusedemb.models.shard_embeddings import shard_embeddings
+from tf_fusedemb.models.wrapped_model import WrappedModel
 from tf_fusedemb.training.step import train_step
 from tf_fusedemb.models.blocks import (CRITEO_CATEGORICAL, CRITEO_DENSE, MLP,
                                        criteo_feature_specs)
@@ -15,4 +16,4 @@ from tf_fusedemb.models.sequence import (LocalActivationUnit, SequenceModel,
 __all__ = ["CRITEO_CATEGORICAL", "CRITEO_DENSE", "CrossLayer", "DCNv2", "DLRM", "DotInteraction",
            "LocalActivationUnit", "MLP", "SequenceModel", "ShardedCheckpoint", "criteo_feature_specs",
            "movielens_feature_specs",
-           "CommCountersLogger", "FusedModel", "fuse_model", "shard_embeddings", "fused_embedding_layers", "train_step"]
+           "CommCountersLogger", "FusedModel", "fuse_model", "shard_embeddings", "WrappedModel", "fused_embedding_layers", "train_step"]

@@ -2,7 +2,9 @@
 model with one FusedEmbedding, the Embeddings' weights carried into the tables. A
 ``Sequential`` model built on an ``Input`` is taken as the functional model of its layers;
 a subclassed model, which has no config to rebuild from, is converted in place by
-:func:`~tf_fusedemb.models.shard_embeddings`.
+:func:`~tf_fusedemb.models.shard_embeddings` (its Embeddings become ShardedEmbeddings of
+one shared FusedEmbedding) and returned in a FusedModel
+(:class:`~tf_fusedemb.models.wrapped_model.WrappedModel`), whose step fuses the exchanges.
 
 The rewrite works on the model's config (the documented functional format): the
 ``Sequential`` blocks holding Embeddings (``Sequential([StringLookup, Embedding])``) are
@@ -28,11 +30,12 @@ from tf_keras.src.engine.functional import _should_skip_first_node
 
 from tf_fusedemb.layers.converter import embedding_table_spec
 from tf_fusedemb.layers.fused_embedding import FusedEmbedding, sublayers
-from tf_fusedemb.models.fused_model import FusedModel
+from tf_fusedemb.models.fused_model import FusedModel, SparseTrainingMixin
 from tf_fusedemb.models.layer_state import copy_state, with_vocabularies
 from tf_fusedemb.models.sequential_blocks import map_references, open_blocks
 from tf_fusedemb.models.shard_embeddings import (TF_KERAS_SHARDING, ShardingDialect,
                                                  shard_in_place)
+from tf_fusedemb.models.wrapped_model import WrappedModel, has_own_train_step
 from tf_fusedemb.specs import FeatureSpec, OptimizerSpec
 
 __all__ = ["KerasDialect", "fuse_functional", "fuse_model", "fuse_or_shard"]
@@ -58,6 +61,8 @@ class KerasDialect(NamedTuple):
       from_config: (config) -> the rebuilt model.
       serialize: (layer) -> its config entry.
       sharding: how that Keras's subclassed models are sharded in place.
+      train_fused: (a subclassed model, converted in place) -> what ``fuse_model``
+        returns for it.
     """
     name: str
     model_class: Any  # Any, as sequential_class
@@ -74,6 +79,15 @@ class KerasDialect(NamedTuple):
     from_config: Callable[[Dict], Any]
     serialize: Callable[[Any], Dict]
     sharding: ShardingDialect
+    train_fused: Callable[[Any], Any]
+
+
+def _tf_keras_train_fused(model: tf_keras.Model) -> tf_keras.Model:
+    """A FusedModel around ``model`` (its step fuses the shared tables' exchanges), unless
+    it is one already or defines its own training step."""
+    if isinstance(model, SparseTrainingMixin) or has_own_train_step(model):
+        return model
+    return WrappedModel(model)
 
 
 def _tf_keras_call_input(node):
@@ -95,7 +109,8 @@ TF_KERAS = KerasDialect(
     first_node=lambda block: int(_should_skip_first_node(block)),
     from_config=lambda config: FusedModel.from_config(
         config, custom_objects={"FusedEmbedding": FusedEmbedding}),
-    serialize=tf_keras.layers.serialize, sharding=TF_KERAS_SHARDING)
+    serialize=tf_keras.layers.serialize, sharding=TF_KERAS_SHARDING,
+    train_fused=_tf_keras_train_fused)
 
 
 def fuse_model(model: tf_keras.Model, optimizer: OptimizerSpec, dynamic: bool = False,
@@ -118,8 +133,12 @@ def fuse_model(model: tf_keras.Model, optimizer: OptimizerSpec, dynamic: bool = 
           model;
         - subclassed, or holding ``Sequential`` blocks in its attributes (the TensorFlow
           Recommenders shape): it has no config to rebuild from, so each Embedding is
-          replaced in place by a ShardedEmbedding (:func:`shard_embeddings`) and ``model``
-          itself is returned; ``name`` and ``layer_kwargs`` do not apply.
+          replaced in place by a ShardedEmbedding (:func:`shard_embeddings`), all of
+          them looking up one FusedEmbedding named ``name`` (same-spec tables: one
+          group), and ``model`` is returned in a FusedModel (``WrappedModel``, sharing
+          its layers), whose ``fit`` computes every table's keys first and exchanges each
+          group once per step; a FusedModel, or a model with its own ``train_step``, is
+          returned itself. ``layer_kwargs`` do not apply.
         A Keras 3 model goes to ``tf_fusedemb.keras3.fuse_model`` (the error says so),
         which takes the same shapes.
       optimizer: the row optimizer of every table (the dense layers keep the Keras
@@ -130,8 +149,8 @@ def fuse_model(model: tf_keras.Model, optimizer: OptimizerSpec, dynamic: bool = 
     Returns:
       From a functional or Sequential model, a functional FusedModel (not compiled) whose
       predictions equal ``model``'s and which shares no weights with it; from a subclassed
-      model, ``model``, converted. Under horovodrun every rank calls this with the same
-      model and keeps the rows it owns.
+      model, ``model`` converted, in a WrappedModel (see above). Under horovodrun every
+      rank calls this with the same model and keeps the rows it owns.
     Raises:
       ValueError: a Keras 3 model, a model never built, no Embedding, a functional model's
         nested model (other than a Sequential block) holding Embeddings, a block's layer
@@ -144,14 +163,16 @@ def fuse_model(model: tf_keras.Model, optimizer: OptimizerSpec, dynamic: bool = 
 def fuse_or_shard(model: Any, dialect: KerasDialect, optimizer: OptimizerSpec, dynamic: bool,
                   name: str, **layer_kwargs: Any) -> Any:
     """``fuse_model`` for the Keras that ``dialect`` describes (arguments as there): a
-    subclassed model is sharded in place, any other is fused into a new model."""
+    subclassed model is sharded in place (its tables in one FusedEmbedding named
+    ``name``) and given to ``dialect.train_fused``, any other is fused into a new model."""
     if (isinstance(model, dialect.model_class) and not isinstance(model, dialect.sequential_class)
             and not _is_functional(model)):
         if layer_kwargs:
             raise ValueError(f"fuse_model: {sorted(layer_kwargs)} configure one fused layer; "
-                             f"the subclassed model '{model.name}' has each Embedding sharded "
-                             "in place on its own (shard_embeddings), so they do not apply")
-        return shard_in_place(model, dialect.sharding, optimizer, dynamic)
+                             f"the subclassed model '{model.name}' has its Embeddings sharded "
+                             "in place (shard_embeddings), so they do not apply")
+        return dialect.train_fused(shard_in_place(model, dialect.sharding, optimizer, dynamic,
+                                                  name))
     return fuse_functional(model, dialect, optimizer, dynamic, name, **layer_kwargs)
 
 

@@ -7,9 +7,14 @@ optimizer on every Keras path, started from the Embedding's weights.
 The model is changed in place (it is the user's object, with its own ``call``): each
 Embedding held by an attribute (directly, in a list or dict attribute, or inside a
 ``Sequential`` held by one) is replaced; a Sequential holding one is replaced by a new
-Sequential of the same layers. Lookup layers (``StringLookup``/``IntegerLookup``) are
-kept as they are, whatever their vocabulary's type. The model must have been called
-once (each Embedding's input rank decides pooled [B] or sequence [B, L] IDs).
+Sequential of the same layers. The ShardedEmbeddings share one FusedEmbedding holding all
+the tables, so same-spec tables form one fused group: a training step of ours
+(``FusedModel``, which ``fuse_model`` wraps the model in) computes every table's keys
+before the forward pass and exchanges each group once
+(``tf_fusedemb.layers.keys_ahead``); plain ``fit`` looks each table up on its own.
+Lookup layers (``StringLookup``/``IntegerLookup``) are kept as they are, whatever their
+vocabulary's type. The model must have been called once (each Embedding's input rank
+decides pooled [B] or sequence [B, L] IDs).
 
 tf_keras and Keras 3 track a layer's sub-layers differently; a :class:`ShardingDialect`
 says how one Keras does, and the walk is the same for both (``tf_fusedemb.keras3``'s
@@ -87,37 +92,56 @@ def shard_embeddings(model: tf_keras.Model, optimizer: OptimizerSpec,
 
 
 def shard_in_place(model: Any, dialect: ShardingDialect, optimizer: OptimizerSpec,
-                   dynamic: bool) -> Any:
-    """``shard_embeddings`` for the Keras that ``dialect`` describes (arguments as there)."""
-    replaced = _replace_in(model, dialect, optimizer, dynamic, set())
-    if not replaced:
+                   dynamic: bool, name: str = "fused_embedding") -> Any:
+    """``shard_embeddings`` for the Keras that ``dialect`` describes (arguments as there):
+    the ShardedEmbeddings share one FusedEmbedding named ``name`` holding every table, so
+    same-spec tables are one fused group."""
+    sites = _sites(model, dialect, set())
+    embeddings = list({id(site.layer): site.layer for site in sites
+                       if isinstance(site.layer, dialect.embedding_class)}.values())
+    embeddings += [l for site in sites if isinstance(site.layer, dialect.sequential_class)
+                   for l in site.layer.layers if isinstance(l, dialect.embedding_class)
+                   and all(l is not e for e in embeddings)]
+    if not embeddings:
         raise ValueError(f"shard_embeddings: model '{model.name}' holds no Embedding layer in "
                          "its attributes or their Sequential blocks")
+    features = [_feature(e, dialect, optimizer, dynamic) for e in embeddings]
+    tables = dialect.sharded_class.fused_class(features, name=name)
+    tables.set_embedding_weights({e.name: e.get_weights()[0] for e in embeddings})
+    views = {id(e): dialect.sharded_class(f, tables=tables, name=e.name)
+             for e, f in zip(embeddings, features)}
+    for site in sites:
+        if isinstance(site.layer, dialect.embedding_class):
+            dialect.put(site.holder, site.key, views[id(site.layer)])
+        else:
+            new = dialect.sequential_class([views.get(id(l), l) for l in site.layer.layers],
+                                           name=site.layer.name)
+            _build_like(new, site.layer, dialect)
+            dialect.put(site.holder, site.key, new)
     return model
 
 
-def _replace_in(container: Any, dialect: ShardingDialect, optimizer: OptimizerSpec,
-                dynamic: bool, seen: Set[int]) -> List[str]:
-    """Replaces the Embeddings below ``container`` (a Layer) not in ``seen`` (ids of the
-    layers already walked: a layer may hold its parent); returns their names."""
+class _Site(NamedTuple):
+    """Where a model holds an Embedding (``layer``) or a Sequential holding one: in
+    ``holder`` (a layer, or a list/dict attribute's value) under ``key``."""
+    holder: Any
+    key: Any
+    layer: Any
+
+
+def _sites(container: Any, dialect: ShardingDialect, seen: Set[int]) -> List[_Site]:
+    """The sites of the Embeddings below ``container`` (a Layer), not walking the layers
+    in ``seen`` (ids of the layers already walked: a layer may hold its parent)."""
     seen.add(id(container))
-    done: List[str] = []
+    found: List[_Site] = []
     embedding = dialect.embedding_class
     for holder, key, layer in list(_children(container, dialect.layer_class)):
-        if isinstance(layer, embedding):
-            dialect.put(holder, key, _sharded(layer, dialect, optimizer, dynamic))
-            done.append(layer.name)
-        elif isinstance(layer, dialect.sequential_class) and any(
-                isinstance(l, embedding) for l in layer.layers):
-            new = dialect.sequential_class(
-                [_sharded(l, dialect, optimizer, dynamic) if isinstance(l, embedding) else l
-                 for l in layer.layers], name=layer.name)
-            _build_like(new, layer, dialect)
-            dialect.put(holder, key, new)
-            done += [l.name for l in layer.layers if isinstance(l, embedding)]
+        if isinstance(layer, embedding) or (isinstance(layer, dialect.sequential_class) and any(
+                isinstance(l, embedding) for l in layer.layers)):
+            found.append(_Site(holder, key, layer))
         elif isinstance(layer, dialect.layer_class) and id(layer) not in seen:
-            done += _replace_in(layer, dialect, optimizer, dynamic, seen)
-    return done
+            found += _sites(layer, dialect, seen)
+    return found
 
 
 def _children(container: Any, layer_class: type) -> Iterator[Tuple[Any, Any, Any]]:
@@ -155,9 +179,10 @@ def _build_like(new: Any, old: Any, dialect: ShardingDialect) -> None:
     new(dialect.symbolic_input(old))
 
 
-def _sharded(embedding: Any, dialect: ShardingDialect, optimizer: OptimizerSpec,
-             dynamic: bool) -> Any:
-    """The ShardedEmbedding of one built Embedding, its rows loaded (a collective)."""
+def _feature(embedding: Any, dialect: ShardingDialect, optimizer: OptimizerSpec,
+             dynamic: bool) -> FeatureSpec:
+    """The FeatureSpec of one built Embedding (named after it): pooled for IDs [B], a
+    sequence for [B, L]."""
     shape = dialect.built_shape(embedding)
     if shape is None:
         raise ValueError(f"shard_embeddings: Embedding '{embedding.name}' was never called; "
@@ -165,12 +190,8 @@ def _sharded(embedding: Any, dialect: ShardingDialect, optimizer: OptimizerSpec,
     shape = tuple(tf.TensorShape(shape).as_list())
     table = embedding_table_spec(embedding.name, embedding.get_config(), optimizer, dynamic)
     if len(shape) == 1:
-        feature = FeatureSpec(embedding.name, table, combiner="sum")
-    elif len(shape) == 2 and shape[1] is not None:
-        feature = FeatureSpec(embedding.name, table, combiner=None, max_len=int(shape[1]))
-    else:
-        raise ValueError(f"shard_embeddings: Embedding '{embedding.name}' was called on shape "
-                         f"{shape}; it takes IDs [B] or [B, L] with a static L")
-    sharded = dialect.sharded_class(feature, name=embedding.name)
-    sharded.fused.set_embedding_weights({embedding.name: embedding.get_weights()[0]})
-    return sharded
+        return FeatureSpec(embedding.name, table, combiner="sum")
+    if len(shape) == 2 and shape[1] is not None:
+        return FeatureSpec(embedding.name, table, combiner=None, max_len=int(shape[1]))
+    raise ValueError(f"shard_embeddings: Embedding '{embedding.name}' was called on shape "
+                     f"{shape}; it takes IDs [B] or [B, L] with a static L")

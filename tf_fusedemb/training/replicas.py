@@ -38,8 +38,8 @@ import tf_keras
 from tf_fusedemb.comm import Communicator
 from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
 
-__all__ = ["DenseReplicas", "ReplicaMismatchError", "broadcast_from_root", "dense_variables",
-           "replicas_of"]
+__all__ = ["DenseReplicas", "ReplicaMismatchError", "broadcast_from_root", "build_by_tracing",
+           "dense_variables", "replicas_of"]
 
 BROADCAST_NAME = "fusedemb/dense_state"
 FINGERPRINT_NAME = "fusedemb/dense_fingerprints"
@@ -146,7 +146,7 @@ class DenseReplicas:
             return tf.constant(True)
         model = self._live_model()
         if x is not None and not model.built:
-            _build_by_tracing(model, x)
+            build_by_tracing(model, x)
         dense = dense_variables(model)
         synced = tf.cond(self._synced, lambda: tf.constant(True),
                          lambda: self._broadcast(comm, dense + _optimizer_variables(optimizer)))
@@ -224,7 +224,7 @@ def replicas_of(model: tf_keras.Model, check_every: Optional[int] = None) -> Den
     return replicas
 
 
-def _build_by_tracing(model, x):
+def build_by_tracing(model: Any, x: Any) -> None:
     """Creates a model's variables by tracing one inference call on ``x``'s structure;
     nothing runs (no collective, no statistics)."""
     specs = tf.nest.map_structure(tf.type_spec_from_value, x)

@@ -41,13 +41,14 @@ from tf_fusedemb.comm import Communicator
 from tf_fusedemb.layers.fused_embedding import (communicator_of, fused_embedding_layers,
                                                 group_lookups, use_context)
 from tf_fusedemb.layers.group_interface import DistributedGroupLookup
+from tf_fusedemb.layers.keys_ahead import KeysAhead, keys_ahead, route_ahead, serve_ahead
 from tf_fusedemb.layers.lookup_context import LookupContext
 from tf_fusedemb.layers.routed_lookup import RoutedLookup
 from tf_fusedemb.layers.row_update import RowUpdate, row_gradient
 from tf_fusedemb.training import keysets
 from tf_fusedemb.training.loss import KerasLoss, LossLike, LossPartial, LossTotals
 from tf_fusedemb.training.micro_batches import batch_size_of, micro_batch_parts
-from tf_fusedemb.training.replicas import replicas_of
+from tf_fusedemb.training.replicas import build_by_tracing, replicas_of
 
 LOSS_STATS = "fusedemb/loss_stats"
 DENSE_GRADS = "fusedemb/dense_grads"
@@ -218,6 +219,8 @@ def train_step(model: tf_keras.Model, x: Any, y: Any, loss: LossLike,
     replicas.average_forward_state(comm)  # e.g. BatchNormalization's statistics
     if forwards[0].prepared:
         for j, lookup in enumerate(lookups):
+            if forwards[0].prepared[j] is None:  # looked up during the forward pass
+                continue
             keys, grads, init = _coalesce(parts[j], lookup.group.dim)
             schedule.apply_rows(j, lookup, keys, grads, init)
     preds = [f.predictions for f in forwards]
@@ -228,12 +231,13 @@ def train_step(model: tf_keras.Model, x: Any, y: Any, loss: LossLike,
 
 class MicroBatchForward(NamedTuple):
     """One micro-batch's forward pass: its ``tape``, loss ``partial``, model
-    ``predictions`` and the lookups its schedule ``prepared`` (whose rows the tape
-    watches; empty when the forward pass routed them)."""
+    ``predictions`` and, per group lookup, the lookup its schedule ``prepared`` or the
+    step routed ahead (``keys_ahead``), whose rows the tape watches (None for a group
+    looked up during the forward pass; empty when the forward pass routed them all)."""
     tape: tf.GradientTape
     partial: LossPartial
     predictions: Any
-    prepared: List[RoutedLookup]
+    prepared: List[Optional[RoutedLookup]]
 
 
 def _forwards(model: tf_keras.Model, x: Any, y: Any, sample_weight: Any, loss: KerasLoss,
@@ -253,20 +257,38 @@ def _forwards(model: tf_keras.Model, x: Any, y: Any, sample_weight: Any, loss: K
             # while this one routes; all at once, they would share the core and micro-batch
             # 0's rows would come last of all).
             x_i = after(tf.nest.flatten(forwards[-1].predictions), x_i, skip=lookup_inputs)
-            x_i = after([r.rows for r in forwards[-1].prepared], x_i,
+            x_i = after([r.rows for r in forwards[-1].prepared if r is not None], x_i,
                         skip=[k for k in x_i if k not in lookup_inputs])
-        mine = _prepared_lookups(schedule, i, x_i, lookups)
-        context = dataclasses.replace(schedule.context(i), prepared=tuple(zip(lookups, mine)))
-        with tf.GradientTape() as tape, use_context(model, context):
-            for routed in mine:  # their gradient is this step's to apply (apply_rows)
+        mine: List[Optional[RoutedLookup]] = list(_prepared_lookups(schedule, i, x_i, lookups))
+        context = schedule.context(i)
+        ahead = None if mine else _keys_ahead(model, x_i)
+        if ahead is not None:  # every table's keys first: one exchange per fused group
+            mine = route_ahead(model, ahead, context)
+        with tf.GradientTape() as tape:
+            watched = [r for r in mine if r is not None]
+            for routed in watched:  # their gradient is this step's to apply (apply_rows)
                 tape.watch(routed.rows)
-            pred = model(x_i, training=True)
+            if ahead is not None:
+                context = dataclasses.replace(context,
+                                              served=serve_ahead(model, ahead, mine, context))
+            else:
+                context = dataclasses.replace(context, prepared=tuple(zip(lookups, watched)))
+            with use_context(model, context):
+                pred = model(x_i, training=True)
             partial = loss.partial(y_i, pred, weight_i)
             if i == 0:
                 reg = regularization(model)
         schedule.after_forward(i, pred)
         forwards.append(MicroBatchForward(tape, partial, pred, mine))
     return forwards, reg
+
+
+def _keys_ahead(model: tf_keras.Model, x: Any) -> Optional[KeysAhead]:
+    """``keys_ahead`` of a model built first (its variables are not made in the probe's
+    scratch graph)."""
+    if not model.built:
+        build_by_tracing(model, x)
+    return keys_ahead(model, x)
 
 
 def _backwards(forwards: Sequence[MicroBatchForward], scales: List[tf.Tensor],
@@ -285,13 +307,14 @@ def _backwards(forwards: Sequence[MicroBatchForward], scales: List[tf.Tensor],
             coefficients.append(reg_scale)
         # This micro-batch's backward after the previous one's dense gradients (FWP: its
         # gradient AlltoAll is in flight meanwhile).
+        watched = [(j, r) for j, r in enumerate(f.prepared) if r is not None]
         with tf.control_dependencies(previous):
-            grads = f.tape.gradient(targets, dense_vars + [r.rows for r in f.prepared],
+            grads = f.tape.gradient(targets, dense_vars + [r.rows for _, r in watched],
                                     output_gradients=coefficients)
         local = [dense_gradient(g, v) for g, v in zip(grads, dense_vars)]
         previous = local if len(forwards) > 1 else []
         dense_sum = [a + g for a, g in zip(dense_sum, local)]
-        for j, (r, g) in enumerate(zip(f.prepared, grads[len(dense_vars):])):
+        for (j, r), g in zip(watched, grads[len(dense_vars):]):
             parts[j].append((r.keys, row_gradient(g, r.rows), r.init_keys))
     return dense_sum, parts
 
