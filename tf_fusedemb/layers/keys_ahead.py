@@ -32,7 +32,7 @@ from tf_fusedemb.layers.lookup_context import LookupContext
 from tf_fusedemb.layers.routed_lookup import RoutedLookup
 from tf_fusedemb.layers.sharded_embedding import ShardedEmbeddingMixin
 
-__all__ = ["KeysAhead", "keys_ahead", "route_ahead", "serve_ahead"]
+__all__ = ["KeysAhead", "keys_ahead", "route_ahead", "serve_ahead", "shared_tables"]
 
 _LOG = logging.getLogger("tf_fusedemb")
 

@@ -12,7 +12,7 @@ exchange per group (``tf_fusedemb.layers.keys_ahead``); elsewhere (plain Keras `
 custom loop) each feature makes its own. The Keras 3 twin
 (``tf_fusedemb.keras3.ShardedEmbedding``) shares :class:`ShardedEmbeddingMixin` with it.
 """
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, cast
 
 import tensorflow as tf
 import tf_keras
@@ -44,11 +44,11 @@ class ShardedEmbeddingMixin:
         self.feature = feature
         if tables is None:
             tables = self.fused_class([feature], name=f"{self.name}_table")  # type: ignore[attr-defined]
-        elif not isinstance(tables, self.fused_class) or feature not in tables.features:
+        elif not isinstance(tables, self.fused_class) or feature not in cast(Any, tables).features:
             raise ValueError(f"ShardedEmbedding '{self.name}': tables= must be a "  # type: ignore[attr-defined]
                              f"{self.fused_class.__name__} of this Keras holding the feature "
                              f"'{feature.name}'; got {type(tables).__name__}")
-        self.fused = tables
+        self.fused: Any = tables  # the FusedEmbedding holding this feature's table
 
     def __call__(self, ids: Any, *args: Any, **kwargs: Any) -> Any:
         refuse_other_keras(self, self.keras_kind, ids)

@@ -46,7 +46,7 @@ class ShardingDialect(NamedTuple):
     layer_class: type
     embedding_class: Any  # Any: isinstance against a plain type would narrow to object
     sequential_class: Any
-    sharded_class: type
+    sharded_class: Any  # a ShardedEmbedding class (its fused_class is read)
     built_shape: Callable[[Any], Optional[Any]]
     symbolic_input: Callable[[Any], Any]
     put: Callable[[Any, Any, Any], None]

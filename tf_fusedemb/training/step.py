@@ -41,7 +41,8 @@ from tf_fusedemb.comm import Communicator
 from tf_fusedemb.layers.fused_embedding import (communicator_of, fused_embedding_layers,
                                                 group_lookups, use_context)
 from tf_fusedemb.layers.group_interface import DistributedGroupLookup
-from tf_fusedemb.layers.keys_ahead import KeysAhead, keys_ahead, route_ahead, serve_ahead
+from tf_fusedemb.layers.keys_ahead import (KeysAhead, keys_ahead, route_ahead, serve_ahead,
+                                           shared_tables)
 from tf_fusedemb.layers.lookup_context import LookupContext
 from tf_fusedemb.layers.routed_lookup import RoutedLookup
 from tf_fusedemb.layers.row_update import RowUpdate, row_gradient
@@ -285,7 +286,9 @@ def _forwards(model: tf_keras.Model, x: Any, y: Any, sample_weight: Any, loss: K
 
 def _keys_ahead(model: tf_keras.Model, x: Any) -> Optional[KeysAhead]:
     """``keys_ahead`` of a model built first (its variables are not made in the probe's
-    scratch graph)."""
+    scratch graph); None at once for a model whose layers share no tables."""
+    if not shared_tables(model):
+        return None
     if not model.built:
         build_by_tracing(model, x)
     return keys_ahead(model, x)
