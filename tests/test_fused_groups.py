@@ -8,6 +8,7 @@ are counted by tests/test_keras_shapes.py's 2-rank job.)"""
 import logging
 
 import numpy as np
+import pytest
 import tensorflow as tf
 import tf_keras
 
@@ -91,3 +92,25 @@ def test_hand_written_shared_tables_train_like_keras():
     for n in by_name:
         np.testing.assert_allclose(rows[n], plain.get_layer(f"{n}_block").layers[1]
                                    .get_weights()[0], atol=1e-5)
+
+
+def test_adam_tables_keep_one_group_each_and_shared_ones_refuse_a_lookup_per_feature():
+    """Adam's row update counts the group's steps: fuse_model gives each table its own
+    FusedEmbedding (so each steps once per training step), and tables shared by hand
+    that a plain tf_keras fit looks up one feature at a time are refused in one line,
+    naming the fix, instead of stepping once per feature."""
+    from tf_fusedemb.models import fuse_model
+    converted = fuse_model(ks.built(tf_keras, "tfrs_ranking"), OptimizerSpec.adam(0.01))
+    layers = fused_embedding_layers(converted)
+    assert len(layers) == 2 and all(len(l.features) == 1 for l in layers)
+    x, y = ks.shape_data("tfrs_ranking")
+    features = [FeatureSpec(name, TableSpec(name, ks.DIM, OptimizerSpec.adam(0.01),
+                                          vocabulary_size=rows), combiner="sum")
+                for name, rows in (("user", len(ks.USERS) + 1), ("movie", len(ks.MOVIES) + 1))]
+    tables = FusedEmbedding(features, name="adam_tables")
+    by_name = {f.name: f for f in features}
+    plain = _hand_written(tf_keras.Model, lambda name, rows: ShardedEmbedding(
+        by_name[name], tables=tables, name=name))
+    plain.compile(optimizer=tf_keras.optimizers.SGD(ks.LR), loss="mse")
+    with pytest.raises(ValueError, match="counts steps.*its own FusedEmbedding"):
+        plain.fit(x, y, batch_size=ks.BATCH, epochs=1, verbose=0)

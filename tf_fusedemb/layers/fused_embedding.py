@@ -245,6 +245,13 @@ class FusedEmbeddingMixin(_KerasLayer):
         record = training is not False
         marker = self._marker(record, refuse_eviction=training is True)
         group = next(g for g in self.groups if spec in g.group.features)
+        if record and len(group.group.features) > 1 and group.group.optimizer.counts_steps:
+            raise ValueError(
+                f"feature '{name}' of '{self.name}' is exchanged on its own, and its group "
+                f"'{group.group.name}' uses {group.group.optimizer.name}, whose update counts "
+                "steps: the group would step once per feature. Give each table its own "
+                "FusedEmbedding (ShardedEmbedding without tables=), or train with FusedModel "
+                "where every feature's keys are computed ahead")
         # Collective names per feature: several features of one group may each make an
         # exchange in one step.
         own = dataclasses.replace(context, suffix=f"{context.suffix}/{name}") \

@@ -95,7 +95,8 @@ def shard_in_place(model: Any, dialect: ShardingDialect, optimizer: OptimizerSpe
                    dynamic: bool, name: str = "fused_embedding") -> Any:
     """``shard_embeddings`` for the Keras that ``dialect`` describes (arguments as there):
     the ShardedEmbeddings share one FusedEmbedding named ``name`` holding every table, so
-    same-spec tables are one fused group."""
+    same-spec tables are one fused group; with an optimizer that counts steps (Adam) each
+    table keeps a FusedEmbedding of its own (``OptimizerSpec.counts_steps``)."""
     sites = _sites(model, dialect, set())
     embeddings = list({id(site.layer): site.layer for site in sites
                        if isinstance(site.layer, dialect.embedding_class)}.values())
@@ -106,10 +107,18 @@ def shard_in_place(model: Any, dialect: ShardingDialect, optimizer: OptimizerSpe
         raise ValueError(f"shard_embeddings: model '{model.name}' holds no Embedding layer in "
                          "its attributes or their Sequential blocks")
     features = [_feature(e, dialect, optimizer, dynamic) for e in embeddings]
-    tables = dialect.sharded_class.fused_class(features, name=name)
-    tables.set_embedding_weights({e.name: e.get_weights()[0] for e in embeddings})
-    views = {id(e): dialect.sharded_class(f, tables=tables, name=e.name)
-             for e, f in zip(embeddings, features)}
+    if optimizer.counts_steps:
+        # A group of several tables steps once per feature exchange where the features
+        # are exchanged one at a time (plain Keras fit, loops): each its own table.
+        views = {id(e): dialect.sharded_class(f, name=e.name)
+                 for e, f in zip(embeddings, features)}
+        for e in embeddings:
+            views[id(e)].fused.set_embedding_weights({e.name: e.get_weights()[0]})
+    else:
+        tables = dialect.sharded_class.fused_class(features, name=name)
+        tables.set_embedding_weights({e.name: e.get_weights()[0] for e in embeddings})
+        views = {id(e): dialect.sharded_class(f, tables=tables, name=e.name)
+                 for e, f in zip(embeddings, features)}
     for site in sites:
         if isinstance(site.layer, dialect.embedding_class):
             dialect.put(site.holder, site.key, views[id(site.layer)])

@@ -89,6 +89,12 @@ class OptimizerSpec:
         return dict(self.params)
 
     @property
+    def counts_steps(self) -> bool:
+        """Whether the row update reads the group's step counter (Adam's bias correction),
+        so that a group must step once per training step, not once per feature."""
+        return self.name == "adam"
+
+    @property
     def slot_names(self) -> tuple:
         """Per-row optimizer state kept next to each embedding row, e.g. ("m", "v") for adam."""
         return SLOTS[self.name]
