@@ -21,8 +21,9 @@ LIBRARY_ENV = "TF_FUSEDEMB_OPS_LIBRARY"
 # The embedding storage engine's ops (custom_ops/embedding_engine_ops.cc).
 ENGINE_OP_NAMES = ("EngineHandle", "EngineLookup", "EngineApplyGradients", "EngineRecord",
                    "EngineFind", "EngineGatherRows", "EngineWriteRows", "EngineRemoveRows",
-                   "EngineForget", "EngineExport", "EngineStoredKeys", "EngineSize", "EnginePin", "EngineUnpin",
-                   "EnginePrefetch", "EngineWriteCheckpoint", "EngineReadCheckpoint")
+                   "EngineForget", "EngineExport", "EngineStoredKeys", "EngineSize", "EnginePin",
+                   "EngineUnpin", "EnginePrefetch", "EngineWriteCheckpoint",
+                   "EngineRecordsChangesFor", "EngineWriteDelta", "EngineReadCheckpoint")
 OP_NAMES = ("SegmentUnique", "RankwiseSort", "OwnerRank", "CategoryHash",
             "PackKeyMessages", "UnpackKeyMessages", "HashedUnifiedKeys", "KeyMessageCategoryBits",
             "RecoveryGather", "RecoveryPool", "RecoveryPoolGrad") + ENGINE_OP_NAMES
