@@ -13,6 +13,7 @@ exactly that output, so the failure reproduces deterministically.
 
 The tests run on both dynamic storage backends (``TableSpec.storage``), passed explicitly.
 """
+import json
 import os
 
 import numpy as np
@@ -81,6 +82,15 @@ def test_restore_gives_every_row_its_identity_even_without_its_statistics(tmp_pa
     for k in ("keys", "counts", "categories", "ids", "last_steps"):
         arrays[prefix + k] = arrays[prefix + k][keep]
     np.savez(shard, **arrays)
+    # ... as a checkpoint written that way would record it (its size in meta.json, which
+    # a restore checks so that a cut-short file is refused).
+    meta_path = os.path.join(path, "meta.json")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    meta["files"] = [[name, os.path.getsize(shard) if name == os.path.basename(shard) else size]
+                     for name, size in meta["files"]]
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
 
     fresh, fresh_layer = _model(storage)
     fresh({n: tf.zeros([0], tf.int64) for n in ("u", "v")})
