@@ -22,7 +22,7 @@ from tf_fusedemb.layers.group_snapshot import GroupSnapshot, InitOrderedKeys
 from tf_fusedemb.layers.hierarchical_exchange import HierarchicalExchange
 from tf_fusedemb.layers.inputs import FlatFeature, id_ranges, out_of_range_message
 from tf_fusedemb.layers.lookup_context import NO_CONTEXT, LookupContext
-from tf_fusedemb.layers.routed_lookup import RoutedLookup
+from tf_fusedemb.layers.routed_lookup import RoutedLookup, same_ids
 from tf_fusedemb.layers.row_update import RowUpdate, through_row_update
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import FusedGroup
@@ -346,11 +346,7 @@ class GroupLookup(tf.Module):
         """The prepared rows; fails clearly when the layer is called with other IDs than
         were prefetched, or inside another graph than the step's."""
         _check_same_graph(prepared.rows)
-        expected = prepared.ids
-        same = tf.cond(tf.equal(tf.size(ids), tf.size(expected)),
-                       lambda: tf.reduce_all(tf.equal(ids, expected)),
-                       lambda: tf.constant(False))
-        check = tf.debugging.Assert(same, [
+        check = tf.debugging.Assert(same_ids(ids, prepared.ids), [
             f"group {self.group.name}: the FusedEmbedding layer got other IDs than the "
             "pipeline prefetched for it; pipelining needs each feature x[name] passed to "
             "the layer unchanged"])

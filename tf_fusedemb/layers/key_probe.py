@@ -20,6 +20,8 @@ from typing import List, NamedTuple, Optional, Set, Tuple
 
 import tensorflow as tf
 
+from tf_fusedemb.layers.routed_lookup import same_ids
+
 
 class FeatureKey(NamedTuple):
     """One feature of one FusedEmbedding layer of a model: the layer's name and the
@@ -59,12 +61,7 @@ class ServedFeature(NamedTuple):
     def checked(self, ids: tf.Tensor) -> tf.Tensor:
         """``embedding``, once ``ids`` (what the forward pass gives the lookup) are the
         IDs it was computed for; an InvalidArgumentError naming the feature otherwise."""
-        ids = tf.cast(ids, tf.int64)
-        want = tf.cast(self.ids, tf.int64)
-        same = tf.cond(tf.equal(tf.size(ids), tf.size(want)),
-                       lambda: tf.reduce_all(tf.equal(tf.reshape(ids, [-1]),
-                                                      tf.reshape(want, [-1]))),
-                       lambda: tf.constant(False))
+        same = same_ids(tf.cast(ids, tf.int64), tf.cast(self.ids, tf.int64))
         check = tf.debugging.Assert(same, [
             f"feature '{self.key.feature}' of '{self.key.layer}': the forward pass gave "
             "other IDs than the ones computed ahead of it from the same inputs (IDs that "

@@ -39,3 +39,12 @@ class RoutedLookup(NamedTuple):
     def with_rows(self, rows: tf.Tensor) -> "RoutedLookup":
         """This lookup with its owner rows float32[u_l, dim]."""
         return self._replace(rows=rows)
+
+
+def same_ids(got: tf.Tensor, want: tf.Tensor) -> tf.Tensor:
+    """bool scalar: whether IDs ``got`` and ``want`` (any shapes, same dtype) hold the
+    same values in the same order, their sizes equal (a lookup's check that it was called
+    with the IDs its rows were routed for)."""
+    return tf.cond(tf.equal(tf.size(got), tf.size(want)),
+                   lambda: tf.reduce_all(tf.equal(tf.reshape(got, [-1]), tf.reshape(want, [-1]))),
+                   lambda: tf.constant(False))
