@@ -56,7 +56,7 @@ def build_model(kind):
 
 def train_rows(model, kind, seed=7):
     """Stores rows for IDs < TRAINED_IDS of all tables but one (that one never trained)."""
-    from tf_fusedemb.layers.fused_embedding import fused_embedding_layers  # pylint: disable=import-outside-toplevel
+    from tf_fusedemb.layers.model_embeddings import fused_embedding_layers  # pylint: disable=import-outside-toplevel
     rng = np.random.default_rng(seed)
     tables = ["user", "movie"] if model_kind(kind) == "sequence" else ["a", "tags"]
     layer = fused_embedding_layers(model)[0]

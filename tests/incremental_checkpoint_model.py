@@ -95,14 +95,14 @@ def change(model, layer, phase: int) -> None:
     group = engine_group(layer)
     rng = np.random.default_rng(200 + phase)
     ids = np.arange(1000 + 10 * phase, 1010 + 10 * phase)
-    group.load_rows("u", ids, rng.normal(size=(len(ids), DIM)).astype(np.float32))
+    group.store.load_rows("u", ids, rng.normal(size=(len(ids), DIM)).astype(np.float32))
     if phase % 2:
         weights = rng.normal(size=(20, DIM)).astype(np.float32)
         layer.set_embedding_weights({"i": weights})
-    stored = group.table.export()["keys"].numpy()
+    stored = group.store.table.export()["keys"].numpy()
     if len(stored) > 3:
-        group.table.remove(tf.constant(stored[:3]))  # rows go, statistics stay
-        group.stats.remove(stored[1:3])  # then two of them go entirely
+        group.store.table.remove(tf.constant(stored[:3]))  # rows go, statistics stay
+        group.store.statistics.remove(stored[1:3])  # then two of them go entirely
 
 
 def optimizer_variables(model):
@@ -117,16 +117,16 @@ def state(model, layer) -> Dict[str, np.ndarray]:
     out: Dict[str, np.ndarray] = {}
     for g in layer.groups:
         name = g.group.name
-        out[f"{name}/step"] = g.table.step.numpy()
-        engine = getattr(g.table, "engine", None)
+        out[f"{name}/step"] = g.store.table.step.numpy()
+        engine = getattr(g.store.table, "engine", None)
         if engine is not None:
             e = engine.export(stored_only=False, with_rows=True)
             out.update({f"{name}/keys": e.keys.numpy(), f"{name}/values": e.values.numpy(),
                         f"{name}/slots": e.slots.numpy()})
             out.update({f"{name}/{f}": getattr(e.fields, f).numpy() for f in e.fields._fields})
         else:
-            out.update({f"{name}/{k}": v.numpy() for k, v in g.table.export().items()})
-            out.update({f"{name}/stats/{k}": v for k, v in g.stats.export().items()})
+            out.update({f"{name}/{k}": v.numpy() for k, v in g.store.table.export().items()})
+            out.update({f"{name}/stats/{k}": v for k, v in g.store.statistics.export().items()})
     # What a checkpoint holds of the dense side (not the layers' per-batch counters).
     out.update({f"dense/{i}": v.numpy() for i, v in enumerate(dense_variables(model))})
     out.update({f"optimizer/{i}": v.numpy() for i, v in enumerate(optimizer_variables(model))})

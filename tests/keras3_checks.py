@@ -209,7 +209,7 @@ def _watched_rows(model):
     (zeros where another rank owns the row)."""
     feature = model.watched.feature  # a table of the model's one shared FusedEmbedding
     group = next(g for g in model.watched.fused.groups if feature in g.group.features)
-    stored = group.stored_rows()
+    stored = group.store.stored_rows()
     mine = stored.tables == group.table_names.index(feature.table.name)
     rows = np.zeros((20, 4), np.float32)
     rows[stored.ids[mine]] = stored.values[mine]

@@ -148,7 +148,7 @@ def fused_tables(layer, prefix="t_"):
     ``prefix + feature``."""
     tables, owned = {}, {}
     for group in layer.groups:
-        rows = group.stored_rows()
+        rows = group.store.stored_rows()
         for t, spec in enumerate(group.group.tables):
             mine = rows.tables == t
             feature = spec.name[len(prefix):]

@@ -345,7 +345,7 @@ def fused_rows(model) -> Dict[str, np.ndarray]:
     tables = {}
     for layer in fused_embedding_layers(model):
         for group in layer.groups:
-            rows = group.stored_rows()
+            rows = group.store.stored_rows()
             for t, spec in enumerate(group.group.tables):
                 mine = rows.tables == t
                 tables[spec.name] = np.zeros((spec.vocabulary_size, spec.dim), np.float32)

@@ -136,7 +136,7 @@ def main(argv=None):
     if args.save_dir:
         CheckpointManager(args.save_dir, model, dense_opt, communicator=comm).save(
             start + args.steps, {"next_step": start + args.steps})
-    sizes = comm.allgather_object({g.group.name: int(g.table.size()) for g in layer.groups})
+    sizes = comm.allgather_object({g.group.name: int(g.store.table.size()) for g in layer.groups})
     counters = layer.comm_counters()
     state = read_state(layer, head)
     if comm.rank == 0:
@@ -149,7 +149,7 @@ def main(argv=None):
             "start": start,
             "table_sizes": {k: sum(s[k] for s in sizes) for k in sizes[0]},
             "groups": [g.group.feature_names for g in layer.groups],
-            "access": {g.group.name: g.stats.category_totals() for g in layer.groups},
+            "access": {g.group.name: g.store.statistics.category_totals() for g in layer.groups},
             "pipeline_chosen": getattr(pipeline, "chosen", None),  # an AutoPipeline's
         }
         print("RESULT " + json.dumps(result), flush=True)

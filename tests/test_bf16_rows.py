@@ -131,7 +131,7 @@ def test_fit_with_bf16_rows_equals_keras_fit_rounding_its_embedding():
                             callbacks=callbacks).history["loss"])
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
     (group,) = layer.groups
-    stored = group.stored_rows()
+    stored = group.store.stored_rows()
     rows = emb.get_weights()[0]
     np.testing.assert_array_equal(stored.values, rows[stored.ids])
     np.testing.assert_array_equal(stored.values, bf16(stored.values))

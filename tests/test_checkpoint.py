@@ -67,7 +67,7 @@ def test_interrupted_save_never_damages_the_last_checkpoint(tmp_path, monkeypatc
     model.fit(x, y, batch_size=8, verbose=0)
     manager = CheckpointManager(str(tmp_path), model, model.optimizer)
     good = manager.save(1, {"next_step": 1})
-    saved_rows = layer.groups[0].table.export()["values"].numpy()
+    saved_rows = layer.groups[0].store.table.export()["values"].numpy()
     model.fit(x, y, batch_size=8, verbose=0)
 
     def crash(*args, **kwargs):
@@ -82,7 +82,7 @@ def test_interrupted_save_never_damages_the_last_checkpoint(tmp_path, monkeypatc
     fresh({"u": tf.zeros([0], tf.int64)})  # build variables
     meta = CheckpointManager(str(tmp_path), fresh, fresh.optimizer).restore()
     assert meta["state"] == {"next_step": 1} and meta["world_size"] == 1
-    np.testing.assert_array_equal(fresh_layer.groups[0].table.export()["values"], saved_rows)
+    np.testing.assert_array_equal(fresh_layer.groups[0].store.table.export()["values"], saved_rows)
     assert fresh_layer.statistics().category_totals() == {"u": 8}
     # A later good save replaces the debris of the failed one.
     manager.save(2, {"next_step": 2})

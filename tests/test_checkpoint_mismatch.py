@@ -61,14 +61,14 @@ def fixture_saved(tmp_path):
 def refused(directory, model, caplog):
     """The restore's ValueError text; asserts nothing was loaded and nothing warned."""
     layer = model.get_layer("emb")
-    before = [int(g.table.size()) for g in layer.groups]
+    before = [int(g.store.table.size()) for g in layer.groups]
     weights = [w.copy() for w in model.get_weights()]
     with caplog.at_level(logging.WARNING):
         with pytest.raises(ValueError) as info:
             CheckpointManager(directory, model, model.optimizer).restore()
     text = str(info.value)
     assert "\n" not in text, text  # one line
-    assert [int(g.table.size()) for g in layer.groups] == before  # no row loaded
+    assert [int(g.store.table.size()) for g in layer.groups] == before  # no row loaded
     for got, want in zip(model.get_weights(), weights):
         np.testing.assert_array_equal(got, want)
     assert not [r for r in caplog.records if "checkpoint" in r.getMessage().lower()], \
@@ -82,8 +82,8 @@ def test_the_same_model_restores(saved):
     meta = CheckpointManager(directory, again, again.optimizer).restore()
     assert meta["state"] == {"data_position": 1}
     np.testing.assert_array_equal(again.get_layer("head").kernel, trained.get_layer("head").kernel)
-    np.testing.assert_array_equal(again.get_layer("emb").groups[0].table.export()["values"],
-                                  trained.get_layer("emb").groups[0].table.export()["values"])
+    np.testing.assert_array_equal(again.get_layer("emb").groups[0].store.table.export()["values"],
+                                  trained.get_layer("emb").groups[0].store.table.export()["values"])
 
 
 def test_another_dense_model_names_the_variable_and_shapes(saved, caplog):

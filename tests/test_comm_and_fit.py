@@ -65,7 +65,7 @@ def test_functional_fused_model_fits_and_learns():
     assert history.history["a2a_rounds"][-1] == 0
     # u and v share a spec, so they were fused into one group: 50 u IDs + 20 v IDs.
     assert len(layer.groups) == 1
-    assert layer.groups[0].table.size().numpy() == 50 + 20
+    assert layer.groups[0].store.table.size().numpy() == 50 + 20
 
 
 def test_functional_use_does_not_turn_later_subclasses_functional():

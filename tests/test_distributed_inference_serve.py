@@ -41,7 +41,7 @@ def trained(tmp_path_factory):
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     from tf_fusedemb.data import criteo  # pylint: disable=import-outside-toplevel
     from tf_fusedemb.inference.export import export_saved_model  # pylint: disable=import-outside-toplevel
-    from tf_fusedemb.layers.fused_embedding import fused_embedding_layers  # pylint: disable=import-outside-toplevel
+    from tf_fusedemb.layers.model_embeddings import fused_embedding_layers  # pylint: disable=import-outside-toplevel
     from tf_fusedemb import job  # pylint: disable=import-outside-toplevel
     from tf_fusedemb.training.checkpoint import CheckpointManager  # pylint: disable=import-outside-toplevel
     root = tmp_path_factory.mktemp("serve")
@@ -56,7 +56,7 @@ def trained(tmp_path_factory):
     for name in criteo.CRITEO_CATEGORICAL[:5]:  # rows for 10 IDs of 5 tables; the rest init
         seen = np.unique(np.concatenate([x[name].numpy() for x, _ in batches]))[:10]
         group = next(g for g in layer.groups if name in g.table_names)
-        group.load_rows(name, seen, rng.uniform(-1, 1, (len(seen), DIM)))
+        group.store.load_rows(name, seen, rng.uniform(-1, 1, (len(seen), DIM)))
     CheckpointManager(str(root / "ckpt"), model).save(3)
     export_saved_model(model, str(root / "export"), kinds, dense_features=criteo.CRITEO_DENSE)
     serve = tf.saved_model.load(str(root / "export")).signatures["serving_default"]

@@ -186,7 +186,7 @@ class StoredIds(tf_keras.callbacks.Callback):
         self.layer, self.per_step = layer, []
 
     def on_train_batch_end(self, batch, logs=None):
-        rows = self.layer.groups[0].stored_rows()
+        rows = self.layer.groups[0].store.stored_rows()
         self.per_step.append({n: sorted(rows.ids[rows.tables == t].tolist())
                               for t, n in enumerate(NAMES)})
 
@@ -201,9 +201,9 @@ def fit_rank(x, y, first, last, num_ranks=1, rank=0, model=None):
     model.fit(rank_dataset((xs, ys), rank_bounds(len(ys), shares, rank)), epochs=1, verbose=0,
               callbacks=[losses, ids])
     out = {"losses": losses.losses, "stored": ids.per_step,
-           "rows": layer.groups[0].stored_rows().arrays(), "stats": layer.groups[0].stats.export(),
-           "step": int(layer.groups[0].table.step.numpy())}
-    slots = getattr(layer.groups[0].table, "slots", None)  # TFRA: one more hash table each
+           "rows": layer.groups[0].store.stored_rows().arrays(), "stats": layer.groups[0].store.statistics.export(),
+           "step": int(layer.groups[0].store.table.step.numpy())}
+    slots = getattr(layer.groups[0].store.table, "slots", None)  # TFRA: one more hash table each
     if slots is not None:  # (the engine keeps the slots in the row's block)
         out["slot_entries"] = int(slots["accumulator"].size().numpy())
     return out
@@ -285,11 +285,11 @@ def test_checkpoint_restore_continues_the_policy_and_export_serves_initial_rows(
     fresh({n: tf.zeros([0], tf.int64) for n in NAMES})
     CheckpointManager(str(tmp_path / "ckpt"), fresh, fresh.optimizer).restore()
     restored = fresh_layer.groups[0]
-    assert int(restored.table.step.numpy()) == HALF
+    assert int(restored.store.table.step.numpy()) == HALF
     for k, v in first["stats"].items():
-        np.testing.assert_array_equal(restored.stats.export()[k], v, err_msg=f"stats {k}")
+        np.testing.assert_array_equal(restored.store.statistics.export()[k], v, err_msg=f"stats {k}")
     for k, v in first["rows"].items():
-        np.testing.assert_array_equal(restored.stored_rows().arrays()[k], v, err_msg=f"rows {k}")
+        np.testing.assert_array_equal(restored.store.stored_rows().arrays()[k], v, err_msg=f"rows {k}")
 
     # Training on from the restore takes the same admission and eviction decisions.
     ref, losses, stored = reference_run(x, y, STEPS)
@@ -428,4 +428,4 @@ class TwoRankEvictionTest(DistributedTestCase):
         fresh({n: tf.zeros([0], tf.int64) for n in NAMES})
         CheckpointManager(os.path.join(work, "two"), fresh, fresh.optimizer).restore()
         group = fresh_layer.groups[0]
-        assert_matches(ref, [{"rows": group.stored_rows().arrays(), "stats": group.stats.export()}])
+        assert_matches(ref, [{"rows": group.store.stored_rows().arrays(), "stats": group.store.statistics.export()}])

@@ -13,7 +13,7 @@ import tf_keras
 from tf_fusedemb.inference import export_saved_model
 from tf_fusedemb.inference.export import serving_context
 from tf_fusedemb.layers import FusedEmbedding
-from tf_fusedemb.layers.fused_embedding import use_context
+from tf_fusedemb.layers.model_embeddings import use_context
 from tf_fusedemb.models import FusedModel
 from tf_fusedemb.specs import FeatureSpec, InitializerSpec, OptimizerSpec, TableSpec
 from tf_fusedemb.training.checkpoint import CheckpointManager

@@ -58,7 +58,7 @@ def test_chain_restores_what_a_full_checkpoint_restores(tmp_path, tiered):
     delta_blocks = os.path.join(chain, "ckpt-3", "blocks")
     assert os.listdir(delta_blocks) == [f"l0-{group}-shard-0-of-1"]  # the engine group only
     if tiered:  # the budget spilled blocks: the deltas read them back from the SSD tier
-        assert int(icm.engine_group(layer).table.ssd_bytes().numpy()) > 0
+        assert int(icm.engine_group(layer).store.table.ssd_bytes().numpy()) > 0
 
     meta, got = _restored(os.path.join(chain, "ckpt-3"), **build)
     assert meta["state"] == {"phase": 2} and meta["kind"] == "delta"

@@ -239,7 +239,7 @@ def test_sequence_model_fit_learns():
     movies = set(x["movie"].tolist()) | set(x["history"].flat_values.numpy().tolist())
     expected = (len(set(x["user"].tolist())) + len(movies)
                 + len(set(x["genres"].flat_values.numpy().tolist())))
-    assert model.embedding.groups[0].table.size().numpy() == expected
+    assert model.embedding.groups[0].store.table.size().numpy() == expected
 
 
 # ---------------------------------------------------------------------------- validation

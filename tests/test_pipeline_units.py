@@ -184,9 +184,9 @@ def test_vertical_rows_pending_until_flush():
     pipe.step(*data[0], next_x=data[1][0])
     pending = sum(int(tf.size(p.keys)) for p in pipe._pending)
     assert pending > 0  # keys of batch 0 that batch 1 does not use wait for the flush
-    before = sum(int(g.table.size()) for g in net.emb.groups)
+    before = sum(int(g.store.table.size()) for g in net.emb.groups)
     pipe.flush()
-    assert sum(int(g.table.size()) for g in net.emb.groups) == before + pending
+    assert sum(int(g.store.table.size()) for g in net.emb.groups) == before + pending
     assert pipe._pending is None
 
 

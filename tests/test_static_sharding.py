@@ -164,7 +164,7 @@ def _train_and_save(directory, batch_size=32):
     shares = [batch_size // comm.size + (r < batch_size % comm.size) for r in range(comm.size)]
     model.fit(rank_dataset((x, y), rank_bounds(len(y), shares, comm.rank)), verbose=0)
     CheckpointManager(directory, model, model.optimizer, communicator=comm).save(1)
-    return sum(len(g.table.owned_keys().numpy()) for g in _static_lookups(model))
+    return sum(len(g.store.table.owned_keys().numpy()) for g in _static_lookups(model))
 
 
 def _restore(directory):
@@ -176,7 +176,7 @@ def _restore(directory):
     CheckpointManager(directory, model, model.optimizer, communicator=comm).restore()
     rows = {}
     for g in _static_lookups(model):
-        stored = g.stored_rows()
+        stored = g.store.stored_rows()
         for t, i, v in zip(stored.tables, stored.ids, stored.values):
             rows[(g.table_names[t], int(i))] = v
     return comm.rank, comm.size, rows

@@ -24,6 +24,7 @@ import tf_keras
 from conftest import storage_params
 from tf_fusedemb.inference import export_saved_model
 from tf_fusedemb.layers import FusedEmbedding
+from tf_fusedemb.layers.group_keys import GroupKeys
 from tf_fusedemb.models import FusedModel
 from tf_fusedemb.specs import STORAGES, FeatureSpec, OptimizerSpec, TableSpec
 from tf_fusedemb.training import CheckpointManager
@@ -62,7 +63,7 @@ def test_evaluate_and_predict_do_not_count_accesses(storage):
     model.evaluate(x, y, batch_size=16, verbose=0)
     model.predict(_data(32, 1)[0], batch_size=16, verbose=0)
     assert stats.category_totals() == after_fit
-    assert stats.export()["keys"].size == layer.groups[0].table.export()["keys"].shape[0]
+    assert stats.export()["keys"].size == layer.groups[0].store.table.export()["keys"].shape[0]
 
 
 # The storage engine checkpoints whole blocks (row, slots and statistics in one), so its
@@ -133,21 +134,21 @@ def test_checkpoint_and_export_do_not_trust_the_hash_table_iteration(tmp_path, m
     x, y = _data()
     model.fit(x, y, batch_size=16, epochs=2, verbose=0)
     group = layer.groups[0]
-    keys_before = group.table.export()["keys"].numpy()
-    _corrupt_like_tfra(monkeypatch, group.table)
+    keys_before = group.store.table.export()["keys"].numpy()
+    _corrupt_like_tfra(monkeypatch, group.store.table)
     # The failure of the issue, reproduced: identities of the iterated keys.
-    raw_keys = group.table.values.export()[0].numpy()
+    raw_keys = group.store.table.values.export()[0].numpy()
     with np.testing.assert_raises_regex(ValueError, "have no recorded \\(table, ID\\)"):
-        group.key_codec.decode(raw_keys, group.stats)
+        GroupKeys(group.group, group.key_mode).decode(raw_keys, group.store.statistics)
     # The stored rows come from lookups of the known keys: complete and exact.
-    rows = group.stored_rows()
+    rows = group.store.stored_rows()
     np.testing.assert_array_equal(rows.keys, keys_before)
 
     CheckpointManager(str(tmp_path / "ckpt"), model, model.optimizer).save(1)
     fresh, fresh_layer = _model("tfra")
     fresh({n: tf.zeros([0], tf.int64) for n in ("u", "v")})
     CheckpointManager(str(tmp_path / "ckpt"), fresh, fresh.optimizer).restore()
-    _corrupt_like_tfra(monkeypatch, fresh_layer.groups[0].table)
+    _corrupt_like_tfra(monkeypatch, fresh_layer.groups[0].store.table)
     export = export_saved_model(fresh, str(tmp_path / "export"), FEATURES)
     x_test = {k: tf.constant(v) for k, v in _data(32, 2)[0].items()}
     trained = model(x_test, training=False).numpy()
@@ -160,10 +161,10 @@ def test_a_stored_row_without_identity_is_an_error_not_a_silent_drop(storage):
     model, layer = _model(storage)
     model.fit(*_data(), batch_size=16, epochs=1, verbose=0)
     group = layer.groups[0]
-    group.table.load({"keys": tf.constant([12345], tf.int64),
+    group.store.table.load({"keys": tf.constant([12345], tf.int64),
                       "values": tf.ones([1, 4], tf.float32)})  # bypasses the identity record
     with np.testing.assert_raises_regex(ValueError, "stores .* rows but .* have a recorded"):
-        group.stored_rows()
+        group.store.stored_rows()
 
 
 @pytest.mark.tfra
@@ -179,15 +180,15 @@ def test_a_checkpoint_restores_onto_the_other_backend(tmp_path, src, dst):
     fresh({n: tf.zeros([0], tf.int64) for n in ("u", "v")})
     CheckpointManager(str(tmp_path / "ckpt"), fresh, fresh.optimizer).restore()
     a, b = layer.groups[0], fresh_layer.groups[0]
-    assert type(a.table).__name__ != type(b.table).__name__
-    for k, v in a.stored_rows().arrays().items():
-        np.testing.assert_array_equal(b.stored_rows().arrays()[k], v, err_msg=k)
-    for k, v in a.stats.export().items():
-        np.testing.assert_array_equal(b.stats.export()[k], v, err_msg=k)
-    assert int(b.table.step.numpy()) == int(a.table.step.numpy()) == 8
+    assert type(a.store.table).__name__ != type(b.store.table).__name__
+    for k, v in a.store.stored_rows().arrays().items():
+        np.testing.assert_array_equal(b.store.stored_rows().arrays()[k], v, err_msg=k)
+    for k, v in a.store.statistics.export().items():
+        np.testing.assert_array_equal(b.store.statistics.export()[k], v, err_msg=k)
+    assert int(b.store.table.step.numpy()) == int(a.store.table.step.numpy()) == 8
     x2, y2 = _data(seed=3)
     history = [m.fit(x2, y2, batch_size=16, epochs=1, verbose=0, shuffle=False).history["loss"]
                for m in (model, fresh)]
     np.testing.assert_allclose(history[1], history[0], rtol=1e-6)
-    for k, v in a.stored_rows().arrays().items():
-        np.testing.assert_allclose(b.stored_rows().arrays()[k], v, rtol=1e-6, atol=1e-7, err_msg=k)
+    for k, v in a.store.stored_rows().arrays().items():
+        np.testing.assert_allclose(b.store.stored_rows().arrays()[k], v, rtol=1e-6, atol=1e-7, err_msg=k)

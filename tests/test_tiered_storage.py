@@ -433,8 +433,8 @@ def fit_rank(model_and_layer, x, y, first, last, num_ranks=1, rank=0):
     model.fit(rank_dataset((xs, ys), rank_bounds(len(ys), shares, rank)), epochs=1, verbose=0,
               callbacks=[losses])
     group = layer.groups[0]
-    return {"losses": np.asarray(losses.losses), "rows": group.stored_rows().arrays(),
-            "stats": group.stats.export(), "memory": layer.memory()[group.group.name],
+    return {"losses": np.asarray(losses.losses), "rows": group.store.stored_rows().arrays(),
+            "stats": group.store.statistics.export(), "memory": layer.memory()[group.group.name],
             "group": group.group.name}
 
 

@@ -80,7 +80,7 @@ def build(num_keys: int, comm: Communicator, model_class: Any = tf_keras.Model):
         ids = np.arange(start, min(start + CHUNK, num_keys), dtype=np.int64)
         rows = np.random.default_rng(start).normal(0, 0.1, (len(ids), DIM)).astype(np.float32)
         mine = hashing.owner_rank(ids, comm.size) == comm.rank  # load_rows keeps these
-        group.load_rows("c", ids[mine], rows[mine])
+        group.store.load_rows("c", ids[mine], rows[mine])
     return model, layer
 
 

@@ -36,8 +36,7 @@ from tf_fusedemb.comm.communicator import Communicator, communicator_scope
 from tf_fusedemb.comm.counters import CommCounters
 from tf_fusedemb.comm.topology import Topology
 from tf_fusedemb.inference import distributed_payload as payload
-from tf_fusedemb.layers.fused_embedding import (fused_embedding_layers, group_lookups,
-                                                named_group_lookups, use_context)
+from tf_fusedemb.layers.model_embeddings import ModelEmbeddings
 from tf_fusedemb.layers.inputs import flatten_feature
 from tf_fusedemb.layers.lookup_context import LookupContext
 from tf_fusedemb.ops import hashing
@@ -99,11 +98,11 @@ def check_sharded(model: tf_keras.Model, rank: int, size: int) -> None:
     """Raises ValueError when a static table of ``model`` was not built for rank ``rank``
     of ``size`` (built outside :func:`for_rank`, it would allocate every row of its
     vocabulary on every rank, or rows another rank owns)."""
-    for layer in fused_embedding_layers(model):
+    for layer in ModelEmbeddings.of(model).layers:
         for lookup in layer.groups:
             if not lookup.group.is_static:
                 continue
-            built_rank, built_size, vocabulary = lookup.static_shard()
+            built_rank, built_size, vocabulary = lookup.store.static_shard()
             if (built_rank, built_size) != (rank, size):
                 raise ValueError(
                     f"sharded inference: static group '{lookup.group.name}' of layer "
@@ -150,35 +149,36 @@ def sample_bounds(batch_size: int, size: int) -> np.ndarray:
 def stored_rows(model: tf_keras.Model) -> int:
     """Rows this rank holds in the model's FusedEmbedding tables: written (trained or
     restored) rows, as a checkpoint counts them (eager)."""
-    return _stored_rows(group_lookups(model))
+    return _stored_rows(ModelEmbeddings.of(model).stores)
 
 
 def resident_rows(model: tf_keras.Model) -> int:
     """Rows this rank's tables occupy in memory: a static table's allocated rows (all it
     owns, written or not), a dynamic table's stored rows (eager)."""
-    return _resident_rows(group_lookups(model))
+    return _resident_rows(ModelEmbeddings.of(model).stores)
 
 
-def _stored_rows(lookups):
-    return sum(g.num_stored_rows() for g in lookups)
+def _stored_rows(stores):
+    return sum(g.num_stored_rows() for g in stores)
 
 
-def _resident_rows(lookups):
-    return sum(g.num_resident_rows() for g in lookups)
+def _resident_rows(stores):
+    return sum(g.num_resident_rows() for g in stores)
 
 
 class _PushedEmbeddings:
     """A ``GroupEmbeddings`` substitute for one group in one forward pass
     (``LookupContext.substitutes``): ``embeddings``, the group's per-feature embeddings
     the owner assembled from the pushed partials."""
+    defers_range_check = False  # the layer checks the IDs (the owners' reads did too)
 
     def __init__(self, lookup, embeddings):
         self.group, self.key_mode, self.table_names = (lookup.group, lookup.key_mode,
                                                        lookup.table_names)
         self.embeddings = list(embeddings)
 
-    def __call__(self, flats, combiners, context=None, record_statistics=False):
-        del flats, combiners, context, record_statistics
+    def __call__(self, flats, combiners, context=None, record_statistics=False, marker=None):
+        del flats, combiners, context, record_statistics, marker  # nothing trains
         return self.embeddings
 
 
@@ -213,8 +213,8 @@ class ShardedPredictor:
                  exchange: Optional[PushExchange]):
         check_sharded(model, rank, size)
         self.model, self.rank, self.size, self.exchange = model, rank, size, exchange
-        self._named = named_group_lookups(model)  # (GroupName, GroupLookup), in model order
-        self._lookups = [lookup for _, lookup in self._named]
+        self._embeddings = ModelEmbeddings.of(model)
+        self._lookups = self._embeddings.lookups
         self.features = [f for g in self._lookups for f in g.group.features]
         self.dims = [f.dim for f in self.features]
         # batch j -> (this rank's rows of its features, their row splits per pooled feature)
@@ -229,11 +229,11 @@ class ShardedPredictor:
 
     def stored_rows(self) -> int:
         """Written rows this rank holds in its tables (see :func:`stored_rows`, eager)."""
-        return _stored_rows(self._lookups)
+        return _stored_rows(self._embeddings.stores)
 
     def resident_rows(self) -> int:
         """Rows this rank's tables occupy in memory (see :func:`resident_rows`, eager)."""
-        return _resident_rows(self._lookups)
+        return _resident_rows(self._embeddings.stores)
 
     def capacity_bytes(self, global_batch: int) -> int:
         """Largest message of a global batch of ``global_batch`` samples: one entry per
@@ -315,8 +315,8 @@ class ShardedPredictor:
         ids = np.concatenate([f[0][f[2]] for f in flats])
         tables = np.concatenate([np.full(int(f[2].sum()), group.table_index[i], np.int64)
                                  for i, f in enumerate(flats)])
-        keys, init_keys = lookup.key_codec.storage_keys(ids, tables)
-        rows = lookup.lookup_rows(tf.constant(keys), tf.constant(init_keys)).numpy()
+        keys, init_keys = lookup.store.storage_keys(ids, tables)
+        rows = lookup.store.lookup_rows(tf.constant(keys), tf.constant(init_keys)).numpy()
         ends = np.cumsum([int(f[2].sum()) for f in flats])
         return np.split(rows, ends[:-1])
 
@@ -381,8 +381,8 @@ class ShardedPredictor:
         given to its lookups through this pass's LookupContext; its layers are unchanged."""
         context = LookupContext(substitutes={
             name: _PushedEmbeddings(lookup, embs)
-            for (name, lookup), embs in zip(self._named, embeddings)})
-        with use_context(self.model, context):
+            for (name, lookup), embs in zip(self._embeddings.named, embeddings)})
+        with self._embeddings.use_context(context):
             return self.model(features, training=False)
 
 

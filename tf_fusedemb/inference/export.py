@@ -22,24 +22,27 @@ import tf_keras
 from tf_fusedemb.inference.row_codec import check_row_dtype
 from tf_fusedemb.inference.serving import ServingGroup
 from tf_fusedemb.inference.export_writer import ExportWriter
-from tf_fusedemb.layers.fused_embedding import (communicator_of, fused_embedding_layers,
-                                                named_group_lookups, use_context)
 from tf_fusedemb.layers.lookup_context import LookupContext
+from tf_fusedemb.layers.model_embeddings import ModelEmbeddings
 
 KINDS = ("scalar", "list")
 
 
 def serving_context(model: tf_keras.Model, row_dtype: str = "float32",
-                    with_rows: bool = True) -> LookupContext:
+                    with_rows: bool = True,
+                    embeddings: Optional[ModelEmbeddings] = None) -> LookupContext:
     """A LookupContext in which every FusedEmbedding group of ``model`` is looked up by
     its one-host core-TF copy (``ServingGroup``, rows in ``row_dtype``); the model itself
     is not changed. ``with_rows`` (serving in this process) needs a single-process model
-    holding all rows; without rows (an export, whose ranks write them) any model."""
-    if with_rows and any(layer.communicator.size != 1 for layer in fused_embedding_layers(model)):
+    holding all rows; without rows (an export, whose ranks write them) any model.
+    ``embeddings``: the model's ``ModelEmbeddings`` (default: found in ``model``)."""
+    embeddings = embeddings or ModelEmbeddings.of(model)
+    if with_rows and any(layer.communicator.size != 1 for layer in embeddings.layers):
         raise ValueError("serving in this process needs every row in it: restore the "
                          "checkpoint on one rank, or export (export_saved_model) from every rank")
     return LookupContext(substitutes={
-        name: ServingGroup(g, row_dtype, with_rows) for name, g in named_group_lookups(model)})
+        name: ServingGroup(g.group, g.key_mode, g.store, row_dtype, with_rows)
+        for name, g in embeddings.named})
 
 
 def named_outputs(model: Any, outputs: Any) -> Dict[str, tf.Tensor]:
@@ -95,7 +98,8 @@ def export_saved_model(model: tf_keras.Model, export_dir: str, feature_kinds: Ma
         if kind not in KINDS:
             raise ValueError(f"feature '{name}': kind {kind!r} is not one of {KINDS}")
     check_row_dtype(row_dtype)
-    context = serving_context(model, row_dtype, with_rows=False)
+    embeddings = ModelEmbeddings.of(model)
+    context = serving_context(model, row_dtype, with_rows=False, embeddings=embeddings)
     specs = {}
     for name, kind in feature_kinds.items():
         if kind == "scalar":
@@ -114,7 +118,7 @@ def export_saved_model(model: tf_keras.Model, export_dir: str, feature_kinds: Ma
                 inputs[name], lengths=inputs[name + "_length"])
         for name in dense_features:
             features[name] = inputs[name]
-        with use_context(model, context):
+        with embeddings.use_context(context):
             outputs = named_outputs(model, model(features, training=False))
         if binary_logit if binary_logit is not None else _single_logit(model, outputs):
             logits, = outputs.values()
@@ -124,8 +128,7 @@ def export_saved_model(model: tf_keras.Model, export_dir: str, feature_kinds: Ma
     module = tf.Module()
     # The dense weights and the serving groups (their key and row variables, which the
     # ranks fill: ExportWriter); not the training tables, which serving does not read.
-    tables = {id(v) for layer in fused_embedding_layers(model) for g in layer.groups
-              for v in g.variables}
+    tables = {id(v) for g in embeddings.lookups for v in g.variables}
     module.variables_ = [v for v in model.variables if id(v) not in tables]
     module.serving_groups_ = list(context.substitutes.values())
     module.serve = serve
@@ -133,5 +136,6 @@ def export_saved_model(model: tf_keras.Model, export_dir: str, feature_kinds: Ma
     def save_graph(directory):
         tf.saved_model.save(module, directory,
                             signatures={"serving_default": serve.get_concrete_function()})
-    lookups = [g for _, g in named_group_lookups(model)]  # the order of serving_groups_
-    return ExportWriter(export_dir, communicator_of(model)).write(lookups, row_dtype, save_graph)
+    # embeddings.stores are in the order of serving_groups_
+    return ExportWriter(export_dir, embeddings.communicator).write(embeddings.stores, row_dtype,
+                                                                   save_graph)

@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from tf_fusedemb.comm import Communicator
 from tf_fusedemb.inference.key_index import pad_segment, read_rows
-from tf_fusedemb.layers.group_lookup import GroupLookup
+from tf_fusedemb.layers.group_store import GroupStore
 
 # Rows read from a table and written per SaveV2 call: bounds what a rank holds beyond its
 # table (2^16 rows of dim 16 are 4 MiB in float32).
@@ -54,22 +54,22 @@ def _save(prefix: str, names: Sequence[str], slices: Sequence[str],
                       tensors=[tf.constant(t) for t in tensors])
 
 
-def write_segment(lookup: GroupLookup, names: IndexNames, prefix: str, rank: int, size: int,
+def write_segment(store: GroupStore, names: IndexNames, prefix: str, rank: int, size: int,
                   width: int, row_dtype: str, chunk_rows: Optional[int] = None) -> None:
     """Writes rank ``rank`` of ``size``'s segment (its stored rows, padded to ``width``) of
     the group's index variables as slices [rank, start:stop] of int64[size, width] keys,
     [size, width, dim] rows and float32[size, width] scales (int8) plus int64[size]
     lengths, in bundles ``<prefix>-*``, reading ``chunk_rows`` rows at a time."""
     chunk_rows = chunk_rows or CHUNK_ROWS
-    ordered = lookup.stored_init_keys(chunk_rows)
-    dim, no_keys = lookup.group.dim, np.zeros([0], np.int64)
+    ordered = store.stored_init_keys(chunk_rows)
+    dim, no_keys = store.group.dim, np.zeros([0], np.int64)
     _save(f"{prefix}-lengths", [names.lengths], [f"{size} {rank},1"],
           [np.array([ordered.num_keys], np.int64)])
     # Every chunk but the last real one holds chunk_rows keys; past them, padding.
     for start in range(0, width, chunk_rows):
         stop = min(start + chunk_rows, width)
         keys, init_keys = next(ordered.chunks, (no_keys, no_keys))
-        segment = pad_segment(init_keys, read_rows(lookup, keys, init_keys), row_dtype,
+        segment = pad_segment(init_keys, read_rows(store, keys, init_keys), row_dtype,
                               stop - start)
         where = f"{rank},1:{start},{stop - start}"
         tensors = [(names.keys, f"{size} {width} {where}", segment.keys[None]),
@@ -126,7 +126,7 @@ class ExportWriter:
                              f"ranks do not see rank 0's {self.tmp}; export to a filesystem "
                              "every rank shares")
 
-    def write(self, groups: Sequence[GroupLookup], row_dtype: str,
+    def write(self, groups: Sequence[GroupStore], row_dtype: str,
               save_graph: Callable[[str], None]) -> str:
         """Writes the export: every rank its segments of ``groups`` (in the exported
         module's order), rank 0 the graph through ``save_graph(directory)`` (a
@@ -136,8 +136,8 @@ class ExportWriter:
             widths = self._widths(groups)
             parts = os.path.join(self.tmp, PARTS)
             rank, size = self.comm.rank, self.comm.size
-            for g, (lookup, width) in enumerate(zip(groups, widths)):
-                write_segment(lookup, IndexNames.of(g), os.path.join(parts, f"g{g}-r{rank}"),
+            for g, (store, width) in enumerate(zip(groups, widths)):
+                write_segment(store, IndexNames.of(g), os.path.join(parts, f"g{g}-r{rank}"),
                               rank, size, width, row_dtype)
             model = os.path.join(self.tmp, MODEL)
             names = [IndexNames.of(g) for g in range(len(groups))]
@@ -153,7 +153,7 @@ class ExportWriter:
             self._barrier("export_done")
         return self.export_dir
 
-    def _widths(self, groups: Sequence[GroupLookup]) -> List[int]:
+    def _widths(self, groups: Sequence[GroupStore]) -> List[int]:
         """Each group's segment width L: its largest share of stored rows over the ranks
         (at least 1)."""
         counts = np.array([g.num_stored_rows() for g in groups], np.int64)

@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_fusedemb.inference.row_codec import decode_rows, encode_rows, tf_dtype
-from tf_fusedemb.layers.group_lookup import GroupLookup
+from tf_fusedemb.layers.group_store import GroupStore
 from tf_fusedemb.ops import hashing
 
 PAD_KEY = np.iinfo(np.int64).max
@@ -110,10 +110,10 @@ class KeyIndex(tf.Module):
         return tf.gather(found, back), tf.gather(rows, back)
 
 
-def read_rows(lookup: GroupLookup, keys: np.ndarray, init_keys: np.ndarray) -> np.ndarray:
-    """The stored rows float32[n, dim] of ``lookup``'s storage ``keys`` int64[n] (their
+def read_rows(store: GroupStore, keys: np.ndarray, init_keys: np.ndarray) -> np.ndarray:
+    """The stored rows float32[n, dim] of ``store``'s storage ``keys`` int64[n] (their
     ``init_keys`` int64[n] beside them), read from its table (either tier) in that order."""
     if not len(keys):
-        return np.zeros([0, lookup.group.dim], np.float32)
-    return lookup.lookup_rows(tf.constant(keys, tf.int64),
-                              tf.constant(init_keys, tf.int64)).numpy()
+        return np.zeros([0, store.group.dim], np.float32)
+    return store.lookup_rows(tf.constant(keys, tf.int64),
+                             tf.constant(init_keys, tf.int64)).numpy()

@@ -6,7 +6,7 @@ variables (``key_index``), so its graph does not grow with the table. Rows are k
 the plan-independent hashed key mix64(id ^ tag(table)); keys never trained get their
 deterministic initial row, exactly as in training.
 """
-from typing import Any, List, Sequence
+from typing import Any, List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -14,9 +14,11 @@ import tensorflow as tf
 from tf_fusedemb.inference.key_index import KeyIndex, pad_segment, read_rows, segment_width
 from tf_fusedemb.inference.row_codec import check_row_dtype
 from tf_fusedemb.layers.group_interface import Combiners
-from tf_fusedemb.layers.group_lookup import GroupLookup
+from tf_fusedemb.layers.group_keys import GroupKeys
+from tf_fusedemb.layers.group_store import GroupStore
 from tf_fusedemb.layers.inputs import FlatFeature
 from tf_fusedemb.ops.recovery import finish_pooling
+from tf_fusedemb.specs import FusedGroup
 from tf_fusedemb.storage.initializers import init_rows
 
 _NO_KEYS = np.zeros([0], np.int64)
@@ -29,23 +31,30 @@ class ServingGroup(tf.Module):
     and no row, whatever the table's size; a key not stored reads its initial row.
 
     Args:
-      lookup: the trained ``GroupLookup``.
+      group: the FusedGroup.  key_mode: its layer's ("hashed" or "packed").
+      store: the trained group's ``GroupStore`` (read here, not kept: the SavedModel
+        holds none of the training tables).
       row_dtype: how the rows are stored, "float32" | "bfloat16" | "int8" (``row_codec``).
       with_rows: read the rows of a single-process layer (all rows local) into the
         variables; False leaves them empty, for an export whose ranks write the rows
         into the SavedModel's variables themselves (``segment_writer``).
     """
 
-    def __init__(self, lookup: GroupLookup, row_dtype: str = "float32", with_rows: bool = True):
-        super().__init__(name=f"serving_{lookup.group.name}")
-        self.group = lookup.group
-        self.key_mode, self.table_names = lookup.key_mode, lookup.table_names  # input checks
-        self._key_codec = lookup.key_codec
+    # The layer checks the IDs as it flattens them (serving runs no key exchange).
+    defers_range_check = False
+
+    def __init__(self, group: FusedGroup, key_mode: str, store: GroupStore,
+                 row_dtype: str = "float32", with_rows: bool = True):
+        super().__init__(name=f"serving_{group.name}")
+        self.group = group
+        # The same key arithmetic as training, in core TF (``GroupKeys.serving_keys``).
+        self._key_codec = GroupKeys(group, "packed" if group.is_static else key_mode)
+        self.key_mode, self.table_names = self._key_codec.key_mode, self._key_codec.table_names
         keys, init_keys = _NO_KEYS, _NO_KEYS
         if with_rows:  # one process holds them all: one chunk
-            ordered = lookup.stored_init_keys(max(1, lookup.num_stored_rows()))
+            ordered = store.stored_init_keys(max(1, store.num_stored_rows()))
             keys, init_keys = next(ordered.chunks, (_NO_KEYS, _NO_KEYS))
-        values = read_rows(lookup, keys, init_keys)
+        values = read_rows(store, keys, init_keys)
         self.index = KeyIndex([pad_segment(init_keys, values, check_row_dtype(row_dtype),
                                            segment_width([len(keys)]))],
                               self.group.dim, row_dtype)
@@ -61,10 +70,11 @@ class ServingGroup(tf.Module):
         return tf.where(found[:, None], stored, fresh)
 
     def __call__(self, flats: Sequence[FlatFeature], combiners: Combiners, context: Any = None,
-                 record_statistics: bool = False) -> List[tf.Tensor]:
+                 record_statistics: bool = False,
+                 marker: Optional[tf.Tensor] = None) -> List[tf.Tensor]:
         """Same contract as ``GroupLookup.__call__``: per feature [B_f, dim] pooled or
-        [n_f, dim] one row per ID. ``context`` and ``record_statistics`` are ignored:
-        serving neither trains, prefetches nor counts."""
+        [n_f, dim] one row per ID. ``context``, ``record_statistics`` and ``marker`` are
+        ignored: serving neither trains, prefetches nor counts."""
         # One key hash, index search and initializer for the whole group, not one per
         # feature: the serving graph's size does not grow with the group's features.
         ids = tf.concat([flat.ids for flat in flats], axis=0)

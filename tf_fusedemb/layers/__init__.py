@@ -8,12 +8,13 @@ import warnings
 from typing import Any
 
 from tf_fusedemb.layers.converter import from_keras_embeddings
-from tf_fusedemb.layers.fused_embedding import FusedEmbedding, fused_embedding_layers, use_context
+from tf_fusedemb.layers.fused_embedding import FusedEmbedding
 from tf_fusedemb.layers.lookup_context import LookupContext
+from tf_fusedemb.layers.model_embeddings import ModelEmbeddings, fused_embedding_layers, use_context
 from tf_fusedemb.layers.routed_lookup import RoutedLookup
 from tf_fusedemb.layers.sharded_embedding import ShardedEmbedding
 
-__all__ = ["FusedEmbedding", "LookupContext", "RoutedLookup", "ShardedEmbedding",
+__all__ = ["FusedEmbedding", "LookupContext", "ModelEmbeddings", "RoutedLookup", "ShardedEmbedding",
            "from_keras_embeddings",
            "fused_embedding_layers", "use_context"]
 

@@ -1,8 +1,6 @@
 """``FusedEmbedding``: a dict of features in, a dict of embeddings out, fused and sharded."""
-import contextlib
 import dataclasses
-from typing import (TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple,
-                    Union)
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -174,8 +172,8 @@ class FusedEmbeddingMixin(_KerasLayer):
             id_bits = hashing.default_id_bits(len(lookup.table_names))
         # The distributed lookup reports an ID out of range to every rank (route);
         # substitutes (serving, sharded inference) check here.
-        defer = isinstance(lookup, GroupLookup)
-        return [flatten_feature(f, inputs[f.name], id_bits, defer_range_check=defer)
+        return [flatten_feature(f, inputs[f.name], id_bits,
+                                defer_range_check=lookup.defers_range_check)
                 for f in lookup.group.features]
 
     def route(self, inputs: Mapping[str, tf.Tensor],
@@ -210,15 +208,11 @@ class FusedEmbeddingMixin(_KerasLayer):
                        marker: Optional[tf.Tensor], context: LookupContext
                        ) -> Dict[str, tf.Tensor]:
         """{feature: embeddings} of one group's features, looked up by the group (or its
-        substitute) during this pass."""
+        substitute: serving, sharded inference, which train nothing) during this pass."""
         lookup = self._lookup_for(group)
         feats = lookup.group.features
         flats = self._flat_features(lookup, inputs)
-        combiners = [f.combiner for f in feats]
-        if lookup is group:
-            embs = group(flats, combiners, context, record, marker)
-        else:  # a substitute (serving, sharded inference): nothing trains
-            embs = lookup(flats, combiners, context, record)
+        embs = lookup(flats, [f.combiner for f in feats], context, record, marker)
         return {spec.name: _shape_output(spec, flat, emb)
                 for spec, flat, emb in zip(feats, flats, embs)}
 
@@ -363,7 +357,7 @@ class FusedEmbeddingMixin(_KerasLayer):
             lookup = next(g for g in self.groups if tables[name] in g.table_names)
             rows = self._comm.broadcast(tf.constant(matrix, tf.float32), 0,
                                         f"fusedemb/embedding_weights/{name}").numpy()
-            lookup.load_rows(tables[name], np.arange(len(rows)), rows)
+            lookup.store.load_rows(tables[name], np.arange(len(rows)), rows)
 
     @property
     def communicator(self) -> Communicator:
@@ -381,25 +375,25 @@ class FusedEmbeddingMixin(_KerasLayer):
     @property
     def has_eviction(self) -> bool:
         """Whether some table of the layer has an EvictionPolicy."""
-        return any(g.policy is not None and g.policy.evictions for g in self.groups)
+        return any(g.store.has_eviction for g in self.groups)
 
     def enforce_policies(self) -> dict:
-        """Runs every group's eviction (``GroupLookup.enforce_policy``) after a training
+        """Runs every group's eviction (``GroupStore.enforce_policy``) after a training
         step; ``FusedModel.fit`` calls it after every step, a custom loop calls it after
         each ``train_step`` on every rank. Eager. Returns {group name: keys evicted on
         this rank}."""
-        return {g.group.name: g.enforce_policy() for g in self.groups}
+        return {g.group.name: g.store.enforce_policy() for g in self.groups}
 
     def memory(self) -> dict:
-        """{group name: GroupLookup.memory()} of this rank: stored rows, tracked keys,
+        """{group name: GroupStore.memory()} of this rank: stored rows, tracked keys,
         payload bytes (eager)."""
-        return {g.group.name: g.memory() for g in self.groups}
+        return {g.group.name: g.store.memory() for g in self.groups}
 
     def statistics(self, group_name: Optional[str] = None) -> StatisticsStorage:
         """AccessStatistics of a group (by name, default the only/first group)."""
         for g in self.groups:
             if group_name in (None, g.group.name):
-                return g.stats
+                return g.store.statistics
         raise ValueError(f"no group {group_name!r}; groups: {[g.group.name for g in self.groups]}")
 
     def global_statistics(self) -> dict:
@@ -409,7 +403,7 @@ class FusedEmbeddingMixin(_KerasLayer):
         step, hash collisions). A collective: every rank calls it (eager)."""
         out = {}
         for g in self.groups:
-            mine = g.stats.metrics()
+            mine = g.store.statistics.metrics()
             names = sorted(mine)
             summed = self._comm.allreduce_sum(
                 tf.constant([mine[n] for n in names], tf.int64),
@@ -518,81 +512,6 @@ class FusedEmbedding(FusedEmbeddingMixin, tf_keras.layers.Layer):
 
     def _is_symbolic_tensor(self, value: Any) -> bool:
         return tf_keras.backend.is_keras_tensor(value)
-
-
-def sublayers(model: Any) -> List[Any]:
-    """Every module below ``model``: tf.Module's ``submodules`` (tf_keras), else Keras 3's
-    layer walk."""
-    if hasattr(model, "submodules"):
-        return list(model.submodules)
-    if hasattr(model, "_flatten_layers"):
-        return list(model._flatten_layers(include_self=False, recursive=True))
-    return []
-
-
-def fused_embedding_layers(model: Any) -> List["FusedEmbeddingMixin"]:
-    """The FusedEmbedding layers of ``model`` (itself included), in tracking order."""
-    found = [m for m in [model, *sublayers(model)] if isinstance(m, FusedEmbeddingMixin)]
-    return list({id(m): m for m in found}.values())
-
-
-def group_lookups(model: Any) -> list:
-    """The group lookups of ``model``'s FusedEmbedding layers: layer by layer
-    (``fused_embedding_layers`` order), each layer's ``groups`` in order. A step's prepared
-    lookups and a pipeline's buffers are lists in this order."""
-    return [g for layer in fused_embedding_layers(model) for g in layer.groups]
-
-
-def named_group_lookups(model: Any) -> List[Tuple[GroupName, GroupLookup]]:
-    """``group_lookups(model)`` with each one's ``GroupName`` (its layer's name, its
-    group's), by which a ``LookupContext`` substitutes it.
-
-    Raises:
-      ValueError: two groups of ``model`` have one name (two FusedEmbedding layers of one
-        name, in different nested models): rename one layer.
-    """
-    named = [(GroupName(layer.name, g.group.name), g)
-             for layer in fused_embedding_layers(model) for g in layer.groups]
-    seen: Dict[GroupName, GroupLookup] = {}
-    for name, lookup in named:
-        if seen.setdefault(name, lookup) is not lookup:
-            raise ValueError(f"two FusedEmbedding layers named {name.layer!r} both have a "
-                             f"table group {name.group!r}: give the layers distinct names "
-                             f"(name=...) so that serving and sharded inference can tell "
-                             f"their groups apart")
-    return named
-
-
-def communicator_of(model: Any) -> Communicator:
-    """The communicator the FusedEmbedding layers of ``model`` run over (all of them must
-    share one: a model trains over one set of ranks); the process's default
-    (``tf_fusedemb.comm.get_communicator()``) for a model without such a layer.
-
-    Raises:
-      ValueError: the layers were built with different communicators.
-    """
-    comms = {id(layer.communicator): layer.communicator
-             for layer in fused_embedding_layers(model)}
-    if len(comms) > 1:
-        raise ValueError(f"{type(model).__name__} '{getattr(model, 'name', '')}': its "
-                         "FusedEmbedding layers were built with different communicators; "
-                         "build them with one")
-    return next(iter(comms.values())) if comms else get_communicator()
-
-
-@contextlib.contextmanager
-def use_context(model: Any, context: LookupContext) -> Iterator[LookupContext]:
-    """Installs ``context`` on every FusedEmbedding layer of ``model`` (a Keras model or
-    layer) for the block; yields it."""
-    layers = fused_embedding_layers(model)
-    previous = [layer.lookup_context for layer in layers]
-    for layer in layers:
-        layer.lookup_context = context
-    try:
-        yield context
-    finally:
-        for layer, old in zip(layers, previous):
-            layer.lookup_context = old
 
 
 def _choose_exchanges(plan, topology, exchange, traffic):

@@ -9,9 +9,11 @@ else (they never read or replace a group's attributes).
   lookup of an export (``inference.serving.ServingGroup``) and the pushed embeddings of
   sharded inference. The user's layer is never changed.
 * :class:`DistributedGroupLookup`: the steps of the distributed lookup, for the training
-  step and the pipelines (route keys to their owners, retrieve rows, serve them back,
-  apply the row gradients) and the group's state, for checkpoints, export and sharded
-  inference (save, restore, the stored rows, owner-side reads). Its storage sits behind
+  step and the pipelines (route keys to their owners, retrieve rows, serve them back),
+  and its ``store``.
+* :class:`StoredGroup`: the group's state on this rank (``group_store.GroupStore``), for
+  the step (row reads and updates), checkpoints, export and sharded inference (save,
+  restore, the stored rows, owner-side reads). Its storage sits behind
   ``tf_fusedemb.storage.backend``.
 * :class:`KeyExchange`: how a group's keys reach their owners and the rows come back
   (``exchange.FlatExchange``, ``hierarchical_exchange.HierarchicalExchange``).
@@ -62,42 +64,38 @@ class GroupEmbeddings(Protocol):
       group: the FusedGroup (its features, in order, and the shared spec).
       key_mode: "hashed" or "packed" (how the layer validates the IDs it flattens).
       table_names: the group's table names, in category order.
+      defers_range_check: whether it reports IDs out of range itself (the distributed
+        lookup, to every rank); else the layer checks them as it flattens them.
     """
     group: FusedGroup
     key_mode: str
     table_names: List[str]
+    defers_range_check: bool
 
     def __call__(self, flats: Sequence[Any], combiners: Combiners, context: LookupContext,
-                 record_statistics: bool) -> List[tf.Tensor]:
+                 record_statistics: bool, marker: Optional[tf.Tensor] = None
+                 ) -> List[tf.Tensor]:
         """Per feature float32[B_f, dim] (pooled by its combiner) or float32[n_f, dim]
         (combiner None: one row per ID), for ``flats``: one ``inputs.FlatFeature`` per
-        feature of the group, in group order."""
+        feature of the group, in group order. ``marker``: the layer's row-update marker
+        in a training pass (``row_update``); lookups that train nothing ignore it."""
 
 
 @runtime_checkable
-class DistributedGroupLookup(GroupEmbeddings, Protocol):
-    """One group's lookup over the ranks (FusedRec Algorithm 1) and its state.
+class StoredGroup(Protocol):
+    """One group's state on this rank (``group_store.GroupStore``): its rows' reads and
+    updates for the step and the pipelines, and for checkpoints, export and sharded
+    inference its snapshot (save, restore, the stored rows, owner-side reads).
 
     Attributes:
-      key_codec: the group's ``group_keys.GroupKeys`` (storage and init keys of
-        (table, ID) pairs, both ways).
+      group: the FusedGroup.  tiered: whether its engine has a memory budget (SSD tier).
     """
-    key_codec: Any
+    group: FusedGroup
+    tiered: bool
 
-    def route(self, flats: Sequence[Any], context: LookupContext,
-              record_statistics: bool = True) -> RoutedLookup:
-        """Keys to their owners: the RoutedLookup that :meth:`retrieve` and :meth:`serve`
-        take."""
-
-    def retrieve(self, routed: RoutedLookup) -> tf.Tensor:
-        """The owner's rows of ``routed.keys``: float32[u_l, dim]."""
-
-    def serve(self, routed: RoutedLookup, rows: tf.Tensor, flats: Sequence[Any],
-              combiners: Combiners, context: LookupContext,
-              marker: Optional[Any] = None) -> List[tf.Tensor]:
-        """The owner's ``rows`` back to the requesters, recovered per feature; with the
-        layer's row-update ``marker``, differentiating it updates the rows
-        (``tf_fusedemb.layers.row_update``)."""
+    def lookup_rows(self, keys: tf.Tensor, init_keys: Optional[tf.Tensor] = None) -> tf.Tensor:
+        """This rank's rows of storage ``keys`` int64[u] (never-stored keys: their
+        initial rows of ``init_keys``, not inserted): float32[u, dim]."""
 
     def apply_gradients(self, keys: tf.Tensor, grads: tf.Tensor,
                         init_keys: Optional[tf.Tensor] = None, step: Optional[tf.Tensor] = None,
@@ -109,6 +107,10 @@ class DistributedGroupLookup(GroupEmbeddings, Protocol):
 
     def advance_step(self) -> tf.Tensor:
         """Adds 1 to the group's optimizer step; returns the new step (int64 scalar)."""
+
+    def prefetch(self, keys: tf.Tensor) -> Optional[tf.Operation]:
+        """Pins the owner-side ``keys`` int64[u] of a coming batch in DRAM (SSD tier);
+        None without a tier."""
 
     def save_state(self, directory: Optional[str] = None,
                    write: BlockWrite = FULL_WRITE) -> GroupState:
@@ -134,18 +136,40 @@ class DistributedGroupLookup(GroupEmbeddings, Protocol):
         """The rows this rank stores and their identities: keys int64[s], values
         float32[s, dim], one float32[s, dim] per slot, tables int64[s], ids int64[s]."""
 
-    def dense_rows(self) -> np.ndarray:
-        """A static group's rows on this rank, float32[V_local, dim], in key order."""
-
-    def lookup_rows(self, keys: tf.Tensor, init_keys: Optional[tf.Tensor] = None) -> tf.Tensor:
-        """This rank's rows of storage ``keys`` int64[u] (never-stored keys: their
-        initial rows of ``init_keys``, not inserted): float32[u, dim]."""
+    def storage_keys(self, ids: np.ndarray, tables: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """(storage keys, init keys) int64[n] of ``ids`` int64[n] of tables ``tables``."""
 
     def num_stored_rows(self) -> int:
         """Rows written on this rank (trained or restored)."""
 
     def num_resident_rows(self) -> int:
         """Rows occupying memory on this rank (a static table: all it owns)."""
+
+
+@runtime_checkable
+class DistributedGroupLookup(GroupEmbeddings, Protocol):
+    """One group's lookup over the ranks (FusedRec Algorithm 1): the steps the training
+    step and the pipelines run, and the group's ``store``.
+
+    Attributes:
+      store: the group's state on this rank (:class:`StoredGroup`).
+    """
+    store: StoredGroup
+
+    def route(self, flats: Sequence[Any], context: LookupContext,
+              record_statistics: bool = True) -> RoutedLookup:
+        """Keys to their owners: the RoutedLookup that :meth:`retrieve` and :meth:`serve`
+        take."""
+
+    def retrieve(self, routed: RoutedLookup) -> tf.Tensor:
+        """The owner's rows of ``routed.keys``: float32[u_l, dim]."""
+
+    def serve(self, routed: RoutedLookup, rows: tf.Tensor, flats: Sequence[Any],
+              combiners: Combiners, context: LookupContext,
+              marker: Optional[Any] = None) -> List[tf.Tensor]:
+        """The owner's ``rows`` back to the requesters, recovered per feature; with the
+        layer's row-update ``marker``, differentiating it updates the rows
+        (``tf_fusedemb.layers.row_update``)."""
 
 
 class KeyExchange(Protocol):

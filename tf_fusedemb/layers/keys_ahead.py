@@ -25,10 +25,10 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tup
 
 import tensorflow as tf
 
-from tf_fusedemb.layers.fused_embedding import (FusedEmbeddingMixin, fused_embedding_layers,
-                                                sublayers, use_context)
+from tf_fusedemb.layers.fused_embedding import FusedEmbeddingMixin
 from tf_fusedemb.layers.key_probe import FeatureKey, KeyProbe, ServedFeature
 from tf_fusedemb.layers.lookup_context import LookupContext
+from tf_fusedemb.layers.model_embeddings import ModelEmbeddings, sublayers
 from tf_fusedemb.layers.routed_lookup import RoutedLookup
 from tf_fusedemb.layers.sharded_embedding import ShardedEmbeddingMixin
 
@@ -54,19 +54,19 @@ class KeysAhead(NamedTuple):
         return {key.feature: ids for key, ids in self.ids if key.layer == layer.name}
 
 
-def shared_tables(model: Any) -> List[FusedEmbeddingMixin]:
-    """The FusedEmbedding layers of ``model`` that its ShardedEmbeddings look up (each
-    once), in ``fused_embedding_layers`` order."""
+def shared_tables(model: Any, embeddings: ModelEmbeddings) -> List[FusedEmbeddingMixin]:
+    """The FusedEmbedding layers of ``model`` (its ``embeddings``) that its
+    ShardedEmbeddings look up (each once), in ``embeddings.layers`` order."""
     looked_up = {id(m.fused) for m in sublayers(model) if isinstance(m, ShardedEmbeddingMixin)}
-    return [layer for layer in fused_embedding_layers(model) if id(layer) in looked_up]
+    return [layer for layer in embeddings.layers if id(layer) in looked_up]
 
 
-def keys_ahead(model: Any, x: Any) -> Optional[KeysAhead]:
-    """The IDs every ShardedEmbedding of ``model`` gets from inputs ``x`` (a batch, in
-    the step's graph), computed ahead of the forward pass; None where the model has none,
-    in eager execution (no graph to cut the IDs' part from), or where no feature's IDs
-    can be computed ahead."""
-    tables = shared_tables(model)
+def keys_ahead(model: Any, embeddings: ModelEmbeddings, x: Any,
+               tables: Sequence[FusedEmbeddingMixin]) -> Optional[KeysAhead]:
+    """The IDs the ShardedEmbeddings of ``model`` (its ``embeddings``) look up in the
+    FusedEmbedding layers ``tables`` (``shared_tables``) for inputs ``x`` (a batch, in the
+    step's graph), computed ahead of the forward pass; None in eager execution (no graph
+    to cut the IDs' part from), or where no feature's IDs can be computed ahead."""
     if not tables or tf.executing_eagerly():
         return None
     flat = tf.nest.flatten(x, expand_composites=True)
@@ -76,7 +76,7 @@ def keys_ahead(model: Any, x: Any) -> Optional[KeysAhead]:
 
     def probe_pass(*inputs):
         probe = KeyProbe()
-        with use_context(model, LookupContext(probe=probe)):
+        with embeddings.use_context(LookupContext(probe=probe)):
             model(tf.nest.pack_sequence_as(x, list(inputs), expand_composites=True),
                   training=True)
         probes.append(probe)
@@ -101,21 +101,21 @@ def keys_ahead(model: Any, x: Any) -> Optional[KeysAhead]:
     return KeysAhead(tuple((p.key, v) for p, v in zip(ahead, values)), own)
 
 
-def route_ahead(model: Any, ahead: KeysAhead, context: LookupContext
+def route_ahead(embeddings: ModelEmbeddings, ahead: KeysAhead, context: LookupContext
                 ) -> List[Optional[RoutedLookup]]:
-    """Per group lookup of ``model`` (``group_lookups`` order), its RoutedLookup of the
+    """Per group lookup of a model (``embeddings.lookups`` order), its RoutedLookup of the
     features of ``ahead`` with the owners' rows, None for a group with none of them."""
-    return [r for layer in fused_embedding_layers(model)
+    return [r for layer in embeddings.layers
             for r in layer.route_ahead(ahead.of_layer(layer), context)]
 
 
-def serve_ahead(model: Any, ahead: KeysAhead, routed: Sequence[Optional[RoutedLookup]],
+def serve_ahead(embeddings: ModelEmbeddings, ahead: KeysAhead, routed: Sequence[Optional[RoutedLookup]],
                 context: LookupContext) -> Tuple[ServedFeature, ...]:
     """The embeddings of every feature of ``ahead`` from ``routed`` (``route_ahead``'s),
     one row exchange per group."""
     served: List[ServedFeature] = []
     start = 0
-    for layer in fused_embedding_layers(model):
+    for layer in embeddings.layers:
         mine = routed[start:start + len(layer.groups)]
         start += len(layer.groups)
         served += layer.serve_ahead(mine, ahead.of_layer(layer), context)

@@ -37,7 +37,7 @@ from tf_fusedemb.layers.row_update import RowUpdate
 
 class GroupName(NamedTuple):
     """Names one table group of a model: its FusedEmbedding layer's name and the group's
-    (``TableGroup.name``). Unique within a model (``named_group_lookups`` checks it)."""
+    (``TableGroup.name``). Unique within a model (``ModelEmbeddings.of`` checks it)."""
     layer: str
     group: str
 

@@ -7,7 +7,8 @@ import tf_keras
 
 from tf_fusedemb.comm import CommCounters
 from tf_fusedemb.comm.counters import FIELDS as COUNTER_FIELDS
-from tf_fusedemb.layers.fused_embedding import FusedEmbedding, fused_embedding_layers
+from tf_fusedemb.layers.fused_embedding import FusedEmbedding
+from tf_fusedemb.layers.model_embeddings import fused_embedding_layers
 
 logger = logging.getLogger("tf_fusedemb")
 

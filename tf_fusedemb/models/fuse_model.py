@@ -29,7 +29,8 @@ import tf_keras
 from tf_keras.src.engine.functional import _should_skip_first_node
 
 from tf_fusedemb.layers.converter import embedding_table_spec
-from tf_fusedemb.layers.fused_embedding import FusedEmbedding, sublayers
+from tf_fusedemb.layers.fused_embedding import FusedEmbedding
+from tf_fusedemb.layers.model_embeddings import sublayers
 from tf_fusedemb.models.fused_model import FusedModel, SparseTrainingMixin
 from tf_fusedemb.models.layer_state import copy_state, with_vocabularies
 from tf_fusedemb.models.sequential_blocks import map_references, open_blocks

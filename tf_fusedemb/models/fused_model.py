@@ -19,8 +19,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_fusedemb.comm import Communicator
-from tf_fusedemb.layers.fused_embedding import (communicator_of, fused_embedding_layers,
-                                                group_lookups)
+from tf_fusedemb.layers.model_embeddings import ModelEmbeddings
 from tf_fusedemb.pipeline import (AutoPipeline, NestedPipeline, PipelineOptions, make_pipeline,
                                   refuse_policies_when_looking_ahead)
 from tf_fusedemb.training import step as steps
@@ -92,11 +91,23 @@ class SparseTrainingMixin(_KerasModel):
         return ([tracker] if tracker is not None else []) + outputs + others
 
     @property
+    def fused_embeddings(self) -> ModelEmbeddings:
+        """The model's FusedEmbedding layers, their group lookups and communicator
+        (``ModelEmbeddings``): found once the model is built (a subclassed model may make
+        layers as it builds) and handed to its steps, pipeline and checkpoints."""
+        found = getattr(self, "_fused_embeddings_found", None)
+        if found is None:
+            found = ModelEmbeddings.of(self)
+            if self.built:
+                self._fused_embeddings_found = found
+        return found
+
+    @property
     def communicator(self) -> Communicator:
         """The communicator the model's FusedEmbedding layers run over (all of them must
         share one: a model trains over one set of ranks); the process's default
         (``tf_fusedemb.comm.get_communicator()``) for a model without such a layer."""
-        return communicator_of(self)
+        return self.fused_embeddings.communicator
 
     def fit(self, *args: Any, **kwargs: Any) -> tf_keras.callbacks.History:
         """Keras ``fit``; without ``verbose``: no output off rank 0, the bar on a terminal,
@@ -161,11 +172,11 @@ class SparseTrainingMixin(_KerasModel):
         one batch ahead) with ``compile(pipeline=...)``; eviction after every step."""
         if self.train_function is not None and not force:
             return self.train_function
-        layers = fused_embedding_layers(self)
-        evicting = [layer for layer in layers if layer.has_eviction]
+        embeddings = self.fused_embeddings
+        evicting = [layer for layer in embeddings.layers if layer.has_eviction]
         pipelined = getattr(self, "_fused_compile", {}).get("pipeline") is not None
         if pipelined:  # every pipelined fit looks one batch ahead (TrainLoop)
-            refuse_policies_when_looking_ahead(group_lookups(self),
+            refuse_policies_when_looking_ahead(embeddings.stores,
                                                "FusedModel.fit", "compile without pipeline=")
         step = self._pipelined_step if pipelined else self._synchronous_step
         batches = RankBatches(self.communicator, "shortest", "fit")
@@ -221,7 +232,8 @@ class SparseTrainingMixin(_KerasModel):
         and the next call ends the epoch (StopIteration)."""
         if self._loop is None:
             self._pipeline = make_pipeline(self, self._keras_loss(), self.optimizer,
-                                           self._fused_compile["pipeline"], self.communicator)
+                                           self._fused_compile["pipeline"], self.communicator,
+                                           self.fused_embeddings)
             self._loop = TrainLoop(self._pipeline, draw=batches.next)
         result, batch = self._loop.progress(iterator)
         _, y, sample_weight = tf_keras.utils.unpack_x_y_sample_weight(batch)
@@ -253,13 +265,13 @@ class SparseTrainingMixin(_KerasModel):
     # ---------------------------------------------------------------- traced cores
     def _train_core(self, x, y, sample_weight):
         result = steps.train_step(self, x, y, self._keras_loss(), self.optimizer,
-                                  sample_weight, self.communicator)
+                                  sample_weight, embeddings=self.fused_embeddings)
         return result.loss, result.weight, result.per_output, \
             self._gather(y, result.predictions, sample_weight)
 
     def _test_core(self, x, y, sample_weight):
         result = steps.test_step(self, x, y, self._keras_loss(), sample_weight,
-                                 self.communicator)
+                                 embeddings=self.fused_embeddings)
         return result.loss, result.weight, result.per_output, \
             self._gather(y, result.predictions, sample_weight)
 

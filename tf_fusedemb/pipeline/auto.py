@@ -31,7 +31,7 @@ import tf_keras
 
 from tf_fusedemb.comm import Communicator
 from tf_fusedemb.layers.exchange import EXCHANGES
-from tf_fusedemb.layers.fused_embedding import communicator_of
+from tf_fusedemb.layers.model_embeddings import ModelEmbeddings
 from tf_fusedemb.pipeline.nested import NestedPipeline
 from tf_fusedemb.pipeline.options import PipelineOptions
 from tf_fusedemb.training.loss import LossLike
@@ -78,15 +78,18 @@ class AutoPipeline:
     def __init__(self, model: tf_keras.Model, loss: LossLike,
                  optimizer: tf_keras.optimizers.Optimizer,
                  options: PipelineOptions, communicator: Optional[Communicator] = None,
+                 embeddings: Optional[ModelEmbeddings] = None,
                  candidates: Sequence[int] = CANDIDATES, warmup: int = 2, timed: int = 3,
                  margin: float = MARGIN):
         if margin < 0:
             raise ValueError(f"AutoPipeline: margin must be >= 0, got {margin}")
-        self.comm = communicator or communicator_of(model)
+        embeddings = embeddings or ModelEmbeddings.of(model, communicator)
+        self.comm = embeddings.communicator
         self.options, self.margin = options, margin
         exchanges = EXCHANGES if self.comm.topology.is_hierarchical else ("flat",)
         self.schedules = {o.label: o for o in candidate_options(options, candidates, exchanges)}
-        self._pipelines = {label: NestedPipeline(model, loss, optimizer, o, self.comm)
+        self._pipelines = {label: NestedPipeline(model, loss, optimizer, o, self.comm,
+                                                         embeddings)
                            for label, o in self.schedules.items()}
         self._plan = [(label, i) for label in self.schedules for i in range(warmup + timed)]
         self._warmup = warmup
@@ -138,10 +141,11 @@ class AutoPipeline:
 
 
 def make_pipeline(model: tf_keras.Model, loss: LossLike, optimizer: tf_keras.optimizers.Optimizer,
-                  options: PipelineOptions, communicator: Optional[Communicator] = None
+                  options: PipelineOptions, communicator: Optional[Communicator] = None,
+                  embeddings: Optional[ModelEmbeddings] = None
                   ) -> Union[NestedPipeline, "AutoPipeline"]:
     """A NestedPipeline, or an AutoPipeline for ``micro_batches="auto"`` or
-    ``exchange="auto"``."""
+    ``exchange="auto"``; ``embeddings``: the model's ``ModelEmbeddings`` (default: found)."""
     if options.is_measured:
-        return AutoPipeline(model, loss, optimizer, options, communicator)
-    return NestedPipeline(model, loss, optimizer, options, communicator)
+        return AutoPipeline(model, loss, optimizer, options, communicator, embeddings)
+    return NestedPipeline(model, loss, optimizer, options, communicator, embeddings)

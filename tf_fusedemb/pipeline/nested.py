@@ -1,7 +1,8 @@
 """NestedPipeline: the fused training step with NestPipe's nested pipelining (dual-buffer
 prefetch across batches, frozen-window micro-batches inside a batch) and EmbRace's
 vertical sparse scheduling, computing exactly what the synchronous ``tf_fusedemb.training.train_step`` does: it IS
-that step, run with the :class:`PrefetchSchedule` below.
+that step (``tf_fusedemb.training.step.run_step``), run by a plan whose stages are this
+pipeline's.
 
 One ``tf.function`` per step t holds, as independent dataflow that TensorFlow's executor
 runs concurrently (Horovod collectives are asynchronous kernels):
@@ -36,17 +37,15 @@ Table ops on one resource are ordered by ``tf.function``'s automatic control
 dependencies in program order, so the step emits them in the order the schedule needs:
 delayed writes of t-1, retrieval of t+1, updates of t.
 """
-from typing import (Any, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional,
-                    Protocol, Tuple)
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import tensorflow as tf
 import tf_keras
 
 from tf_fusedemb.comm import Communicator
-from tf_fusedemb.layers.fused_embedding import (communicator_of, fused_embedding_layers,
-                                                group_lookups)
-from tf_fusedemb.layers.group_interface import DistributedGroupLookup
-from tf_fusedemb.layers.group_lookup import GroupLookup
+from tf_fusedemb.layers.group_interface import StoredGroup
+from tf_fusedemb.layers.group_store import GroupStore
+from tf_fusedemb.layers.model_embeddings import ModelEmbeddings
 from tf_fusedemb.layers.routed_lookup import RoutedLookup
 from tf_fusedemb.pipeline.options import PipelineOptions
 from tf_fusedemb.training import keysets
@@ -54,41 +53,19 @@ from tf_fusedemb.training.loop import TrainLoop
 from tf_fusedemb.training.micro_batches import micro_batch_parts
 from tf_fusedemb.training.replicas import replicas_of
 from tf_fusedemb.training.loss import LossLike
-from tf_fusedemb.training.step import (DENSE_GRADS, Schedule, StepResult, after, as_keras_loss,
-                                       top_layers_split, train_step)
+from tf_fusedemb.training.step import DENSE_GRADS, as_keras_loss, run_step
+from tf_fusedemb.training.step_plan import (PendingUpdate, Prepared, StepCarry, StepPlan,
+                                            StepResult)
 from tf_fusedemb.training.tracing import RankInvariantFunction
 
 
-# One batch's prepared lookups: per micro-batch, one RoutedLookup per group lookup (in the
-# pipeline's ``lookups`` order).
-Prepared = List[List[RoutedLookup]]
-
-
-class PendingUpdate(NamedTuple):
-    """One group's delayed row update (vertical scheduling): unique ``keys`` int64[u],
-    their summed ``grads`` float32[u, dim], ``init_keys`` int64[u] and the optimizer
-    ``step`` int64[] of the batch they belong to."""
-    keys: tf.Tensor
-    grads: tf.Tensor
-    init_keys: tf.Tensor
-    step: tf.Tensor
-
-
-class DensePending(NamedTuple):
-    """A step's dense update left for the next step: the ``bottom`` layers' local
-    gradients (summed over ranks when applied) and the ``top`` layers' gradients,
-    already summed over ranks (EmbRace's priority order)."""
-    bottom: List[tf.Tensor]
-    top: List[tf.Tensor]
-
-
-def refuse_policies_when_looking_ahead(lookups: Iterable[GroupLookup], who: str,
+def refuse_policies_when_looking_ahead(stores: Iterable[GroupStore], who: str,
                                        fix: str) -> None:
-    """Raises ValueError naming the groups of ``lookups`` with an admission or eviction
+    """Raises ValueError naming the groups of ``stores`` with an admission or eviction
     policy: a schedule that looks one batch ahead routes (and counts) batch t+1 before
     batch t's update, and its delayed updates could rewrite evicted rows, which is not the
     synchronous semantics. ``who`` and ``fix`` go into the message."""
-    named = [g.group.name for g in lookups if g.policy is not None]
+    named = [g.group.name for g in stores if g.has_policy]
     if named:
         raise ValueError(f"{who}: admission/eviction policies need the synchronous step; "
                          f"{fix} (groups {named})")
@@ -105,7 +82,8 @@ class NestedPipeline:
         ``tf_keras.losses.Loss`` or a ``tf_fusedemb.training.KerasLoss``).
       optimizer: Keras optimizer of the dense variables.
       options: PipelineOptions (default: synchronous).
-      communicator: default the model's layers' (``communicator_of``).
+      communicator: default the model's layers'.
+      embeddings: the model's ``ModelEmbeddings`` (default: found in ``model``).
 
     Use :meth:`run` over an iterable of ``(x, y)`` batches, drive it with a
     ``tf_fusedemb.training.loop.TrainLoop`` (which owns the data iterator and looks one batch
@@ -113,14 +91,19 @@ class NestedPipeline:
     reading tables (checkpoint, eval, export): with vertical scheduling the last step's
     delayed rows are pending.
 
-    Its :class:`PrefetchStages` (``route``, ``retrieve``, ``apply_pending``) are what its
-    :class:`PrefetchSchedule` calls inside the traced step.
+    It is the :class:`~tf_fusedemb.training.step_plan.PrefetchStages` of its
+    :class:`~tf_fusedemb.training.step_plan.StepPlan` (``route``, ``route_slice``,
+    ``retrieve``, ``apply_pending``, ``apply_prior``), which the planned step
+    (``tf_fusedemb.training.step.run_step``) calls inside the traced step; each step takes
+    the previous one's prefetched rows and delayed updates (``StepCarry``) and returns the
+    next ones (``StepOutput``).
     """
 
     def __init__(self, model: tf_keras.Model, loss: LossLike,
                  optimizer: tf_keras.optimizers.Optimizer,
                  options: Optional[PipelineOptions] = None,
-                 communicator: Optional[Communicator] = None):
+                 communicator: Optional[Communicator] = None,
+                 embeddings: Optional[ModelEmbeddings] = None):
         self.model, self.optimizer = model, optimizer
         self.loss = as_keras_loss(loss, model)
         self.options = options or PipelineOptions()
@@ -128,16 +111,19 @@ class NestedPipeline:
             raise ValueError(f"NestedPipeline runs one schedule; {self.options.label!r} leaves a "
                              "choice to measurement: use tf_fusedemb.pipeline.make_pipeline "
                              "(an AutoPipeline)")
-        self.comm = communicator or communicator_of(model)
-        self.layers = fused_embedding_layers(model)
+        self.embeddings = embeddings or ModelEmbeddings.of(model, communicator)
+        self.comm = self.embeddings.communicator
+        self.layers = self.embeddings.layers
         if not self.layers:
             raise ValueError("NestedPipeline: the model has no FusedEmbedding layer")
-        self.lookups = group_lookups(model)
+        self.lookups = self.embeddings.lookups
+        # How every step runs, fixed before the first trace (the carry changes per step).
+        self.plan = StepPlan(self.options.num_micro_batches, self.options.exchange, stages=self)
         # Where each layer finds its features in x (by layer name: names are unique).
         self._sources = {layer.name: feature_sources(model, layer) for layer in self.layers}
         if self.options.prefetch:
             refuse_policies_when_looking_ahead(
-                self.lookups, "NestedPipeline", "prefetch (dbp) cannot be combined with them")
+                self.embeddings.stores, "NestedPipeline", "prefetch (dbp) cannot be combined with them")
         self._prepared = None  # prefetch buffer of the next step
         self._pending = None  # delayed row updates of the last step
         self._dense_pending = None  # the last step's dense gradients, not yet applied
@@ -203,9 +189,9 @@ class NestedPipeline:
                               tf.zeros([0], tf.int64), tf.constant(0, tf.int64))
                 for g in self.lookups]
 
-    def apply_pending(self, pending: List[PendingUpdate]) -> list:
+    def apply_pending(self, pending: Sequence[PendingUpdate]) -> list:
         """Applies a step's delayed row updates (one per lookup), in the traced step."""
-        return [g.apply_gradients(p.keys, p.grads, p.init_keys, step=p.step)
+        return [g.store.apply_gradients(p.keys, p.grads, p.init_keys, step=p.step)
                 for g, p in zip(self.lookups, pending)]
 
     def _flush(self, pending, dense_pending):
@@ -232,7 +218,7 @@ class NestedPipeline:
 
     def route_slice(self, x: Mapping[str, tf.Tensor], i: int) -> List[RoutedLookup]:
         """Per lookup, the RoutedLookup of micro-batch ``i``, whose inputs are ``x``."""
-        context = Schedule(self.options.num_micro_batches, self.options.exchange).context(i)
+        context = self.plan.context(i)
         return [r for layer in self.layers
                 for r in layer.route({f.name: _feature(x, f.name, layer, self._sources)
                                       for f in layer.features}, context)]
@@ -241,8 +227,8 @@ class NestedPipeline:
         """Rows of every routed lookup from the tables (DBP stage 4). A group with an SSD
         tier first pins the batch's keys in DRAM (one prefetch per batch, all its
         micro-batches), so neither this retrieval nor the batch's updates wait on disk."""
-        pins = [g.prefetch(tf.concat([mb[j].keys for mb in routed], 0))
-                for j, g in enumerate(self.lookups) if g.tiered]
+        pins = [g.store.prefetch(tf.concat([mb[j].keys for mb in routed], 0))
+                for j, g in enumerate(self.lookups) if g.store.tiered]
         with tf.control_dependencies([p for p in pins if p is not None]):
             return [[r.with_rows(g.retrieve(r)) for g, r in zip(self.lookups, mb)]
                     for mb in routed]
@@ -253,113 +239,21 @@ class NestedPipeline:
     def _step(self, x, y, sample_weight, prepared, pending, next_x, dense_pending):
         if dense_pending is not None:  # before this step reads the dense variables
             self._apply_dense(dense_pending)
-        schedule = PrefetchSchedule(self, prepared, pending, next_x)
-        result = train_step(self.model, x, y, self.loss, self.optimizer, sample_weight,
-                            self.comm, schedule)
-        return result, schedule.synced, (schedule.new_pending or None), schedule.dense_pending
+        carry = StepCarry(prepared, pending or (), next_x)
+        out = run_step(self.model, x, y, self.loss, self.optimizer, sample_weight, self.plan,
+                       carry, self.embeddings)
+        return out.result, out.next_prepared, (out.pending or None), out.dense_pending
 
-
-class PrefetchStages(Protocol):
-    """What a :class:`PrefetchSchedule` calls on its pipeline (NestedPipeline implements
-    it), inside the traced step: the lookups' order, the options, DBP's stages 3 and 4
-    for the next batch and the delayed updates of the previous one. A routed or prepared
-    batch is a list per micro-batch of one RoutedLookup per lookup (in ``lookups`` order), as
-    ``FusedEmbedding.route`` returns them (with ``rows`` once retrieved)."""
-    options: PipelineOptions
-    lookups: list  # the model's GroupLookups, layer by layer
-
-    def route(self, x: Mapping[str, tf.Tensor]) -> Prepared:
-        """Key routing of ``x``'s micro-batches (DBP stage 3)."""
-
-    def route_slice(self, x: Mapping[str, tf.Tensor], i: int) -> List[RoutedLookup]:
-        """Key routing of micro-batch ``i``, whose inputs are ``x``."""
-
-    def retrieve(self, routed: Prepared) -> Prepared:
-        """``routed`` with each lookup's retrieved ``rows`` (DBP stage 4)."""
-
-    def apply_pending(self, pending: List[PendingUpdate]) -> list:
-        """The delayed row updates of the previous step, one per lookup."""
-
-
-class PrefetchSchedule(Schedule):
-    """NestPipe's DBP and FWP with EmbRace's vertical scheduling, for one traced step t.
-
-    The key routing of batch t+1 starts after micro-batch 0's forward; after t's local
-    backward, the delayed row updates of t-1, then the retrieval of t+1's rows (which
-    must see those writes);
-    per group, the coalesced gradients of K(B_t) ∩ K(B_t+1) (prior) are applied now and
-    their fresh rows overwrite the prefetch buffer's copies, the rest (delayed) in step
-    t+1. Results after tracing: ``synced`` (t+1's prepared lookups per micro-batch) and
-    ``new_pending`` (the delayed updates)."""
-
-    def __init__(self, pipeline: PrefetchStages, prepared: Optional[Prepared],
-                 pending: List[PendingUpdate], next_x: Optional[Mapping[str, tf.Tensor]]):
-        super().__init__(pipeline.options.num_micro_batches, pipeline.options.exchange)
-        self.pipeline, self.options = pipeline, pipeline.options
-        self._prepared, self._pending, self._next_x = prepared, pending, next_x
-        self._routed_next: Optional[Prepared] = None  # t+1's routed
-        self._next: Optional[Prepared] = None  # ... and retrieved lookups
-        self.synced: Prepared = [
-            [] for _ in range(self.micro_batches if next_x is not None else 0)]
-        self.new_pending: List[PendingUpdate] = []
-        self.dense_pending: Optional[DensePending] = None
-
-    def after_forward(self, i: int, outputs: Any) -> None:
-        # DBP stage 3: t+1's key routing once micro-batch 0's forward is done. Horovod runs
-        # collectives one at a time in the order all ranks requested them: started at
-        # once, t+1's key AlltoAlls would run before t's row AlltoAlls, which the forward
-        # waits for (seen in the timeline, docs/timelines/).
-        if i == 0 and self._next_x is not None:
-            next_x = after(tf.nest.flatten(outputs), self._next_x)
-            self._routed_next = self.pipeline.route(next_x)
-
-    def prepared(self, i: int, x: Any) -> Optional[List[RoutedLookup]]:
-        # The prefetched lookups; without prefetch, micro-batch i's routed and retrieved
-        # now (the step differentiates their rows: the prior rows now, the rest delayed).
-        if self._prepared is not None:
-            return self._prepared[i]
-        if self.micro_batches == 1:  # nothing to coalesce or defer: the synchronous step's
-            return None
-        return self.pipeline.retrieve([self.pipeline.route_slice(x, i)])[0]
-
-    def after_backward(self, done: List[tf.Tensor]) -> None:
-        # t-1's delayed rows, then DBP stage 4 (retrieval of t+1's rows, which must see
-        # those writes), once t's local backward is computed: on shared cores they then
-        # fill the time t's gradient and dense collectives are in flight instead of
-        # competing with t's forward.
-        with tf.control_dependencies(done):
-            delayed = self.pipeline.apply_pending(self._pending) if self._pending else []
-        if self._routed_next is not None:
-            with tf.control_dependencies([d for d in delayed if d is not None] + done):
-                self._next = self.pipeline.retrieve(self._routed_next)
-
-    def update_dense(self, comm: Communicator, optimizer: tf_keras.optimizers.Optimizer,
-                     grads: List[tf.Tensor], variables: List[tf.Variable],
-                     row_grads: List[tf.Tensor], extras: List[tf.Tensor]) -> List[tf.Tensor]:
-        if self._next_x is None:  # the last step: no next step to apply it in
-            return super().update_dense(comm, optimizer, grads, variables, row_grads, extras)
-        # The top layers' half (with the extras) now, during the backward; the bottom
-        # half at the start of the next step (NestedPipeline._apply_dense).
-        split = top_layers_split(variables)
-        reduced = list(comm.allreduce_sum_list(grads[split:] + extras, DENSE_GRADS + "/top"))
-        top = len(variables) - split
-        self.dense_pending = DensePending(grads[:split], reduced[:top])
-        return reduced[top:]
-
-    def apply_rows(self, index: int, lookup: DistributedGroupLookup, keys: tf.Tensor,
-                   grads: tf.Tensor, init_keys: tf.Tensor) -> None:
-        if self._next is None:
-            lookup.apply_gradients(keys, grads, init_keys)
-            return
-        nxt_j = [mb[index] for mb in self._next]
-        pending, rows = self._apply_prior(lookup, keys, grads, init_keys, nxt_j)
-        self.new_pending.append(pending)
-        for i, r in enumerate(rows):
-            self.synced[i].append(nxt_j[i].with_rows(r))
-
-    def _apply_prior(self, g, keys, grads, init, nxt_j):
-        """Updates prior rows of one group now; returns (pending delayed part,
-        synchronised prefetch rows per micro-batch of t+1)."""
+    def apply_prior(self, store: StoredGroup, keys: tf.Tensor, grads: tf.Tensor,
+                    init_keys: tf.Tensor, next_rows: Sequence[RoutedLookup]
+                    ) -> Tuple[PendingUpdate, List[tf.Tensor]]:
+        """One group's coalesced update of step t (``keys`` int64[u], ``grads``
+        float32[u, dim], ``init_keys`` int64[u]): the prior rows K(B_t) ∩ K(B_t+1) are
+        updated now (all of them without vertical scheduling) and their fresh values
+        overwrite the prefetch buffer's copies in ``next_rows`` (t+1's lookups, one per
+        micro-batch); returns (the delayed rest, for step t+1; t+1's rows per
+        micro-batch). The delayed part reuses step t's optimizer step (EmbRace's Adam fix)."""
+        g, init, nxt_j = store, init_keys, next_rows
         next_keys = tf.concat([p.keys for p in nxt_j], 0)
         step = g.advance_step()
         if self.options.uses_vertical:

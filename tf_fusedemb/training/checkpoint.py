@@ -58,7 +58,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_fusedemb.comm import Communicator
-from tf_fusedemb.layers.fused_embedding import communicator_of, fused_embedding_layers
+from tf_fusedemb.layers.model_embeddings import ModelEmbeddings
 from tf_fusedemb.specs import describe_plan_difference
 from tf_fusedemb.storage.engine_table import FULL_WRITE, BlockWrite
 from tf_fusedemb.training import checkpoint_chain, faults
@@ -118,13 +118,14 @@ class CheckpointManager:
         model, the next save is full.
       full_every: with ``incremental``, every ``full_every``-th save is a full checkpoint
         (1: all of them), so a restore reads at most ``full_every`` links.
+      embeddings: the model's ``ModelEmbeddings`` (default: found in ``model``).
     """
 
     def __init__(self, directory: str, model: tf_keras.Model,
                  optimizer: Optional[tf_keras.optimizers.Optimizer] = None, max_to_keep: int = 3,
                  communicator: Optional[Communicator] = None,
                  extra: Optional[Mapping[str, Any]] = None, incremental: bool = False,
-                 full_every: int = 10):
+                 full_every: int = 10, embeddings: Optional[ModelEmbeddings] = None):
         if not isinstance(incremental, bool):
             raise ValueError(f"CheckpointManager: incremental must be a bool, got {incremental!r}")
         if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
@@ -137,9 +138,12 @@ class CheckpointManager:
         # for this manager (its id, unique in the process: the engines are the process's).
         self._chain: Optional[ChainPosition] = None
         self._owner = uuid.uuid4().hex
-        self.comm = communicator or communicator_of(model)
-        self.layers = fused_embedding_layers(model)
-        self.groups = [(li, g) for li, layer in enumerate(self.layers) for g in layer.groups]
+        embeddings = embeddings or ModelEmbeddings.of(model, communicator)
+        self.comm = embeddings.communicator
+        self.layers = embeddings.layers
+        # (layer index, group store) per group: a shard names its arrays by both.
+        self.groups = [(li, g.store) for li, layer in enumerate(self.layers)
+                       for g in layer.groups]
         self._replicas = replicas_of(model)
         trackables = dict(extra or {}, dense=dense_variables(model))
         # What a restore compares first, to name a different model in one line.

@@ -36,7 +36,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_fusedemb.comm import Communicator
-from tf_fusedemb.layers.fused_embedding import fused_embedding_layers
+from tf_fusedemb.layers.model_embeddings import fused_embedding_layers
 
 __all__ = ["DenseReplicas", "ReplicaMismatchError", "broadcast_from_root", "build_by_tracing",
            "dense_variables", "replicas_of"]

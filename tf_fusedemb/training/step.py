@@ -13,10 +13,12 @@ computes exactly what ``tf_keras.Model.fit`` computes for the global batch in on
 * embedding-row gradients are summed over requesting ranks by the gradient AlltoAll and
   applied by each group's row optimizer to the touched rows on their owner.
 
-A :class:`Schedule` decides only *when* parts of the step run (NestPipe Section VI): how
-many micro-batches (FWP), which lookups were prepared ahead (DBP), what runs once the
-local backward is done, and how the row updates are split (EmbRace). The synchronous
-step is :class:`Schedule` itself; ``tf_fusedemb.pipeline`` provides the pipelined one.
+A :class:`~tf_fusedemb.training.step_plan.StepPlan`, made before the step is traced,
+decides only *when* parts of the step run (NestPipe Section VI): how many micro-batches
+(FWP), which lookups were prepared ahead (DBP), what runs once the local backward is done,
+and how the row updates are split (EmbRace). :func:`run_step` takes the plan and what the
+step before left (``StepCarry``) and returns a ``StepOutput``; :func:`train_step` is the
+synchronous plan's step, and ``tf_fusedemb.pipeline`` runs the pipelined ones.
 
 With N > 1 micro-batches the step runs their dense compute one after another
 (control dependencies, no value changes): micro-batch i+1's dense forward waits for i's
@@ -38,116 +40,57 @@ import tensorflow as tf
 import tf_keras
 
 from tf_fusedemb.comm import Communicator
-from tf_fusedemb.layers.fused_embedding import (communicator_of, fused_embedding_layers,
-                                                group_lookups, use_context)
 from tf_fusedemb.layers.group_interface import DistributedGroupLookup
 from tf_fusedemb.layers.keys_ahead import (KeysAhead, keys_ahead, route_ahead, serve_ahead,
                                            shared_tables)
-from tf_fusedemb.layers.lookup_context import LookupContext
+from tf_fusedemb.layers.model_embeddings import ModelEmbeddings
 from tf_fusedemb.layers.routed_lookup import RoutedLookup
-from tf_fusedemb.layers.row_update import RowUpdate, row_gradient
+from tf_fusedemb.layers.row_update import row_gradient
 from tf_fusedemb.training import keysets
 from tf_fusedemb.training.loss import KerasLoss, LossLike, LossPartial, LossTotals
 from tf_fusedemb.training.micro_batches import batch_size_of, micro_batch_parts
 from tf_fusedemb.training.replicas import build_by_tracing, replicas_of
+from tf_fusedemb.training.step_plan import (DensePending, PendingUpdate, Prepared, StepCarry,
+                                            StepOutput, StepPlan, StepResult)
 
 LOSS_STATS = "fusedemb/loss_stats"
 DENSE_GRADS = "fusedemb/dense_grads"
 
 
-class StepResult(NamedTuple):
-    """What a step returns (a tuple, so traced functions can return it): ``loss`` float32
-    scalar (the global batch's loss, as Keras reports it per batch), ``weight`` (its
-    weight in Keras's running ``loss`` Mean: the global batch's rows), this rank's
-    ``predictions`` and ``per_output``: per output with a loss, its own loss on the global
-    batch (``LossTotals.per_output``)."""
-    loss: tf.Tensor
-    weight: tf.Tensor
-    predictions: object
-    per_output: Tuple[tf.Tensor, ...] = ()
+def update_dense(comm: Communicator, optimizer: tf_keras.optimizers.Optimizer,
+                 grads: List[tf.Tensor], variables: List[tf.Variable],
+                 row_grads: List[tf.Tensor], extras: List[tf.Tensor]) -> List[tf.Tensor]:
+    """Sums this rank's dense ``grads`` (one per variable) over ranks and applies them
+    with ``optimizer``; returns ``extras`` (other tensors to sum, e.g. the loss sums)
+    summed over ranks. Two grouped AllReduces (EmbRace's dense AllReduce, split in time;
+    the sums are the same):
 
-
-class Schedule:
-    """The synchronous schedule (and the interface of pipelined ones): one micro-batch,
-    every lookup routed during the forward pass, every row update applied at once.
-
-    A schedule that *prepares* a micro-batch's lookups (:meth:`prepared`: routed and
-    retrieved ahead of its forward pass, return values of the layers' ``route`` and
-    ``retrieve``) gets their rows differentiated by the step, which hands each group's
-    coalesced gradient to :meth:`apply_rows`; micro-batches and pipelines need that.
-    Lookups done during the forward pass update their rows through the layers'
-    row-update markers (``tf_fusedemb.layers.row_update``) as their gradient is computed,
-    which also works when the model's ``call`` is a ``tf.function``.
-
-    Args:
-      micro_batches: N, the rank's batch is split into N micro-batches whose forward and
-        backward (and collectives) are independent; gradients are applied once (needs a
-        schedule that prepares the lookups, e.g. ``tf_fusedemb.pipeline.NestedPipeline``'s).
-      exchange: "flat" or "hierarchical" for every group lookup of the step; None: each
-        group's own (see ``LookupContext.exchange``).
+    * the variables created last (a model's top layers, whose gradients the backward
+      finishes first), up to half the elements (:func:`top_layers_split`): as soon as
+      they are summed over the micro-batches, while the backward still runs;
+    * the others and ``extras`` after ``row_grads`` (the received row gradients):
+      Horovod runs one collective at a time, so the row AlltoAlls go first and the
+      row updates compute while this AllReduce, the step's largest, is in flight.
     """
+    split = top_layers_split(variables)
+    top = comm.allreduce_sum_list(grads[split:], DENSE_GRADS + "/top") \
+        if split < len(variables) else []
+    late = list(comm.allreduce_sum_list(after(row_grads, grads[:split] + extras),
+                                        DENSE_GRADS))
+    optimizer.apply_gradients(zip(late[:split] + list(top), variables))
+    return late[split:]
 
-    def __init__(self, micro_batches: int = 1, exchange: Optional[str] = None):
-        self.micro_batches = micro_batches
-        self.exchange = exchange
 
-    def context(self, i: int) -> LookupContext:
-        """The LookupContext of micro-batch ``i``'s lookups (none prepared yet). The
-        step's loss is the global batch's (scaled by global coefficients): row gradients
-        summed over ranks are applied as they are."""
-        return LookupContext(suffix=self.suffix(i), exchange=self.exchange,
-                             row_update=RowUpdate(scale=1.0, marker_gradient=0.0))
-
-    def suffix(self, i: int) -> str:
-        """Collective-name suffix of micro-batch ``i`` (names must differ per micro-batch)."""
-        return f"/mb{i}" if self.micro_batches > 1 else ""
-
-    def prepared(self, i: int, x: Any) -> Optional[List[RoutedLookup]]:
-        """Micro-batch ``i``'s lookups of its inputs ``x``, routed and retrieved (with
-        ``rows``), one per group lookup of the model, in ``group_lookups`` order; None:
-        the forward pass routes them."""
-        del i, x
-        return None
-
-    def after_forward(self, i: int, outputs: Any) -> None:
-        """Runs once micro-batch ``i``'s forward pass is built; ``outputs`` are its
-        predictions (a pipeline starts the next batch's key routing after micro-batch 0,
-        so its AlltoAlls queue behind the row AlltoAlls this batch's forward waits for)."""
-
-    def after_backward(self, done: List[tf.Tensor]) -> None:
-        """Runs once every micro-batch's local backward is computed (``done``): a
-        pipeline's delayed writes and next-batch retrieval go here."""
-
-    def apply_rows(self, index: int, lookup: DistributedGroupLookup, keys: tf.Tensor,
-                   grads: tf.Tensor, init_keys: tf.Tensor) -> None:
-        """Applies the coalesced row gradients (keys int64[u], grads float32[u, dim],
-        init_keys int64[u]) of prepared group lookup ``index`` (its position in
-        :meth:`prepared`'s lists), ``lookup``."""
-        del index
-        lookup.apply_gradients(keys, grads, init_keys)
-
-    def update_dense(self, comm: Communicator, optimizer: tf_keras.optimizers.Optimizer,
-                     grads: List[tf.Tensor], variables: List[tf.Variable],
-                     row_grads: List[tf.Tensor], extras: List[tf.Tensor]) -> List[tf.Tensor]:
-        """Sums this rank's dense ``grads`` (one per variable) over ranks and applies them
-        with ``optimizer``; returns ``extras`` (other tensors to sum, e.g. the loss sums)
-        summed over ranks. Two grouped AllReduces (EmbRace's dense AllReduce, split in
-        time; the sums are the same):
-
-        * the variables created last (a model's top layers, whose gradients the backward
-          finishes first), up to half the elements (:func:`top_layers_split`): as soon as
-          they are summed over the micro-batches, while the backward still runs;
-        * the others and ``extras`` after ``row_grads`` (the received row gradients):
-          Horovod runs one collective at a time, so the row AlltoAlls go first and the
-          row updates compute while this AllReduce, the step's largest, is in flight.
-        """
-        split = top_layers_split(variables)
-        top = comm.allreduce_sum_list(grads[split:], DENSE_GRADS + "/top") \
-            if split < len(variables) else []
-        late = list(comm.allreduce_sum_list(after(row_grads, grads[:split] + extras),
-                                            DENSE_GRADS))
-        optimizer.apply_gradients(zip(late[:split] + list(top), variables))
-        return late[split:]
+def defer_dense(comm: Communicator, grads: List[tf.Tensor], variables: List[tf.Variable],
+                extras: List[tf.Tensor]) -> Tuple[List[tf.Tensor], DensePending]:
+    """The dense update of a step whose next step applies it (EmbRace's priority order
+    across steps): the top layers' half summed over ranks now, with ``extras``, during
+    the backward; the bottom half (the first layer, the step's largest gradient) left to
+    be summed at the start of the next step. Returns (``extras`` summed, the update left)."""
+    split = top_layers_split(variables)
+    reduced = list(comm.allreduce_sum_list(grads[split:] + extras, DENSE_GRADS + "/top"))
+    top = len(variables) - split
+    return reduced[top:], DensePending(grads[:split], reduced[:top])
 
 
 def as_keras_loss(loss: LossLike, model: Optional[tf_keras.Model] = None) -> KerasLoss:
@@ -175,8 +118,8 @@ def loss_totals(loss: KerasLoss, partials: Sequence[LossPartial], reg: Optional[
 def train_step(model: tf_keras.Model, x: Any, y: Any, loss: LossLike,
                optimizer: tf_keras.optimizers.Optimizer, sample_weight: Any = None,
                communicator: Optional[Communicator] = None,
-               schedule: Optional[Schedule] = None) -> StepResult:
-    """One training step on this rank's slice ``(x, y, sample_weight)``.
+               embeddings: Optional[ModelEmbeddings] = None) -> StepResult:
+    """One synchronous training step on this rank's slice ``(x, y, sample_weight)``.
 
     Args:
       model: a Keras model containing FusedEmbedding layers.
@@ -184,20 +127,36 @@ def train_step(model: tf_keras.Model, x: Any, y: Any, loss: LossLike,
         against outputs [B, 1] alike, as in Keras).
       loss: a :class:`KerasLoss`, or anything ``compile(loss=...)`` accepts.
       optimizer: the Keras optimizer of the dense variables.
-      communicator: default the model's layers' (``communicator_of``).
-      schedule: default the synchronous :class:`Schedule`.
+      communicator: default the model's layers'.
+      embeddings: the model's ``ModelEmbeddings`` (default: found in ``model``).
     """
-    comm = communicator or communicator_of(model)
+    embeddings = embeddings or ModelEmbeddings.of(model, communicator)
+    return run_step(model, x, y, loss, optimizer, sample_weight, StepPlan(), StepCarry(),
+                    embeddings).result
+
+
+@tf.autograph.experimental.do_not_convert
+def run_step(model: tf_keras.Model, x: Any, y: Any, loss: LossLike,
+             optimizer: tf_keras.optimizers.Optimizer, sample_weight: Any, plan: StepPlan,
+             carry: StepCarry, embeddings: ModelEmbeddings) -> StepOutput:
+    """One training step by ``plan`` (micro-batches, exchange, a pipeline's stages), with
+    what the step before left (``carry``: prefetched rows, delayed updates, the next
+    batch to prefetch); returns its result and what it leaves for the next step.
+
+    The plan decides only *when* parts of the step run (NestPipe Section VI), never what
+    is computed: every plan gives the synchronous step's losses and updates.
+    """
+    comm = embeddings.communicator
     loss = as_keras_loss(loss, model)
-    schedule = schedule or Schedule()
     # Rank 0's dense state on every rank before the first forward reads it (automatic
     # control dependencies order the writes before the reads), and the replica guard.
     replicas = replicas_of(model)
     replicas.synchronize(comm, optimizer, x, training=True)
     # FWP: every micro-batch's forward first, then the backwards, so each one's
     # collectives can be in flight while another computes.
-    lookups = group_lookups(model)
-    forwards, reg = _forwards(model, x, y, sample_weight, loss, schedule, lookups)
+    lookups = embeddings.lookups
+    forwards, reg, routed_next = _forwards(model, x, y, sample_weight, loss, plan, carry,
+                                           embeddings)
     partials = [f.partial for f in forwards]
     # The loss's sizes (element counts, rows) depend on the labels only: summed over ranks
     # at the step's start, they give the backward its coefficients without waiting for
@@ -209,30 +168,59 @@ def train_step(model: tf_keras.Model, x: Any, y: Any, loss: LossLike,
     dense_vars = list(model.trainable_variables)  # built by the first forward
     dense_sum, parts = _backwards(forwards, scales, reg, reg_scale, dense_vars, len(lookups))
     local_sums = tf.add_n([p.stacked_sums() for p in partials])
-    schedule.after_backward(dense_sum or [local_sums])
-    if dense_vars:
+    next_rows = _after_backward(plan, carry, routed_next, dense_sum or [local_sums])
+    dense_pending = None
+    if dense_vars and next_rows is not None:
+        (sums,), dense_pending = defer_dense(comm, dense_sum, dense_vars, [local_sums])
+    elif dense_vars:
         row_grads = [g for group in parts for _, g, _ in group]
-        sums, = schedule.update_dense(comm, optimizer, dense_sum, dense_vars, row_grads,
-                                      [local_sums])
+        sums, = update_dense(comm, optimizer, dense_sum, dense_vars, row_grads, [local_sums])
     else:
         sums = comm.allreduce_sum(local_sums, LOSS_STATS + "/sums")
     totals = loss.totals(partials[0], sizes, sums, reg)
     replicas.average_forward_state(comm)  # e.g. BatchNormalization's statistics
+    next_prepared: Prepared = [[] for _ in next_rows] if next_rows is not None else []
+    pending: List[PendingUpdate] = []
     if forwards[0].prepared:
         for j, lookup in enumerate(lookups):
             if forwards[0].prepared[j] is None:  # looked up during the forward pass
                 continue
             keys, grads, init = _coalesce(parts[j], lookup.group.dim)
-            schedule.apply_rows(j, lookup, keys, grads, init)
+            if next_rows is None or plan.stages is None:
+                lookup.store.apply_gradients(keys, grads, init)
+                continue
+            next_j = [mb[j] for mb in next_rows]
+            delayed, rows = plan.stages.apply_prior(lookup.store, keys, grads, init, next_j)
+            pending.append(delayed)
+            for i, r in enumerate(rows):
+                next_prepared[i].append(next_j[i].with_rows(r))
     preds = [f.predictions for f in forwards]
     pred = preds[0] if len(preds) == 1 else tf.nest.map_structure(
         lambda *p: tf.concat(p, 0), *preds)
-    return StepResult(totals.value, totals.weight, pred, tuple(totals.per_output))
+    result = StepResult(totals.value, totals.weight, pred, tuple(totals.per_output))
+    return StepOutput(result, next_prepared, pending, dense_pending)
+
+
+def _after_backward(plan: StepPlan, carry: StepCarry, routed_next: Optional[Prepared],
+                    done: List[tf.Tensor]) -> Optional[Prepared]:
+    """Once this rank's local backward is computed (``done``): the previous step's
+    delayed rows, then DBP stage 4 (the next batch's rows, which must see those writes).
+    On shared cores they then fill the time the step's gradient and dense collectives are
+    in flight instead of competing with its forward. Returns the next batch's retrieved
+    lookups, None without a next batch."""
+    if plan.stages is None:
+        return None
+    with tf.control_dependencies(done):
+        delayed = plan.stages.apply_pending(carry.pending) if carry.pending else []
+    if routed_next is None:
+        return None
+    with tf.control_dependencies([d for d in delayed if d is not None] + done):
+        return plan.stages.retrieve(routed_next)
 
 
 class MicroBatchForward(NamedTuple):
     """One micro-batch's forward pass: its ``tape``, loss ``partial``, model
-    ``predictions`` and, per group lookup, the lookup its schedule ``prepared`` or the
+    ``predictions`` and, per group lookup, the lookup its plan prepared or the
     step routed ahead (``keys_ahead``), whose rows the tape watches (None for a group
     looked up during the forward pass; empty when the forward pass routed them all)."""
     tape: tf.GradientTape
@@ -242,14 +230,17 @@ class MicroBatchForward(NamedTuple):
 
 
 def _forwards(model: tf_keras.Model, x: Any, y: Any, sample_weight: Any, loss: KerasLoss,
-              schedule: Schedule, lookups: Sequence[DistributedGroupLookup]
-              ) -> Tuple[List[MicroBatchForward], Optional[tf.Tensor]]:
-    """Every micro-batch's forward pass, in order, and the regularisation losses (of the
-    first: once per batch, as in Keras)."""
+              plan: StepPlan, carry: StepCarry, embeddings: ModelEmbeddings
+              ) -> Tuple[List[MicroBatchForward], Optional[tf.Tensor], Optional[Prepared]]:
+    """Every micro-batch's forward pass, in order, the regularisation losses (of the
+    first: once per batch, as in Keras) and the next batch's routed lookups (DBP stage 3,
+    started once micro-batch 0's forward is built; None without a next batch)."""
     forwards: List[MicroBatchForward] = []
     reg: Optional[tf.Tensor] = None
-    lookup_inputs = {f.name for layer in fused_embedding_layers(model) for f in layer.features}
-    parts = micro_batch_parts((x, y, sample_weight), schedule.micro_batches,
+    routed_next: Optional[Prepared] = None
+    lookups = embeddings.lookups
+    lookup_inputs = embeddings.feature_names
+    parts = micro_batch_parts((x, y, sample_weight), plan.micro_batches,
                               lambda: batch_size_of(y))
     for i, (x_i, y_i, weight_i) in enumerate(parts):
         if forwards and isinstance(x_i, dict):  # x not a dict: which part feeds the lookups
@@ -260,38 +251,48 @@ def _forwards(model: tf_keras.Model, x: Any, y: Any, sample_weight: Any, loss: K
             x_i = after(tf.nest.flatten(forwards[-1].predictions), x_i, skip=lookup_inputs)
             x_i = after([r.rows for r in forwards[-1].prepared if r is not None], x_i,
                         skip=[k for k in x_i if k not in lookup_inputs])
-        mine: List[Optional[RoutedLookup]] = list(_prepared_lookups(schedule, i, x_i, lookups))
-        context = schedule.context(i)
-        ahead = None if mine else _keys_ahead(model, x_i)
+        mine: List[Optional[RoutedLookup]] = list(
+            _prepared_lookups(plan, carry, i, x_i, lookups))
+        context = plan.context(i)
+        ahead = None if mine else _keys_ahead(model, embeddings, x_i)
         if ahead is not None:  # every table's keys first: one exchange per fused group
-            mine = route_ahead(model, ahead, context)
+            mine = route_ahead(embeddings, ahead, context)
         with tf.GradientTape() as tape:
             watched = [r for r in mine if r is not None]
-            for routed in watched:  # their gradient is this step's to apply (apply_rows)
+            for routed in watched:  # their gradient is this step's to apply (run_step)
                 tape.watch(routed.rows)
             if ahead is not None:
                 context = dataclasses.replace(context,
-                                              served=serve_ahead(model, ahead, mine, context))
+                                              served=serve_ahead(embeddings, ahead, mine,
+                                                                 context))
             else:
                 context = dataclasses.replace(context, prepared=tuple(zip(lookups, watched)))
-            with use_context(model, context):
+            with embeddings.use_context(context):
                 pred = model(x_i, training=True)
             partial = loss.partial(y_i, pred, weight_i)
             if i == 0:
                 reg = regularization(model)
-        schedule.after_forward(i, pred)
+        if i == 0 and carry.next_x is not None and plan.stages is not None:
+            # DBP stage 3: the next batch's key routing once micro-batch 0's forward is
+            # built. Horovod runs collectives one at a time in the order all ranks
+            # requested them: started at once, the next batch's key AlltoAlls would run
+            # before this one's row AlltoAlls, which the forward waits for (seen in the
+            # timeline, docs/timelines/).
+            routed_next = plan.stages.route(after(tf.nest.flatten(pred), carry.next_x))
         forwards.append(MicroBatchForward(tape, partial, pred, mine))
-    return forwards, reg
+    return forwards, reg, routed_next
 
 
-def _keys_ahead(model: tf_keras.Model, x: Any) -> Optional[KeysAhead]:
+def _keys_ahead(model: tf_keras.Model, embeddings: ModelEmbeddings, x: Any
+                ) -> Optional[KeysAhead]:
     """``keys_ahead`` of a model built first (its variables are not made in the probe's
     scratch graph); None at once for a model whose layers share no tables."""
-    if not shared_tables(model):
+    tables = shared_tables(model, embeddings)
+    if not tables:
         return None
     if not model.built:
         build_by_tracing(model, x)
-    return keys_ahead(model, x)
+    return keys_ahead(model, embeddings, x, tables)
 
 
 def _backwards(forwards: Sequence[MicroBatchForward], scales: List[tf.Tensor],
@@ -323,10 +324,12 @@ def _backwards(forwards: Sequence[MicroBatchForward], scales: List[tf.Tensor],
 
 
 def test_step(model: tf_keras.Model, x: Any, y: Any, loss: LossLike, sample_weight: Any = None,
-              communicator: Optional[Communicator] = None) -> StepResult:
+              communicator: Optional[Communicator] = None,
+              embeddings: Optional[ModelEmbeddings] = None) -> StepResult:
     """The loss of this rank's slice in the global batch, without training (Keras's
-    ``evaluate``); the same collectives on every rank."""
-    comm = communicator or communicator_of(model)
+    ``evaluate``); the same collectives on every rank. ``communicator``: default the
+    model's layers'; ``embeddings``: the model's ``ModelEmbeddings`` (default: found)."""
+    comm = (embeddings or ModelEmbeddings.of(model, communicator)).communicator
     loss = as_keras_loss(loss, model)
     replicas_of(model).synchronize(comm, x=x)  # evaluating before any training step
     y_pred = model(x, training=False)
@@ -356,7 +359,7 @@ def dense_gradient(grad: Optional[tf.Tensor], var: tf.Variable) -> tf.Tensor:
 def after(deps: List[tf.Tensor], x: Any, skip: Collection[str] = ()) -> Any:
     """``x`` (a tensor, or a dict / list / tuple of them) whose plain tensors, except the
     dict entries named in ``skip``, are only available once ``deps`` are computed
-    (identities with control dependencies): a schedule's ordering, never a value change.
+    (identities with control dependencies): a plan's ordering, never a value change.
     Ragged and sparse values pass unchanged."""
     def gate(value):
         if not isinstance(value, tf.Tensor) or not deps:
@@ -368,20 +371,35 @@ def after(deps: List[tf.Tensor], x: Any, skip: Collection[str] = ()) -> Any:
     return tf.nest.map_structure(gate, x)
 
 
-def _prepared_lookups(schedule: Schedule, i: int, x: Any,
+def _prepared(plan: StepPlan, carry: StepCarry, i: int, x: Any
+              ) -> Optional[List[RoutedLookup]]:
+    """Micro-batch ``i``'s lookups of its inputs ``x`` routed and retrieved ahead of its
+    forward pass (with ``rows``; the step differentiates them), or None: the forward pass
+    routes them. The prefetched ones; without prefetch, with micro-batches, routed and
+    retrieved now (their update is coalesced, then split into prior and delayed rows)."""
+    if plan.stages is None:
+        return None
+    if carry.prepared is not None:
+        return carry.prepared[i]
+    if plan.micro_batches == 1:  # nothing to coalesce or defer: the synchronous step's
+        return None
+    return plan.stages.retrieve([plan.stages.route_slice(x, i)])[0]
+
+
+def _prepared_lookups(plan: StepPlan, carry: StepCarry, i: int, x: Any,
                       lookups: Sequence[DistributedGroupLookup]) -> List[RoutedLookup]:
-    """Micro-batch ``i``'s prepared lookups (``Schedule.prepared``), or [] when the forward
+    """Micro-batch ``i``'s prepared lookups (:func:`_prepared`), or [] when the forward
     pass routes them; checks that there is one per group lookup, and that micro-batches
     (whose row gradients are coalesced before one update) have them."""
-    mine = schedule.prepared(i, x)
+    mine = _prepared(plan, carry, i, x)
     if mine is None:
-        if schedule.micro_batches > 1:
-            raise ValueError("tf_fusedemb: micro-batches need a schedule that prepares each "
+        if plan.micro_batches > 1:
+            raise ValueError("tf_fusedemb: micro-batches need a plan that prepares each "
                              "micro-batch's lookups: train through "
                              "tf_fusedemb.pipeline.NestedPipeline (or fit(pipeline=...))")
         return []
     if len(mine) != len(lookups):
-        raise ValueError(f"tf_fusedemb: the schedule prepared {len(mine)} lookups for "
+        raise ValueError(f"tf_fusedemb: the plan prepared {len(mine)} lookups for "
                          f"micro-batch {i}; the model has {len(lookups)} group lookups")
     return list(mine)
 
