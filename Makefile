@@ -324,19 +324,20 @@ ENGINE_BENCH_ARGS ?= 50000000
 .PHONY: engine-bench
 engine-bench: $(STAMP)
 	@mkdir -p build
-	g++ -O3 -std=c++17 -Wall -Wno-sign-compare -pthread -Icustom_ops tests/engine_scaling_bench.cc \
+	g++ -O3 -DNDEBUG -std=c++17 -Wall -Wno-sign-compare -pthread -Icustom_ops tests/engine_scaling_bench.cc \
 		-o build/engine_scaling_bench $(TF_FLAGS)
 	build/engine_scaling_bench $(ENGINE_BENCH_ARGS)
 
 # The SSD tier's CPU per block moved and its hit rate (tests/engine_tier_bench.cc: the same
 # Zipf steps on the engine with and without a budget, one thread, process CPU time), with a
 # bit-for-bit check of the rows; standalone like engine-bench, plus RocksDB for the store's
-# checkpoint code. TIER_BENCH_ARGS: rows, batch, steps, budget fraction, spill directory.
+# checkpoint code. TIER_BENCH_ARGS: rows, batch, steps, budget fraction, spill directory,
+# untimed warm-up steps.
 TIER_BENCH_ARGS ?= 200000 2000 200 0.1
 .PHONY: tier-bench
 tier-bench: $(STAMP) rocksdb-lib
 	@mkdir -p build
-	g++ -O3 -std=c++17 -Wall -Wno-sign-compare -pthread -Icustom_ops tests/engine_tier_bench.cc \
+	g++ -O3 -DNDEBUG -std=c++17 -Wall -Wno-sign-compare -pthread -Icustom_ops tests/engine_tier_bench.cc \
 		custom_ops/slot_file_block_store.cc custom_ops/rocksdb_checkpoint.cc \
 		-o build/engine_tier_bench -lrocksdb $(TF_FLAGS)
 	build/engine_tier_bench $(TIER_BENCH_ARGS)

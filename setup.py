@@ -51,7 +51,9 @@ class BuildTfOps(build_ext):
         obj_dir = os.path.join(self.build_temp, "custom_ops-" + _tf_tag())
         os.makedirs(obj_dir, exist_ok=True)
         cxx = os.environ.get("CXX", "g++")
-        base = [cxx, "-fPIC", "-O3", "-std=c++17", "-Wall", "-Wno-sign-compare",
+        # -DNDEBUG as TensorFlow's own release build: without it the inlined absl hash
+        # tables run their debug checks (AssertIsFull and the like) on every probe.
+        base = [cxx, "-fPIC", "-O3", "-DNDEBUG", "-std=c++17", "-Wall", "-Wno-sign-compare",
                 "-Icustom_ops"] + compile_flags
 
         def compile_one(src):

@@ -219,6 +219,16 @@ class Tier {
     return "";
   }
 
+  // A candidate victim's place in the spill order, least first: blocks not pinned by the
+  // last kRecentPins calls before the others, then by access count, then by last step.
+  // Counts past 2^31 - 1 compare as equal (a tie broken by the last step): the order
+  // decides only which blocks stay in DRAM, never a result.
+  static uint64_t Score(bool recent, uint64_t count, int32_t last_step) {
+    const uint64_t capped = std::min<uint64_t>(count, (uint64_t{1} << 31) - 1);
+    const uint32_t step = static_cast<uint32_t>(last_step) ^ 0x80000000u;  // signed order
+    return (uint64_t{recent} << 63) | (capped << 32) | step;
+  }
+
   // The blocks to spill to bring `sh` to `target` bytes (see Spill for the order; the
   // victims come out in no particular order, since they are spilled together).
   //
@@ -230,15 +240,12 @@ class Tier {
   // were full blocks, all of which a sorted order would have taken too (the same victims
   // as the sort, up to ties), and the rest of the candidates go to the next round.
   static std::vector<BlockRef> Victims(const ShardState& t, const Shard& sh, int64_t target) {
+    // The order as one integer (see Score), so nth_element compares 16-byte pairs with
+    // one instruction instead of three fields with branches.
     struct Candidate {
-      bool recent;
-      int32_t last_step;
-      uint64_t count;
+      uint64_t score;
       uint32_t ref;
-      bool operator<(const Candidate& o) const {
-        if (recent != o.recent) return !recent;
-        return count != o.count ? count < o.count : last_step < o.last_step;
-      }
+      bool operator<(const Candidate& o) const { return score < o.score; }
     };
     enum Mark : uint8_t { kCandidate = 0, kRecent = 1, kPinned = 2 };
     std::vector<uint8_t> marks(sh.ref_numbers(), kCandidate);
@@ -258,7 +265,7 @@ class Tier {
       const uint8_t mark = marks[sh.RefNumber(ref)];
       if (mark == kPinned) return;  // pinned: stays
       const BlockHeader* h = sh.Header(ref);
-      candidates.push_back({mark == kRecent, h->last_step, h->count(), ref});
+      candidates.push_back({Score(mark == kRecent, h->count(), h->last_step), ref});
     });
     std::vector<BlockRef> victims;
     int64_t excess = sh.live_bytes() - target;

@@ -9,14 +9,17 @@
 // Pin and Unpin as the op runs them: Lookup, Record (statistics), ApplyGradients. The
 // same batches run on the engine without a budget and with `fraction` of the table's
 // payload as its budget, the shards in turn on one thread, so process CPU time is the
-// tier's work and nothing else. Prints one JSON line:
+// tier's work and nothing else. `warm` untimed Zipf steps come first: the growth gives
+// every key an access count of 1, and the victims are chosen by count, so the first Zipf
+// steps measure how fast the counts tell the hot keys apart, not the tier's steady state
+// (warm=0 measures from the growth on). Prints one JSON line:
 //   per_block_us  (tiered CPU - all-DRAM CPU) / (blocks read back + blocks spilled)
 //   hit_rate      1 - blocks read back / keys of the steps stored before them
 //   dram_ms, tiered_ms  CPU per step; reads, spills  blocks per step
 //   exact         every row of the tiered engine equals the untiered engine's, bit for bit
 //
 // Usage: engine_tier_bench [rows=200000] [batch=2000] [steps=200] [fraction=0.1]
-//                          [spill_dir=/tmp]
+//                          [spill_dir=/tmp] [warm=200]
 #include <time.h>
 #include <unistd.h>
 
@@ -141,7 +144,8 @@ struct Run {
   std::vector<float> rows;  // every key's row at the end
 };
 
-Run Train(int64_t rows, int64_t batch, int steps, double fraction, const std::string& spill) {
+Run Train(int64_t rows, int64_t batch, int warm, int steps, double fraction,
+          const std::string& spill) {
   e::Engine eng(AdagradConfig());
   if (fraction < 1.0) {
     std::string error;
@@ -157,6 +161,11 @@ Run Train(int64_t rows, int64_t batch, int steps, double fraction, const std::st
   while (static_cast<int64_t>(all.size()) < rows) {  // grow: new keys only
     std::vector<int64_t> keys = ids.Next(1.0, &old_keys);
     Step(eng, keys, ++step, false);
+    all.insert(all.end(), keys.begin(), keys.end());
+  }
+  for (int t = 0; t < warm; ++t) {  // untimed Zipf steps: the access counts' history
+    std::vector<int64_t> keys = ids.Next(0.02, &old_keys);
+    Step(eng, keys, ++step, true);
     all.insert(all.end(), keys.begin(), keys.end());
   }
   std::vector<std::vector<int64_t>> batches;
@@ -198,18 +207,19 @@ int main(int argc, char** argv) {
   const int steps = argc > 3 ? std::atoi(argv[3]) : 200;
   const double fraction = argc > 4 ? std::atof(argv[4]) : 0.1;
   const std::string dir = argc > 5 ? argv[5] : "/tmp";
+  const int warm = argc > 6 ? std::atoi(argv[6]) : 200;
   const std::string spill = dir + "/engine_tier_bench_" + std::to_string(getpid());
-  const Run dram = Train(rows, batch, steps, 1.0, spill);
-  const Run tiered = Train(rows, batch, steps, fraction, spill);
+  const Run dram = Train(rows, batch, warm, steps, 1.0, spill);
+  const Run tiered = Train(rows, batch, warm, steps, fraction, spill);
   const bool exact = dram.rows.size() == tiered.rows.size() &&
                      std::memcmp(dram.rows.data(), tiered.rows.data(),
                                  dram.rows.size() * sizeof(float)) == 0;
   const int64_t moved = tiered.reads + tiered.spills;
   std::printf(
-      "{\"rows\": %lld, \"batch\": %lld, \"steps\": %d, \"fraction\": %g, "
+      "{\"rows\": %lld, \"batch\": %lld, \"warm\": %d, \"steps\": %d, \"fraction\": %g, "
       "\"per_block_us\": %.3f, \"hit_rate\": %.4f, \"dram_ms\": %.3f, \"tiered_ms\": %.3f, "
       "\"reads\": %.1f, \"spills\": %.1f, \"exact\": %s}\n",
-      (long long)rows, (long long)batch, steps, fraction,
+      (long long)rows, (long long)batch, warm, steps, fraction,
       moved > 0 ? 1e6 * (tiered.cpu_s - dram.cpu_s) / moved : 0.0,
       1.0 - static_cast<double>(tiered.reads) / std::max<int64_t>(1, tiered.old_keys),
       1e3 * dram.cpu_s / steps, 1e3 * tiered.cpu_s / steps,
