@@ -4,7 +4,7 @@ in one job for each size and row dtype.
     python -m tf_fusedemb.benchmarks.export --json --np 2   # 1 M, 10 M and 50 M keys
 
 Per size N: one dynamic table of dim 16 with Adagrad holding N keys spread over the
-ranks (each rank loads the rows it owns, ``GroupLookup.load_rows``: the rows as a
+ranks (each rank loads the rows it owns, ``GroupStore.load_rows``: the rows as a
 trained table holds them, without the training's time), a dense head; then
 ``export_saved_model`` from every rank once per row dtype. Reported per size:
 ``pb_bytes`` (saved_model.pb), ``variables_bytes`` per row dtype, ``export_s`` per row

@@ -43,7 +43,7 @@ class AdmissionPolicy:
 class EvictionPolicy:
     """Eviction of a table's keys: TTL by the last step a key was seen, and a cap.
 
-    Evaluated by ``GroupLookup.enforce_policy`` after a training step t (the group's step
+    Evaluated by ``GroupStore.enforce_policy`` after a training step t (the group's step
     counter after t's update; ``FusedModel.fit`` runs it after every step) when
     ``t % every_steps == 0``, in this order:
 

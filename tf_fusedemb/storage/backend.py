@@ -8,14 +8,14 @@ step counter; :class:`TableStorage`) and the *statistics* (per-key access counts
 * ``GroupLookup`` (layers/group_lookup.py): ``table.lookup``, ``table.apply_gradients``
   (through the training step and the pipelines, ``return_rows=True`` for the dual
   buffer), ``stats.record``, ``stats.key_metadata``, ``load_rows``/``stored_rows``;
-* eviction (``GroupLookup.enforce_policy``, storage/policy.py): ``stats.export``,
+* eviction (``GroupStore.enforce_policy``, storage/policy.py): ``stats.export``,
   ``table.remove``, ``stats.remove``; admission: :meth:`StorageBackend.install_admission`;
 * checkpoints (training/checkpoint.py): ``table.export``/``load``/``step``/``slot_names``,
   ``stats.export``/``load``/``register``;
 * export and serving (inference/export.py, serving.py): ``stored_rows`` (``table.export``
   of ``stats.known_keys()``, ``table.size``);
 * sharded inference (inference/distributed.py): ``table.lookup``, ``table.size``;
-* ``GroupLookup.memory``: :meth:`StorageBackend.memory_bytes`.
+* ``GroupStore.memory``: :meth:`StorageBackend.memory_bytes`.
 
 Backends, chosen per table by ``TableSpec.storage`` (a group's tables share one):
 

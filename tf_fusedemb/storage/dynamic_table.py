@@ -70,7 +70,7 @@ class DynamicGroupTable(GroupTable):
             # disagree after concurrent inserts (efficient/libcuckoo#157), and then the
             # output's tail is uninitialised memory. Every exported key is therefore
             # looked up again, and callers that need completeness pass the keys they
-            # know (GroupLookup.stored_rows) instead of relying on the iteration.
+            # know (GroupStore.stored_rows) instead of relying on the iteration.
             keys, _ = self.values.export()
         keys = tf.sort(tf.unique(self._as_keys(keys, "keys")).y)  # reproducible order
         _, exists = self.values.lookup(keys, return_exists=True)

@@ -4,7 +4,7 @@ the owner ranks from the lossless access statistics.
 The policies are :class:`tf_fusedemb.specs.AdmissionPolicy` and
 :class:`tf_fusedemb.specs.EvictionPolicy` on the TableSpecs (their docstrings give the
 semantics). Admission runs inside every training step (``GroupTable.apply_gradients``
-stores only admitted keys); eviction runs between steps (``GroupLookup.enforce_policy``,
+stores only admitted keys); eviction runs between steps (``GroupStore.enforce_policy``,
 called by ``FusedModel.fit`` after every step, and by custom loops after
 ``train_step``): TTL first, then the cap.
 
