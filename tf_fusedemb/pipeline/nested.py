@@ -253,25 +253,24 @@ class NestedPipeline:
         overwrite the prefetch buffer's copies in ``next_rows`` (t+1's lookups, one per
         micro-batch); returns (the delayed rest, for step t+1; t+1's rows per
         micro-batch). The delayed part reuses step t's optimizer step (EmbRace's Adam fix)."""
-        g, init, nxt_j = store, init_keys, next_rows
-        next_keys = tf.concat([p.keys for p in nxt_j], 0)
-        step = g.advance_step()
+        next_keys = tf.concat([p.keys for p in next_rows], 0)
+        step = store.advance_step()
         if self.options.uses_vertical:
             prior, _ = keysets.find_keys(keys, next_keys)
         else:
             prior = tf.ones_like(keys, tf.bool)
         delayed = tf.logical_not(prior)
         pending = PendingUpdate(tf.boolean_mask(keys, delayed), tf.boolean_mask(grads, delayed),
-                                tf.boolean_mask(init, delayed), step)
-        pk, pg, pi = (tf.boolean_mask(t, prior) for t in (keys, grads, init))
+                                tf.boolean_mask(init_keys, delayed), step)
+        pk, pg, pi = (tf.boolean_mask(t, prior) for t in (keys, grads, init_keys))
         if not self.options.sync_buffers:  # the stale variant: t+1 keeps pre-update rows
-            with tf.control_dependencies([p.rows for p in nxt_j]):
-                g.apply_gradients(pk, pg, pi, step=step)
-            return pending, [p.rows for p in nxt_j]
-        _, new_rows = g.apply_gradients(pk, pg, pi, step=step, return_rows=True)
-        padded = tf.concat([new_rows, tf.zeros([1, g.group.dim])], 0)
+            with tf.control_dependencies([p.rows for p in next_rows]):
+                store.apply_gradients(pk, pg, pi, step=step)
+            return pending, [p.rows for p in next_rows]
+        _, new_rows = store.apply_gradients(pk, pg, pi, step=step, return_rows=True)
+        padded = tf.concat([new_rows, tf.zeros([1, store.group.dim])], 0)
         rows = []
-        for p in nxt_j:  # dual-buffer synchronisation: fresh values of K(B_t) ∩ K(B_t+1)
+        for p in next_rows:  # dual-buffer synchronisation: fresh values of K(B_t) ∩ K(B_t+1)
             found, index = keysets.find_keys(p.keys, pk)
             index = tf.where(found, index, tf.size(pk))
             rows.append(tf.where(found[:, None], tf.gather(padded, index), p.rows))
