@@ -16,7 +16,7 @@ from conftest import REPO_ROOT
 def test_structure(tmp_path):
     cmd = [sys.executable, "-m", "tf_fusedemb.benchmarks.tiered", "--json", "--rows", "40000",
            "--batch", "2000", "--steps", "2", "--fractions", "0.1", "--spill-dir", str(tmp_path),
-           "--plot", str(tmp_path / "tiered.png")]
+           "--plot", str(tmp_path / "tiered.png"), "--dlrm-batch", "512", "--dlrm-growth", "6"]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS="1")
     out = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=840)
     assert out.returncode == 0, f"benchmark failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
@@ -47,3 +47,18 @@ def test_structure(tmp_path):
     assert result["keys"]["generator"] == "ZipfKeys" and result["keys"]["exponent"] > 1
     assert os.path.exists(result["plot"])
     assert os.listdir(tmp_path) == ["tiered.png"]  # the workers' stores removed
+    # The DLRM workload: the same keys under "dlrm", its largest tables tiered.
+    dlrm = result["dlrm"]
+    assert dlrm["tiered_tables"] == ["C3", "C12", "C21"] and dlrm["batch"] == 512
+    for key in ("fit_ratio_vs_dram", "pipelined_ratio_vs_dram", "hit_rate",
+                "anon_rss_ratio_vs_dram"):
+        assert sorted(dlrm[key]) == ["0.1", "1.0"], key
+    assert sorted(dlrm["per_block_us"]) == ["0.1"]
+    for mode in ("fit", "pipelined"):
+        dram_run, tiered_run = dlrm["fit"]["1.0"][mode], dlrm["fit"]["0.1"][mode]
+        assert dram_run["ssd_bytes"] == 0 and dram_run["blocks_read_per_step"] == 0, mode
+        assert tiered_run["rows"] == dram_run["rows"], mode  # every row kept, on either tier
+        assert tiered_run["ssd_bytes"] > 0 and tiered_run["blocks_spilled_per_step"] > 0, mode
+        budgets = tiered_run["budget_bytes"]
+        assert sorted(budgets) == ["C12", "C21", "C3"] and all(b > 0 for b in budgets.values())
+    assert sum(dlrm["tiered_rows"].values()) < dlrm["fit"]["1.0"]["fit"]["rows"]

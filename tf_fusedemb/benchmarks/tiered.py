@@ -2,6 +2,7 @@
 
     python -m tf_fusedemb.benchmarks.tiered --json --plot docs/plots/tiered.png
     python -m tf_fusedemb.benchmarks.tiered --rows 1000000 --json   # a small machine
+    python -m tf_fusedemb.benchmarks.tiered --workloads dlrm --json  # the DLRM alone
 
 One group table of dim 16 with Adagrad and its access statistics (EngineGroupTable +
 EngineStatistics, the storage benchmark's ``Backend`` workload), grown to ``--rows``
@@ -34,6 +35,19 @@ read back or spilled), ``hit_rate`` (of the plain fit's stored keys),
 (the SSD tier's DRAM index per key it holds); ``keys`` names the key
 generator's parameters.
 
+The DLRM workload (``--workloads dlrm``, ``benchmarks.tiered_dlrm``): the lookup
+benchmark's model (26 features, batch ``--dlrm-batch`` = 4096 on one rank), its largest
+tables tiered at each budget fraction of their payload, the rest in DRAM, through the same
+plain and pipelined fit workers; its figures go under ``dlrm`` in the same keys
+(``fit_ratio_vs_dram``, ``pipelined_ratio_vs_dram``, ``per_block_us``, ``hit_rate``,
+``anon_rss_ratio_vs_dram``, ...), with its key generator's parameters under ``dlrm.keys``.
+
+With ``--memory-limit-mb``, every tiered fit worker (both workloads) runs inside a memory
+cgroup of that limit (``testing.memory_limit``, root only), and reports the cgroup's peak
+charge and OOM kills under ``cgroup``; a worker the OOM killer ends fails the run, naming it:
+
+    python -m tf_fusedemb.benchmarks.tiered --json --fractions 0.1 --memory-limit-mb 2048
+
 The last line (``--json``) is one JSON object with ``step_ratio_vs_dram``,
 ``rss_ratio_vs_dram`` (each keyed by the budget fraction as a string),
 ``exposed_ssd_ms`` ({"prefetch", "no_prefetch"} at 10%) and ``checkpoint_ratio`` (the
@@ -55,14 +69,17 @@ quiet.install()  # a command: quiet TensorFlow before it loads (tf_fusedemb/quie
 
 import numpy as np  # noqa: E402
 
-from tf_fusedemb.benchmarks import plots  # noqa: E402
+from tf_fusedemb.benchmarks import plots, tiered_dlrm  # noqa: E402
 from tf_fusedemb.benchmarks.storage import DIM, ZipfKeys, rss_bytes  # noqa: E402
 from tf_fusedemb.benchmarks.tiered_fit import (MODES, NEW_FRACTION, fit_summary,  # noqa: E402
                                                fit_worker)
 from tf_fusedemb.benchmarks.timing import emit, time_steps  # noqa: E402
 from tf_fusedemb.specs import InitializerSpec, OptimizerSpec  # noqa: E402
+from tf_fusedemb.testing.memory_limit import MemoryLimit  # noqa: E402
 
 FRACTIONS = ("1.0", "0.5", "0.2", "0.1", "0.05")
+WORKLOADS = ("engine", "dlrm")
+WORKER_TIMEOUT_S = 3600  # one worker inside a memory cgroup: a 50 M-row table grows for long
 BLOCK_BYTES = 28 + 2 * 4 * DIM  # header, row, Adagrad accumulator
 
 
@@ -164,12 +181,52 @@ def budget_bytes(fraction: str, rows: int) -> Optional[int]:
     return None if fraction == "1.0" else int(float(fraction) * rows * BLOCK_BYTES)
 
 
-def run_worker(args: List[str]) -> dict:
+def run_worker(args: List[str], limit_bytes: Optional[int] = None) -> dict:
+    """Runs one worker of this module with ``args``; its JSON result. With
+    ``limit_bytes``, inside a memory cgroup of that limit (``testing.memory_limit``), its
+    peak charge and OOM kills added under ``cgroup``."""
     cmd = [sys.executable, "-m", "tf_fusedemb.benchmarks.tiered", *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(f"worker {' '.join(args)} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    if limit_bytes is None:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        returncode, stdout, stderr, cgroup = out.returncode, out.stdout, out.stderr, None
+    else:
+        with MemoryLimit(limit_bytes) as limit:
+            run = limit.run(cmd, timeout=WORKER_TIMEOUT_S)
+        returncode, stdout, stderr = run.returncode, run.stdout, run.stderr
+        cgroup = {"limit_bytes": limit_bytes, "peak_bytes": run.peak_bytes,
+                  "oom_kills": run.oom_kills}
+    if returncode != 0:
+        killed = f" (OOM kills in its memory cgroup: {cgroup})" if cgroup else ""
+        raise RuntimeError(f"worker {' '.join(args)} failed{killed}:\n{stderr[-3000:]}")
+    result = json.loads(stdout.strip().splitlines()[-1])
+    if cgroup is not None:
+        result["cgroup"] = cgroup
+    return result
+
+
+def fit_runs(fractions: List[str], worker_args: List[str], limit_bytes: Optional[int]
+             ) -> Dict[str, Dict[str, dict]]:
+    """{fraction: {mode: fit worker result}}: one worker per budget and mode, the tiered
+    ones inside ``limit_bytes`` (None: no limit; the all-DRAM run never has one)."""
+    return {f: {m: run_worker(["--worker", f, "--fit-worker", m] + worker_args,
+                              None if f == "1.0" else limit_bytes)
+                for m in MODES}
+            for f in fractions}
+
+
+def dlrm_result(fractions: List[str], args: argparse.Namespace, spill_dir: str,
+                limit_bytes: Optional[int]) -> dict:
+    """The DLRM workload's figures (``tiered_dlrm``), keyed as the engine workload's."""
+    worker_args = ["--workload", "dlrm", "--dlrm-batch", str(args.dlrm_batch),
+                   "--dlrm-growth", str(args.dlrm_growth), "--steps", str(args.steps),
+                   "--spill-dir", spill_dir]
+    fit = fit_runs(fractions, worker_args, limit_bytes)
+    return {"batch": args.dlrm_batch, "ranks": 1, "tiered_tables": list(tiered_dlrm.TIERED),
+            "tiered_rows": fit["1.0"]["fit"]["tiered_rows"],
+            "keys": {"generator": "generate_criteo_like", "profile": "criteo",
+                     "seed": tiered_dlrm.SEED, "growth_batches": args.dlrm_growth,
+                     "timed_batches": args.steps + 2},
+            "fit": fit, **fit_summary(fit)}
 
 
 def summary(per: Dict[str, dict]) -> dict:
@@ -222,11 +279,30 @@ def main(argv=None):
     p.add_argument("--spill-dir", default=None,
                    help="parent of the SSD tiers' directories (default: the system temp dir)")
     p.add_argument("--plot", default=None)
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS,
+                   help="engine: one table, its step alone and through fit; dlrm: the "
+                        "lookup benchmark's DLRM through fit (under the 'dlrm' key)")
+    p.add_argument("--dlrm-batch", type=int, default=4096)
+    p.add_argument("--dlrm-growth", type=int, default=100,
+                   help="DLRM batches that grow the tables before the timed ones")
+    p.add_argument("--memory-limit-mb", type=float, default=None, metavar="MB",
+                   help="run each tiered fit worker inside a memory cgroup of this limit "
+                        "(needs root; the all-DRAM run has none); its peak and OOM kills "
+                        "are reported under 'cgroup'")
     p.add_argument("--json", action="store_true")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--fit-worker", choices=MODES, help=argparse.SUPPRESS)
+    p.add_argument("--workload", choices=WORKLOADS, default="engine", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     spill_dir = args.spill_dir or tempfile.gettempdir()
+    if args.memory_limit_mb is not None and args.memory_limit_mb <= 0:
+        p.error(f"--memory-limit-mb must be positive, got {args.memory_limit_mb}")
+    limit = None if args.memory_limit_mb is None else int(args.memory_limit_mb * 2**20)
+    if args.worker and args.fit_worker and args.workload == "dlrm":
+        print(json.dumps(tiered_dlrm.dlrm_fit_worker(args.worker, args.dlrm_batch,
+                                                     args.dlrm_growth, args.steps, spill_dir,
+                                                     args.fit_worker)))
+        return
     if args.worker and args.fit_worker:
         print(json.dumps(fit_worker(budget_bytes(args.worker, args.rows), args.rows,
                                     args.batch, args.steps, spill_dir, args.fit_worker)))
@@ -237,15 +313,18 @@ def main(argv=None):
     common = ["--rows", str(args.rows), "--batch", str(args.batch), "--steps", str(args.steps),
               "--spill-dir", spill_dir]
     fractions = ["1.0"] + [f for f in args.fractions if f != "1.0"]
-    per = {f: run_worker(["--worker", f] + common) for f in fractions}
-    fit = {f: {m: run_worker(["--worker", f, "--fit-worker", m] + common) for m in MODES}
-           for f in fractions}
-    result = {"rows": args.rows, "batch": args.batch, "dim": DIM, "optimizer": "adagrad",
-              "keys": {"generator": "ZipfKeys", "exponent": ZipfKeys(1).exponent,
-                       "timed_new_fraction": NEW_FRACTION, "seed": 3},
-              "budgets": per, **summary(per), "fit": fit, **fit_summary(fit)}
-    if args.plot:
-        result["plot"] = plot(result, args.plot)
+    result: Dict[str, Any] = {"rows": args.rows, "batch": args.batch, "dim": DIM,
+                              "optimizer": "adagrad"}
+    if "engine" in args.workloads:
+        per = {f: run_worker(["--worker", f] + common) for f in fractions}
+        fit = fit_runs(fractions, common, limit)
+        result.update({"keys": {"generator": "ZipfKeys", "exponent": ZipfKeys(1).exponent,
+                                "timed_new_fraction": NEW_FRACTION, "seed": 3},
+                       "budgets": per, **summary(per), "fit": fit, **fit_summary(fit)})
+        if args.plot:
+            result["plot"] = plot(result, args.plot)
+    if "dlrm" in args.workloads:
+        result["dlrm"] = dlrm_result(fractions, args, spill_dir, limit)
     emit(result, args.json)
 
 

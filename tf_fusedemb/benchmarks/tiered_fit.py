@@ -20,7 +20,7 @@ DRAM of the SSD tier's index per cold key (``dram_bytes_per_cold_key``).
 import os
 import statistics
 import time
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -57,6 +57,15 @@ def machine_busy_s() -> float:
     return busy / os.sysconf("SC_CLK_TCK")
 
 
+def compile_model(model: Any, pipelined: bool) -> Any:
+    """``model`` compiled as the workloads train it: SGD for the dense part, binary
+    cross-entropy, the pipelined fit (``pipeline="dbp"``) or plain fit."""
+    import tf_keras  # in a worker, beside TensorFlow # pylint: disable=import-outside-toplevel
+    model.compile(optimizer=tf_keras.optimizers.SGD(0.01), pipeline="dbp" if pipelined else None,
+                  loss=tf_keras.losses.BinaryCrossentropy(from_logits=True))
+    return model
+
+
 def _build(budget: Optional[int], spill_dir: str, pipelined: bool) -> Any:
     """(compiled FusedModel, its FusedEmbedding) of one dynamic table."""
     import tensorflow as tf  # in a worker: the launcher loads no TensorFlow # pylint: disable=import-outside-toplevel
@@ -70,25 +79,76 @@ def _build(budget: Optional[int], spill_dir: str, pipelined: bool) -> Any:
     inputs = {"c": tf_keras.Input([], dtype=tf.int64, name="c")}
     logits = tf_keras.layers.Dense(1, use_bias=False, kernel_initializer="ones",
                                    trainable=False)(layer(inputs)["c"])
-    model = FusedModel(inputs, logits)
-    model.compile(optimizer=tf_keras.optimizers.SGD(0.01), pipeline="dbp" if pipelined else None,
-                  loss=tf_keras.losses.BinaryCrossentropy(from_logits=True))
-    return model, layer
+    return compile_model(FusedModel(inputs, logits), pipelined), layer
 
 
-def _fit(model: Any, batches: List[np.ndarray]) -> List[float]:
-    """Fits ``batches`` (int64[batch] each) for one epoch; returns the perf_counter time
-    at each batch's end."""
+def fit_batches(model: Any, batches: Sequence[Tuple[Dict[str, np.ndarray], np.ndarray]]
+                ) -> List[float]:
+    """Fits ``batches`` ((features, labels float32[B, 1]) pairs, in order) for one epoch;
+    returns the perf_counter time at each batch's end."""
     import tensorflow as tf  # in a worker # pylint: disable=import-outside-toplevel
     import tf_keras  # in a worker # pylint: disable=import-outside-toplevel
     ends: List[float] = []
     clock = tf_keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda batch, logs: ends.append(time.perf_counter()))
-    keys = np.concatenate(batches)
-    labels = np.zeros((len(keys), 1), np.float32)
-    data = tf.data.Dataset.from_tensor_slices(({"c": keys}, labels)).batch(len(batches[0]))
+    features = {k: np.concatenate([x[k] for x, _ in batches]) for k in batches[0][0]}
+    labels = np.concatenate([y for _, y in batches])
+    data = tf.data.Dataset.from_tensor_slices((features, labels)).batch(len(batches[0][1]))
     model.fit(data, epochs=1, verbose=0, callbacks=[clock])
     return ends
+
+
+def _key_batches(keys: Sequence[np.ndarray]) -> List[Tuple[Dict[str, np.ndarray], np.ndarray]]:
+    """The engine workload's batches (int64[batch] keys each) as (features, labels)."""
+    return [({"c": k}, np.zeros((len(k), 1), np.float32)) for k in keys]
+
+
+class FitMemory(NamedTuple):
+    """A layer's groups summed (``FusedEmbedding.memory()``)."""
+    rows: int
+    dram_bytes: int
+    ssd_bytes: int
+    ssd_index_bytes: int
+    blocks_read: int
+    blocks_spilled: int
+
+    @staticmethod
+    def of(layer: Any) -> "FitMemory":
+        groups = list(layer.memory().values())
+        return FitMemory(*(sum(g[name] for g in groups) for name in (
+            "rows", "bytes", "ssd_bytes", "ssd_index_bytes", "ssd_blocks_read",
+            "ssd_blocks_spilled")))
+
+
+def timed_fit(model: Any, layer: Any, timed: Sequence[Tuple[Dict[str, np.ndarray], np.ndarray]],
+              stored_keys: int, base: ProcessMemory, mode: str) -> Dict[str, Any]:
+    """Fits the ``timed`` batches (the last ``len(timed) - 2`` of them timed) and measures
+    them: ``stored_keys`` is the number of their tables' keys stored before their step
+    (new keys left out of the hit rate), ``base`` the memory before the table grew."""
+    steps = len(timed) - 2
+    before = FitMemory.of(layer)
+    busy = machine_busy_s()
+    ends = fit_batches(model, timed)
+    busy = machine_busy_s() - busy
+    after = FitMemory.of(layer)
+    memory = ProcessMemory.now()
+    # The first two steps (the pipeline's fill, a first timed step) are not timed; the
+    # machine's CPU is the whole fit's, spread over its batches.
+    step_s = [b - a for a, b in zip(ends[1:], ends[2:])]
+    blocks_read = after.blocks_read - before.blocks_read
+    blocks_spilled = after.blocks_spilled - before.blocks_spilled
+    return {"mode": mode, "rows": after.rows,
+            "step_ms": round(1e3 * statistics.median(step_s), 3),
+            "cpu_s_per_step": busy / (steps + 2),
+            "blocks_read_per_step": blocks_read / (steps + 2),
+            "blocks_spilled_per_step": blocks_spilled / (steps + 2),
+            "hit_rate": round(1.0 - blocks_read / stored_keys, 4) if stored_keys else None,
+            "anon_rss_growth_bytes": memory.anon - base.anon,
+            "file_rss_growth_bytes": memory.file - base.file,
+            "rss_growth_bytes": memory.anon + memory.file - base.anon - base.file,
+            "dram_bytes": after.dram_bytes, "ssd_bytes": after.ssd_bytes,
+            "ssd_index_bytes": after.ssd_index_bytes,
+            "cold_keys": after.ssd_bytes // BLOCK_BYTES}
 
 
 def fit_worker(budget: Optional[int], rows: int, batch: int, steps: int, spill_dir: str,
@@ -97,41 +157,25 @@ def fit_worker(budget: Optional[int], rows: int, batch: int, steps: int, spill_d
     then times ``steps`` Zipf batches in ``mode`` ("fit" or "pipelined")."""
     import tensorflow as tf  # in a worker # pylint: disable=import-outside-toplevel
     tf.config.threading.set_intra_op_parallelism_threads(2)
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    check_mode(mode)
     model, layer = _build(budget, spill_dir, mode == "pipelined")
     keys = ZipfKeys(batch, seed=3)
-    _fit(model, [keys.next(new_fraction=1.0)[:1000]])  # traced, kernels loaded
+    fit_batches(model, _key_batches([keys.next(new_fraction=1.0)[:1000]]))  # traced, kernels loaded
     base = ProcessMemory.now()
     growth = []
     while keys.next_id < rows:
         growth.append(keys.next(new_fraction=0.5))
-    _fit(model, growth)
+    fit_batches(model, _key_batches(growth))
     timed = [keys.next(new_fraction=NEW_FRACTION) for _ in range(steps + 2)]
-    group, = layer.memory().values()
-    busy = machine_busy_s()
-    ends = _fit(model, timed)
-    busy = machine_busy_s() - busy
-    after, = layer.memory().values()
-    memory = ProcessMemory.now()
-    # The first two steps (the pipeline's fill, a first Zipf step) are not timed; the
-    # machine's CPU is the whole fit's, spread over its batches.
-    step_s = [b - a for a, b in zip(ends[1:], ends[2:])]
     stored_keys = (steps + 2) * (batch - int(batch * NEW_FRACTION))
-    blocks_read = after["ssd_blocks_read"] - group["ssd_blocks_read"]
-    blocks_spilled = after["ssd_blocks_spilled"] - group["ssd_blocks_spilled"]
-    return {"mode": mode, "budget_bytes": budget, "rows": after["rows"],
-            "step_ms": round(1e3 * statistics.median(step_s), 3),
-            "cpu_s_per_step": busy / (steps + 2),
-            "blocks_read_per_step": blocks_read / (steps + 2),
-            "blocks_spilled_per_step": blocks_spilled / (steps + 2),
-            "hit_rate": round(1.0 - blocks_read / stored_keys, 4),
-            "anon_rss_growth_bytes": memory.anon - base.anon,
-            "file_rss_growth_bytes": memory.file - base.file,
-            "rss_growth_bytes": memory.anon + memory.file - base.anon - base.file,
-            "dram_bytes": after["bytes"], "ssd_bytes": after["ssd_bytes"],
-            "ssd_index_bytes": after["ssd_index_bytes"],
-            "cold_keys": after["ssd_bytes"] // BLOCK_BYTES}
+    return {"budget_bytes": budget,
+            **timed_fit(model, layer, _key_batches(timed), stored_keys, base, mode)}
+
+
+def check_mode(mode: str) -> None:
+    """Raises ValueError unless ``mode`` is one of MODES."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
 
 
 def fit_summary(per: Dict[str, Dict[str, Dict[str, Any]]]) -> Dict[str, Any]:
