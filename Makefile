@@ -236,6 +236,27 @@ train: setup
 		$(TRAIN_ARGS) --checkpoint-dir $(RUN_DIR)/ckpt --export-dir $(RUN_DIR)/export \
 		--log-dir $(RUN_DIR)/tensorboard
 
+# The main job beyond memory: the same DLRM with one more feature, W, of WIDE_IDS distinct
+# IDs (train.py --wide-ids: one new ID per sample until the job has seen them all), its
+# tables under a DRAM budget of WIDE_BUDGET_MB per rank, the job (every rank and the
+# launcher) inside a memory cgroup of WIDE_LIMIT_MB (tf_fusedemb.testing.memory_limit,
+# root only), for as many steps as it takes to meet every ID once. It prints the job's
+# RESULT (samples/s, eval AUC, the tiers' contents) and a MEMORY_LIMIT line (the cgroup's
+# peak, OOM kills). At 50 M IDs the W table alone holds about 7.8 GB of blocks. The same
+# job all in DRAM at a size that fits, to set beside it:
+#   make train-beyond-memory WIDE_IDS=2000000 WIDE_BUDGET_MB= WIDE_LIMIT_MB=
+WIDE_IDS ?= 50000000
+WIDE_BATCH ?= 4096
+WIDE_BUDGET_MB ?= 256
+WIDE_LIMIT_MB ?= 4096
+.PHONY: train-beyond-memory
+train-beyond-memory: setup
+	$(if $(WIDE_LIMIT_MB),$(PY) -m tf_fusedemb.testing.memory_limit --limit-mb $(WIDE_LIMIT_MB) -- env) \
+		$(TRAIN_LAUNCH) $(PY) -m tf_fusedemb.train --model dlrm --data synthetic \
+		--batch-size $(WIDE_BATCH) --wide-ids $(WIDE_IDS) --eval-rows 20480 \
+		--steps $$(( $(WIDE_IDS) / ($(WIDE_BATCH) * $(NP)) + 1 )) \
+		$(if $(WIDE_BUDGET_MB),--memory-budget-mb $(WIDE_BUDGET_MB))
+
 # horovodrun's Gloo check imports TensorFlow in a child whose C++ lines (TF 2.16's three
 # CUDA-factory errors) Horovod cannot mute: the launcher runs with C++ logs off, the workers
 # with the usual level 2 (tf_fusedemb/quiet.py says where the lines come from).

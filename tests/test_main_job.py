@@ -110,8 +110,11 @@ def test_pipelined_main_job_equals_synchronous(tmp_path):
 def test_main_job_with_a_memory_budget_equals_the_untiered_job(tmp_path):
     """``--memory-budget-mb`` far below the table (2 workers, the synthetic main job): the
     blocks beyond the budget are on the SSD tier, the loss and evaluation are
-    bit-identical to the same job with every row in DRAM, and no store outlives the job."""
-    base = ["-m", "tf_fusedemb.train", "--steps", "12", "--batch-size", "128", "--rows", "8000"]
+    bit-identical to the same job with every row in DRAM, and no store outlives the job.
+    Both carry the feature of many IDs (``--wide-ids``: 3,000 IDs over 12 x 128 x 2 samples),
+    whose table then holds every one of them."""
+    base = ["-m", "tf_fusedemb.train", "--steps", "12", "--batch-size", "128", "--rows", "8000",
+            "--wide-ids", "3000"]
     dram = parse(horovodrun(base, 2, timeout=800))
     tiered = parse(horovodrun(base + ["--memory-budget-mb", "0.05", "--spill-dir",
                                       str(tmp_path / "spill")], 2, timeout=800))
@@ -124,3 +127,5 @@ def test_main_job_with_a_memory_budget_equals_the_untiered_job(tmp_path):
         group = rank["g0_d16_adagrad"]
         assert group["ssd_bytes"] > 10 * 0.05 * 2**20, group  # most blocks spilled
         assert group["bytes"] < group["ssd_bytes"] / 2, group  # DRAM stays the smaller tier
+    rows = sum(rank["g0_d16_adagrad"]["rows"] for rank in tiered["embedding_memory_by_rank"])
+    assert rows > 3000, rows  # W's 3,000 IDs beside the Criteo features' own

@@ -85,3 +85,25 @@ def test_the_limit_kills_a_process_that_outgrows_it_and_says_so():
     free = run_in_cgroup(None, grow)
     assert free.returncode == 0 and free.oom_kills == 0, free
     assert free.peak_bytes >= 200 << 20, free
+
+
+@pytest.mark.timeout(120)
+def test_the_command_reports_the_peak_and_exits_as_the_command_did():
+    """``python -m tf_fusedemb.testing.memory_limit``: the command's output passes through,
+    one MEMORY_LIMIT line follows, and the status is the command's (137 when killed)."""
+    try:
+        MemoryLimit(None)
+    except MemoryLimitUnavailable as e:
+        pytest.skip(f"no memory cgroup on this machine: {e}")
+    tool = [sys.executable, "-m", "tf_fusedemb.testing.memory_limit"]
+    grow = ["--", sys.executable, "-c", "b = bytearray(200 << 20); print('grown', len(b))"]
+    killed = subprocess.run(tool + ["--limit-mb", "64"] + grow, capture_output=True, text=True,
+                            timeout=100)
+    report = json.loads(killed.stdout.split("MEMORY_LIMIT ", 1)[1])
+    assert killed.returncode == 137 and report["oom_kills"] >= 1, killed
+    assert report["limit_bytes"] == 64 << 20 and "grown" not in killed.stdout
+    free = subprocess.run(tool + grow, capture_output=True, text=True, timeout=100)
+    report = json.loads(free.stdout.split("MEMORY_LIMIT ", 1)[1])
+    assert free.returncode == 0 and "grown 209715200" in free.stdout, free
+    assert report["oom_kills"] == 0 and report["peak_bytes"] >= 200 << 20, report
+    assert report["limit_bytes"] is None

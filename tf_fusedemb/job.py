@@ -46,18 +46,54 @@ def _from_frame(feats: Mapping[str, np.ndarray], label: np.ndarray, batch: int, 
                          repeat=repeat, drop_remainder=repeat)
 
 
+WIDE_FEATURE = "W"  # the synthetic data's feature of ``wide_ids`` distinct IDs
+
+
+def with_wide_ids(data: tf.data.Dataset, distinct: int, rank: int, size: int
+                  ) -> tf.data.Dataset:
+    """``data``'s ``(features, label)`` batches with one more feature, ``WIDE_FEATURE``:
+    int64[B], the ID ``s mod distinct`` of the batch's samples' global index ``s`` (batch
+    ``t`` of rank ``r`` holds samples ``(t * size + r) * B ..`` of the job, B the batch's
+    size). The job's first ``distinct`` samples meet every ID once, each new when met (a
+    user base that keeps growing); later ones go round again. The labels do not depend on
+    it: it is storage, the table a model holds at the size users have, not signal.
+
+    Raises ValueError unless ``distinct`` > 0.
+    """
+    if distinct <= 0:
+        raise ValueError(f"wide_ids must be a positive number of distinct IDs, got {distinct}")
+
+    def add(step: tf.Tensor, features: Dict[str, tf.Tensor], label: tf.Tensor):
+        b = tf.cast(tf.shape(label)[0], tf.int64)
+        first = (step * size + rank) * b
+        ids = tf.math.floormod(first + tf.range(b, dtype=tf.int64), distinct)
+        return {**features, WIDE_FEATURE: ids}, label
+
+    return tf.data.Dataset.zip((tf.data.Dataset.counter(), data)).map(
+        lambda step, batch: add(step, *batch)).prefetch(tf.data.AUTOTUNE)
+
+
 def make_data(name: str, path: Optional[str], batch_size: int, rank: int, size: int,
-              rows: int = 200_000, eval_rows: int = 20_000, seed: int = 0
+              rows: int = 200_000, eval_rows: int = 20_000, seed: int = 0,
+              wide_ids: Optional[int] = None
               ) -> Tuple[tf.data.Dataset, tf.data.Dataset, Dict[str, str], Sequence[str]]:
     """Train/eval datasets of ``name`` (see module doc), with ``{feature: "scalar" | "list"}``
-    and the dense feature names (float32[B] each)."""
+    and the dense feature names (float32[B] each). ``wide_ids`` (synthetic data only):
+    one more feature, ``WIDE_FEATURE``, of that many distinct IDs (``with_wide_ids``)."""
     kinds = {c: "scalar" for c in CRITEO_CATEGORICAL}
+    if wide_ids is not None and name != "synthetic":
+        raise ValueError(f"wide_ids needs the synthetic data, got --data {name}")
     if name == "synthetic":
         # One teacher (seed) labels both splits; their rows come from different seeds.
         train_frame = _synthetic_frame(rows, seed, seed)
         eval_frame = _synthetic_frame(eval_rows, seed + 10_000, seed)
-        return (_from_frame(*train_frame, batch_size, rank, size, True),
-                _from_frame(*eval_frame, batch_size, rank, size, False), kinds, CRITEO_DENSE)
+        train = _from_frame(*train_frame, batch_size, rank, size, True)
+        evaluation = _from_frame(*eval_frame, batch_size, rank, size, False)
+        if wide_ids is not None:
+            train = with_wide_ids(train, wide_ids, rank, size)
+            evaluation = with_wide_ids(evaluation, wide_ids, rank, size)
+            kinds[WIDE_FEATURE] = "scalar"
+        return train, evaluation, kinds, CRITEO_DENSE
     if not path:  # every other source reads files
         raise ValueError(f"--data {name} needs --data-path" if name in DATASETS else
                          f"--data must be one of {DATASETS}, got {name!r}")

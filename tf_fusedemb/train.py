@@ -68,6 +68,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--spill-dir", default=None,
                    help="where the SSD tier's stores go (default: the system temporary "
                         "directory); only with --memory-budget-mb")
+    p.add_argument("--wide-ids", type=int, default=None, metavar="N",
+                   help="synthetic data only: one more feature, W, whose table grows to N "
+                        "distinct IDs, one new ID per sample until the job has seen N "
+                        "samples (then they repeat): a table at the size users have, e.g. "
+                        "with --memory-budget-mb for one larger than memory")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-dir", default=None)
@@ -120,6 +125,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--memory-budget-mb must be >= 0, got {args.memory_budget_mb}")
     if args.spill_dir is not None and args.memory_budget_mb is None:
         p.error("--spill-dir needs --memory-budget-mb (without a budget nothing spills)")
+    if args.wide_ids is not None and args.wide_ids <= 0:
+        p.error(f"--wide-ids must be a positive number of IDs, got {args.wide_ids}")
+    if args.wide_ids is not None and args.data != "synthetic":
+        p.error(f"--wide-ids needs --data synthetic, got --data {args.data}")
     if args.epochs is not None:
         args.steps = max(1, int(args.epochs * args.rows / (args.batch_size * max(
             1, int(os.environ.get("HOROVOD_SIZE", "1"))))))
@@ -131,7 +140,7 @@ def build(args: argparse.Namespace, comm: Communicator) -> Tuple[
     """(model, train dataset, eval dataset, feature kinds, dense feature names) of ``args``."""
     train, evaluation, kinds, dense = job.make_data(
         args.data, args.data_path, args.batch_size, comm.rank, comm.size, rows=args.rows,
-        eval_rows=args.eval_rows, seed=args.seed)
+        eval_rows=args.eval_rows, seed=args.seed, wide_ids=args.wide_ids)
     if args.cluster_samples:  # reorders samples inside each batch only (NestPipe V-C)
         train = cluster_dataset(train, sorted(kinds), args.pipeline.micro_batches)
     storage = job.TableStorage(

@@ -14,8 +14,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from tf_fusedemb.benchmarks.tiered_fit import (BLOCK_BYTES, ProcessMemory, check_mode,
-                                               compile_model, fit_batches, timed_fit)
+from tf_fusedemb.benchmarks.tiered_fit import (BLOCK_BYTES, ProcessMemory, as_dataset,
+                                               check_mode, compile_model, fit_batches,
+                                               timed_fit)
 
 TIERED = ("C3", "C12", "C21")  # the profile's largest vocabularies (5.8 M, 1.2 M, 0.38 M)
 SEED = 0  # of the synthetic rows
@@ -93,8 +94,10 @@ def dlrm_fit_worker(fraction: str, batch: int, growth: int, steps: int, spill_di
     rows = distinct_keys(stream)
     table_budgets = budgets(fraction, rows)
     model, layer = build(table_budgets, spill_dir, mode == "pipelined")
-    fit_batches(model, warm)  # traced, kernels loaded
+    fit_batches(model, as_dataset(warm))  # traced, kernels loaded
+    stored = stored_keys(warm + grow, timed)
+    grow_data, timed_data = as_dataset(grow), as_dataset(timed)
     base = ProcessMemory.now()
-    fit_batches(model, grow)
+    fit_batches(model, grow_data)
     return {"budget_bytes": table_budgets, "tiered_rows": rows,
-            **timed_fit(model, layer, timed, stored_keys(warm + grow, timed), base, mode)}
+            **timed_fit(model, layer, timed_data, steps, stored, base, mode)}

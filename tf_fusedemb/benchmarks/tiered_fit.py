@@ -82,18 +82,23 @@ def _build(budget: Optional[int], spill_dir: str, pipelined: bool) -> Any:
     return compile_model(FusedModel(inputs, logits), pipelined), layer
 
 
-def fit_batches(model: Any, batches: Sequence[Tuple[Dict[str, np.ndarray], np.ndarray]]
-                ) -> List[float]:
-    """Fits ``batches`` ((features, labels float32[B, 1]) pairs, in order) for one epoch;
-    returns the perf_counter time at each batch's end."""
+def as_dataset(batches: Sequence[Tuple[Dict[str, np.ndarray], np.ndarray]]) -> Any:
+    """``batches`` ((features, labels float32[B, 1]) pairs) as one tf.data.Dataset of
+    them in order: made before a measurement, so that its copy of the data is not counted
+    in the memory the table adds."""
     import tensorflow as tf  # in a worker # pylint: disable=import-outside-toplevel
+    features = {k: np.concatenate([x[k] for x, _ in batches]) for k in batches[0][0]}
+    labels = np.concatenate([y for _, y in batches])
+    return tf.data.Dataset.from_tensor_slices((features, labels)).batch(len(batches[0][1]))
+
+
+def fit_batches(model: Any, data: Any) -> List[float]:
+    """Fits ``data`` (an ``as_dataset``) for one epoch; returns the perf_counter time at
+    each batch's end."""
     import tf_keras  # in a worker # pylint: disable=import-outside-toplevel
     ends: List[float] = []
     clock = tf_keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda batch, logs: ends.append(time.perf_counter()))
-    features = {k: np.concatenate([x[k] for x, _ in batches]) for k in batches[0][0]}
-    labels = np.concatenate([y for _, y in batches])
-    data = tf.data.Dataset.from_tensor_slices((features, labels)).batch(len(batches[0][1]))
     model.fit(data, epochs=1, verbose=0, callbacks=[clock])
     return ends
 
@@ -101,6 +106,21 @@ def fit_batches(model: Any, batches: Sequence[Tuple[Dict[str, np.ndarray], np.nd
 def _key_batches(keys: Sequence[np.ndarray]) -> List[Tuple[Dict[str, np.ndarray], np.ndarray]]:
     """The engine workload's batches (int64[batch] keys each) as (features, labels)."""
     return [({"c": k}, np.zeros((len(k), 1), np.float32)) for k in keys]
+
+
+def growth_stream(keys: ZipfKeys, rows: int) -> Any:
+    """The engine workload's growth batches (half new keys each, until ``keys`` has drawn
+    ``rows``) as a dataset drawing them one at a time: a 50 M-row table's keys never all in
+    memory at once, which a memory limit near the budget could not hold."""
+    import tensorflow as tf  # in a worker # pylint: disable=import-outside-toplevel
+
+    def batches():
+        while keys.next_id < rows:
+            k = keys.next(new_fraction=0.5)
+            yield {"c": k}, np.zeros((len(k), 1), np.float32)
+
+    signature = ({"c": tf.TensorSpec([None], tf.int64)}, tf.TensorSpec([None, 1], tf.float32))
+    return tf.data.Dataset.from_generator(batches, output_signature=signature)
 
 
 class FitMemory(NamedTuple):
@@ -120,12 +140,11 @@ class FitMemory(NamedTuple):
             "ssd_blocks_spilled")))
 
 
-def timed_fit(model: Any, layer: Any, timed: Sequence[Tuple[Dict[str, np.ndarray], np.ndarray]],
-              stored_keys: int, base: ProcessMemory, mode: str) -> Dict[str, Any]:
-    """Fits the ``timed`` batches (the last ``len(timed) - 2`` of them timed) and measures
-    them: ``stored_keys`` is the number of their tables' keys stored before their step
+def timed_fit(model: Any, layer: Any, timed: Any, steps: int, stored_keys: int,
+              base: ProcessMemory, mode: str) -> Dict[str, Any]:
+    """Fits the ``timed`` batches (an ``as_dataset`` of ``steps + 2``, the last ``steps``
+    of them timed) and measures them: ``stored_keys`` is the number of their tables' keys stored before their step
     (new keys left out of the hit rate), ``base`` the memory before the table grew."""
-    steps = len(timed) - 2
     before = FitMemory.of(layer)
     busy = machine_busy_s()
     ends = fit_batches(model, timed)
@@ -160,16 +179,14 @@ def fit_worker(budget: Optional[int], rows: int, batch: int, steps: int, spill_d
     check_mode(mode)
     model, layer = _build(budget, spill_dir, mode == "pipelined")
     keys = ZipfKeys(batch, seed=3)
-    fit_batches(model, _key_batches([keys.next(new_fraction=1.0)[:1000]]))  # traced, kernels loaded
+    fit_batches(model, as_dataset(_key_batches([keys.next(new_fraction=1.0)[:1000]])))  # traced
     base = ProcessMemory.now()
-    growth = []
-    while keys.next_id < rows:
-        growth.append(keys.next(new_fraction=0.5))
-    fit_batches(model, _key_batches(growth))
-    timed = [keys.next(new_fraction=NEW_FRACTION) for _ in range(steps + 2)]
+    fit_batches(model, growth_stream(keys, rows))
+    timed = as_dataset(_key_batches([keys.next(new_fraction=NEW_FRACTION)
+                                     for _ in range(steps + 2)]))
     stored_keys = (steps + 2) * (batch - int(batch * NEW_FRACTION))
     return {"budget_bytes": budget,
-            **timed_fit(model, layer, _key_batches(timed), stored_keys, base, mode)}
+            **timed_fit(model, layer, timed, steps, stored_keys, base, mode)}
 
 
 def check_mode(mode: str) -> None:

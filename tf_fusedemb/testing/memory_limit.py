@@ -13,13 +13,22 @@ they fill; page cache is reclaimed under the limit, anonymous memory is not, so 
 whose anonymous memory outgrows the limit is OOM-killed (counted in ``oom_kills``).
 ``limit_bytes=None`` runs without a limit and still reports the peak: the way to measure a
 process's fixed overhead before choosing a limit.
+
+As a command, it runs one inside a limit, its output left as it is, then prints one line
+``MEMORY_LIMIT {"limit_bytes": ..., "peak_bytes": ..., "oom_kills": ...}`` and exits with
+the command's status:
+
+    python -m tf_fusedemb.testing.memory_limit --limit-mb 3072 -- python -m tf_fusedemb.train ...
 """
+import argparse
+import json
 import os
 import signal
+import sys
 import subprocess
 import time
 import uuid
-from typing import NamedTuple, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 V1_ROOT = "/sys/fs/cgroup/memory"
 V2_ROOT = "/sys/fs/cgroup"
@@ -94,20 +103,22 @@ class MemoryLimit:
             except OSError:
                 time.sleep(0.05)
 
-    def run(self, argv: Sequence[str], timeout: float, env: Optional[dict] = None,
-            cwd: Optional[str] = None) -> LimitedRun:
+    def run(self, argv: Sequence[str], timeout: Optional[float], env: Optional[dict] = None,
+            cwd: Optional[str] = None, capture: bool = True) -> LimitedRun:
         """Runs ``argv`` inside the cgroup (it joins before it executes anything) and
-        waits at most ``timeout`` seconds (then kills it and raises TimeoutExpired)."""
+        waits at most ``timeout`` seconds (None: no limit; then kills it and raises
+        TimeoutExpired). ``capture=False`` leaves its output on this process's (the
+        returned stdout and stderr are then empty)."""
         procs = os.path.join(self.path, "cgroup.procs")
 
         def join_cgroup() -> None:  # in the child, between fork and exec
             with open(procs, "w") as f:
                 f.write(str(os.getpid()))
 
-        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
+        done = subprocess.run(list(argv), capture_output=capture, text=True, timeout=timeout,
                               env=env, cwd=cwd, preexec_fn=join_cgroup)
-        return LimitedRun(done.returncode, done.stdout, done.stderr, self.peak_bytes(),
-                          self.oom_kills())
+        return LimitedRun(done.returncode, done.stdout or "", done.stderr or "",
+                          self.peak_bytes(), self.oom_kills())
 
     def peak_bytes(self) -> int:
         """The cgroup's peak charge so far, in bytes."""
@@ -130,3 +141,32 @@ class MemoryLimit:
     def _write(self, name: str, value: str) -> None:
         with open(os.path.join(self.path, name), "w") as f:
             f.write(value)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """The command (see the module doc): the command's exit status (128 + the signal's
+    number when a signal ended it)."""
+    p = argparse.ArgumentParser(description="Run a command inside a memory cgroup.")
+    p.add_argument("--limit-mb", type=float, default=None,
+                   help="the cgroup's limit in MiB (default: none, the peak still reported)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
+    args = p.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        p.error("no command given (put it after --)")
+    if args.limit_mb is not None and args.limit_mb <= 0:
+        p.error(f"--limit-mb must be positive, got {args.limit_mb}")
+    limit_bytes = None if args.limit_mb is None else int(args.limit_mb * 2**20)
+    try:
+        with MemoryLimit(limit_bytes) as limit:
+            run = limit.run(command, timeout=None, capture=False)
+    except MemoryLimitUnavailable as e:
+        p.error(str(e))
+    print("MEMORY_LIMIT " + json.dumps({"limit_bytes": limit_bytes, "peak_bytes": run.peak_bytes,
+                                        "oom_kills": run.oom_kills}), flush=True)
+    # A signal's death as a shell reports it (137 for the OOM killer's SIGKILL).
+    return run.returncode if run.returncode >= 0 else 128 - run.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
