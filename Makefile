@@ -248,7 +248,7 @@ train: setup
 WIDE_IDS ?= 50000000
 WIDE_BATCH ?= 4096
 WIDE_BUDGET_MB ?= 256
-WIDE_LIMIT_MB ?= 4096
+WIDE_LIMIT_MB ?= 3584
 .PHONY: train-beyond-memory
 train-beyond-memory: setup
 	$(if $(WIDE_LIMIT_MB),$(PY) -m tf_fusedemb.testing.memory_limit --limit-mb $(WIDE_LIMIT_MB) -- env) \
