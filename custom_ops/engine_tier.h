@@ -261,10 +261,9 @@ class Tier {
     // drops it; the index's own order would cost a cache miss per header.
     std::vector<Candidate> candidates;
     candidates.reserve(sh.ref_numbers());
-    sh.ForEachAllocated([&](uint32_t ref) {
+    sh.ForEachAllocated([&](uint32_t ref, const BlockHeader* h) {
       const uint8_t mark = marks[sh.RefNumber(ref)];
       if (mark == kPinned) return;  // pinned: stays
-      const BlockHeader* h = sh.Header(ref);
       candidates.push_back({Score(mark == kRecent, h->count(), h->last_step), ref});
     });
     std::vector<BlockRef> victims;
