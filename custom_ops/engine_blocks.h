@@ -159,7 +159,8 @@ class Arena {
     uint32_t i = 0;
     for (size_t c = 0; i < end_; ++c) {
       const char* block = chunks_[c];
-      const uint32_t chunk_end = static_cast<uint32_t>(std::min<uint64_t>(end_, i + ChunkBlocks(c)));
+      const uint32_t chunk_end =
+          static_cast<uint32_t>(std::min<uint64_t>(end_, i + ChunkBlocks(static_cast<int>(c))));
       for (; i < chunk_end; ++i, block += block_bytes_) f(i, block);
     }
   }

@@ -180,11 +180,12 @@ class Tier {
     std::vector<std::pair<char*, size_t>> placed;
     placed.reserve(missing.keys.size());
     const int64_t* keys = missing.keys.data();
-    const std::string error = store_->MultiGet(keys, missing.keys.size(), [&](size_t i, size_t size) {
-      placed.emplace_back(sh.AdoptRoom(keys[i], size), size);
-      missing.pins[i]->resident = true;
-      return placed.back().first;
-    });
+    const std::string error =
+        store_->MultiGet(keys, missing.keys.size(), [&](size_t i, size_t size) {
+          placed.emplace_back(sh.AdoptRoom(keys[i], size), size);
+          missing.pins[i]->resident = true;
+          return placed.back().first;
+        });
     // The store keeps its copy of each block read back: deleting it would cost a write per
     // read (half the store's writes). The copy is stale while the block is in DRAM, which
     // is authoritative: a spill replaces the copy, an erasure deletes it (EraseBlock),

@@ -94,8 +94,8 @@ class SlotFileBlockStore : public BlockStore {
   // Copies each block out of the mapping, in file order, straight to where the caller
   // places it (see the layout); the keys' table entries and the slots are prefetched
   // kAhead ahead, each a cache miss otherwise (without, two thirds of the call's CPU
-  // samples were the first read of each slot). One fstat per batch first: a file truncated under the
-  // store fails here, in one line, not with a SIGBUS.
+  // samples were the first read of each slot). One fstat per batch first: a file
+  // truncated under the store fails here, in one line, not with a SIGBUS.
   std::string MultiGet(const int64_t* keys, size_t n, const Place& place) override {
     std::shared_lock<std::shared_mutex> layout(layout_mu_);  // no Clean moves them meanwhile
     std::vector<std::pair<uint32_t, uint32_t>> at;  // (slot, i) of the keys stored
