@@ -119,7 +119,7 @@ class Shard {
     index_.ForEach(f);
   }
 
-  // Calls f(ref) for every block ever handed out, freed ones included (Blocks).
+  // Calls f(ref, header) for every block ever handed out, freed ones included (Blocks).
   template <typename F>
   void ForEachAllocated(F&& f) const {
     blocks_.ForEachAllocated(f);

@@ -37,10 +37,14 @@ namespace engine {
 
 class Tier {
  public:
-  // A key's pins: how many are held, and the shard's Pin call that last pinned it.
+  // A key's pins: how many are held, the shard's Pin call that last pinned it, and
+  // whether its block is known to be in DRAM: set when a Pin finds it there or reads it
+  // back, cleared when it leaves (EraseBlock; a spill erases the whole entry), so a key
+  // pinned again needs no index lookup (a step pins its keys in three calls).
   struct PinState {
     int32_t count;
     uint32_t last_pin;
+    bool resident;
   };
 
   // The tier's state of one shard: the keys pinned in DRAM or pinned by one of the last
@@ -85,24 +89,13 @@ class Tier {
   // key, may pin any number of blocks for the length of the call.
   std::string Pin(int s, Shard& sh, Span pos, const int64_t* keys, bool step_batch) {
     ShardState& t = shards_[s];
-    std::vector<int64_t> missing;
-    const uint32_t call = ++t.pin_calls;
+    // Only TooSmall's check needs the bytes of the blocks pinned, so each block's size.
+    const bool sized = step_batch && budget_ > 0;
+    const Pinned fresh = PinKeys(t, pos, keys, sized);
     int64_t pinned = 0;  // bytes of the blocks this call pins, once read back
-    for (int64_t k = 0; k < pos.size; ++k) {
-      const int64_t key = keys[pos.data[k]];
-      PinState& pin = t.pins.try_emplace(key, PinState{0, call}).first->second;
-      pin.last_pin = call;
-      if (++pin.count != 1) continue;
-      if (const uint32_t* ref = sh.Find(key)) {
-        pinned += static_cast<int64_t>(sh.BytesOf(*ref));
-      } else {
-        missing.push_back(key);
-      }
-    }
+    const Pinned missing = FindBlocks(sh, fresh, &pinned);
     std::string error = ReadBack(t, sh, missing, &pinned);
-    if (error.empty() && step_batch && budget_ > 0 && pinned > budget_) {
-      error = TooSmall(s, pinned);
-    }
+    if (error.empty() && sized && pinned > budget_) error = TooSmall(s, pinned);
     return error;
   }
   // Releases Pin's pins of the keys at `pos`, then spills while the shard is over budget
@@ -122,22 +115,75 @@ class Tier {
   // come back from it.
   void EraseBlock(int s, Shard& sh, int64_t key) {
     sh.Erase(key);
-    if (attached()) shards_[s].erased.push_back(key);
+    if (!attached()) return;
+    ShardState& t = shards_[s];
+    t.erased.push_back(key);
+    auto it = t.pins.find(key);
+    if (it != t.pins.end()) it->second.resident = false;
   }
 
  private:
+  // Keys just pinned, with their entries in the pins map.
+  struct Pinned {
+    std::vector<int64_t> keys;
+    std::vector<PinState*> pins;
+  };
+
+  // Keys or blocks prefetched ahead of their use (each is a cache miss otherwise).
+  static constexpr int64_t kAhead = 8;
+
+  // Takes a pin on each key at `pos`; returns the keys pinned anew whose block Find must
+  // look for: those not known to be in DRAM, or all of them when `sized`. The map is
+  // reserved first, so no insertion moves the entries returned.
+  static Pinned PinKeys(ShardState& t, Span pos, const int64_t* keys, bool sized) {
+    const uint32_t call = ++t.pin_calls;
+    t.pins.reserve(t.pins.size() + pos.size);
+    Pinned fresh;
+    for (int64_t k = 0; k < pos.size; ++k) {
+      if (k + kAhead < pos.size) t.pins.prefetch(keys[pos.data[k + kAhead]]);
+      const int64_t key = keys[pos.data[k]];
+      PinState& pin = t.pins.try_emplace(key, PinState{0, call, false}).first->second;
+      pin.last_pin = call;
+      if (++pin.count != 1 || (pin.resident && !sized)) continue;
+      fresh.keys.push_back(key);
+      fresh.pins.push_back(&pin);
+    }
+    return fresh;
+  }
+
+  // Looks up the blocks of `fresh` in DRAM (the index probes and the keys in the blocks
+  // they compare prefetched ahead), adding their bytes to *bytes and marking them
+  // resident; returns the keys without one.
+  static Pinned FindBlocks(const Shard& sh, const Pinned& fresh, int64_t* bytes) {
+    Pinned missing;
+    const int64_t n = static_cast<int64_t>(fresh.keys.size());
+    for (int64_t j = 0; j < n; ++j) {
+      if (j + 2 * kAhead < n) sh.PrefetchIndex(fresh.keys[j + 2 * kAhead]);
+      if (j + kAhead < n) sh.PrefetchBlock(fresh.keys[j + kAhead], sizeof(int64_t));
+      if (const uint32_t* ref = sh.Find(fresh.keys[j])) {
+        *bytes += static_cast<int64_t>(sh.BytesOf(*ref));
+        fresh.pins[j]->resident = true;
+      } else {
+        missing.keys.push_back(fresh.keys[j]);
+        missing.pins.push_back(fresh.pins[j]);
+      }
+    }
+    return missing;
+  }
+
   // Reads the blocks of `missing` (keys without a DRAM block) from the store into DRAM,
   // adding their bytes to *bytes.
-  std::string ReadBack(ShardState& t, Shard& sh, const std::vector<int64_t>& missing,
-                       int64_t* bytes) {
-    if (missing.empty() || t.blocks == 0) return "";
+  std::string ReadBack(ShardState& t, Shard& sh, const Pinned& missing, int64_t* bytes) {
+    if (missing.keys.empty() || t.blocks == 0) return "";
     // Each block is read straight into its arena block (no buffer per block), then counted
     // once the store has filled it (on an error too: every block placed is filled).
     std::vector<std::pair<char*, size_t>> placed;
-    placed.reserve(missing.size());
+    placed.reserve(missing.keys.size());
+    const int64_t* keys = missing.keys.data();
     const std::string error =
-        store_->MultiGet(missing.data(), missing.size(), [&](size_t i, size_t size) {
-          placed.emplace_back(sh.AdoptRoom(missing[i], size), size);
+        store_->MultiGet(keys, missing.keys.size(), [&](size_t i, size_t size) {
+          placed.emplace_back(sh.AdoptRoom(keys[i], size), size);
+          missing.pins[i]->resident = true;
           return placed.back().first;
         });
     // The store keeps its copy of each block read back: deleting it would cost a write per
@@ -261,10 +307,9 @@ class Tier {
     // drops it; the index's own order would cost a cache miss per header.
     std::vector<Candidate> candidates;
     candidates.reserve(sh.ref_numbers());
-    sh.ForEachAllocated([&](uint32_t ref) {
+    sh.ForEachAllocated([&](uint32_t ref, const BlockHeader* h) {
       const uint8_t mark = marks[sh.RefNumber(ref)];
       if (mark == kPinned) return;  // pinned: stays
-      const BlockHeader* h = sh.Header(ref);
       candidates.push_back({Score(mark == kRecent, h->count(), h->last_step), ref});
     });
     std::vector<BlockRef> victims;

@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "engine_blocks.h"
 #include "engine_config.h"
 
 namespace tensorflow {
@@ -31,6 +32,15 @@ class SlotTable {
       if (slots_[i] == kNone) return kNone;
       if (keys_[i] == key) return slots_[i];
     }
+  }
+
+  // Prefetches the cache lines Find(key) reads first (its home entry), so a batch of
+  // lookups can overlap their misses.
+  void Prefetch(int64_t key) const {
+    if (size_ == 0) return;
+    const size_t i = Home(key);
+    PrefetchLine(reinterpret_cast<uintptr_t>(&slots_[i]));
+    PrefetchLine(reinterpret_cast<uintptr_t>(&keys_[i]));
   }
 
   // Sets key's slot (key must not be in the table).
