@@ -10,10 +10,12 @@ rest stay in DRAM: the table grows through ``growth`` batches, then the next ``s
 batches of the stream are timed (``tiered_fit.timed_fit``), their tiered tables' keys
 mostly stored already (Zipf popularity), the rest new.
 """
+import dataclasses
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from tf_fusedemb.benchmarks.lookup_data import CATEGORICAL, DENSE, make_batches, synthetic_columns
 from tf_fusedemb.benchmarks.tiered_fit import (BLOCK_BYTES, ProcessMemory, as_dataset,
                                                check_mode, compile_model, fit_batches,
                                                timed_fit)
@@ -27,7 +29,6 @@ Batch = Tuple[Dict[str, np.ndarray], np.ndarray]
 def dlrm_batches(batch: int, count: int) -> List[Batch]:
     """``count`` batches of ``batch`` synthetic rows: ({"C1".."C26": int64[batch],
     "dense": float32[batch, 13]}, labels float32[batch, 1])."""
-    from tf_fusedemb.benchmarks.lookup_data import make_batches, synthetic_columns  # pylint: disable=import-outside-toplevel
     return make_batches(synthetic_columns(batch, 1, count, SEED), batch, 1, 0, count)
 
 
@@ -59,10 +60,8 @@ def budgets(fraction: str, rows: Dict[str, int]) -> Dict[str, Optional[int]]:
 def build(table_budgets: Dict[str, Optional[int]], spill_dir: str, pipelined: bool) -> Any:
     """(compiled FusedModel, its FusedEmbedding): the lookup benchmark's DLRM, the tables of
     ``table_budgets`` tiered at those budgets."""
-    import dataclasses  # pylint: disable=import-outside-toplevel
     import tensorflow as tf  # in a worker: the launcher loads no TensorFlow # pylint: disable=import-outside-toplevel
     import tf_keras  # in a worker, beside TensorFlow # pylint: disable=import-outside-toplevel
-    from tf_fusedemb.benchmarks.lookup_data import CATEGORICAL, DENSE  # pylint: disable=import-outside-toplevel
     from tf_fusedemb.benchmarks.lookup_models import HIDDEN, feature_specs  # loads TF # pylint: disable=import-outside-toplevel
     from tf_fusedemb.layers import FusedEmbedding  # loads TF: in a worker only # pylint: disable=import-outside-toplevel
     from tf_fusedemb.models import FusedModel  # loads TF: in a worker only # pylint: disable=import-outside-toplevel
