@@ -143,6 +143,13 @@ SHELL: Dict[str, tuple] = {
         "the ops benchmark with 2 repeats of 2 iterations; the lookup and pipeline lines "
         "take minutes: tests/test_benchmark_lookup.py and tests/test_benchmark_pipeline.py "
         "run them with short settings (the pipeline one on emulated hosts where possible)"),
+    "make train-beyond-memory WIDE_IDS=5000000 WIDE_BUDGET_MB= WIDE_LIMIT_MB=": (
+        "substitute",
+        lambda text: [_sub(text, ("make train-beyond-memory WIDE_IDS=5000000",
+                                  "make -o setup train-beyond-memory WIDE_IDS=8192 WIDE_BATCH=256"))],
+        "the same target at 8,192 IDs in batches of 256 (17 steps on 2 workers); setup is "
+        "the suite's own (`-o setup`); tests/test_main_job.py trains --wide-ids under a "
+        "budget against the all-DRAM job, and tests/test_memory_limit.py runs the cgroup"),
     ".venv/bin/python -m tf_fusedemb.testing.module_graph --local": ("run",),
     "make test                 # TF 2.21: the whole suite less the tests marked `tfra`, then "
     "make test-tf216": (
@@ -313,7 +320,7 @@ def test_readme_and_guides_code_blocks_run(workdir):
 
 def _check_block_result(first: str, command: str, text: str, workdir) -> None:
     """What a few blocks must show beyond exiting 0 without noise."""
-    if command.startswith("make -o setup train"):
+    if command.startswith("make -o setup train "):
         lines = [l for l in text.splitlines() if "step " in l and "/4" in l]
         assert lines and "samples/s" not in lines[0], \
             f"the first progress line shows a samples/s before any timed step: {lines[:2]}"
