@@ -71,8 +71,8 @@ import numpy as np  # noqa: E402
 
 from tf_fusedemb.benchmarks import plots, tiered_dlrm  # noqa: E402
 from tf_fusedemb.benchmarks.storage import DIM, ZipfKeys, rss_bytes  # noqa: E402
-from tf_fusedemb.benchmarks.tiered_fit import (MODES, NEW_FRACTION, fit_summary,  # noqa: E402
-                                               fit_worker)
+from tf_fusedemb.benchmarks.tiered_fit import (MODES, NEW_FRACTION, budget_bytes,  # noqa: E402
+                                               fit_summary, fit_worker)
 from tf_fusedemb.benchmarks.timing import emit, time_steps  # noqa: E402
 from tf_fusedemb.specs import InitializerSpec, OptimizerSpec  # noqa: E402
 from tf_fusedemb.testing.memory_limit import MemoryLimit  # noqa: E402
@@ -80,7 +80,6 @@ from tf_fusedemb.testing.memory_limit import MemoryLimit  # noqa: E402
 FRACTIONS = ("1.0", "0.5", "0.2", "0.1", "0.05")
 WORKLOADS = ("engine", "dlrm")
 WORKER_TIMEOUT_S = 3600  # one worker inside a memory cgroup: a 50 M-row table grows for long
-BLOCK_BYTES = 28 + 2 * 4 * DIM  # header, row, Adagrad accumulator
 
 
 class TieredTable:
@@ -174,11 +173,6 @@ def checkpoint_s(t: TieredTable, parent: str) -> float:
         return t.checkpoint_s(directory)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-
-
-def budget_bytes(fraction: str, rows: int) -> Optional[int]:
-    """The DRAM budget of ``fraction`` of a ``rows``-row table's payload; None for "1.0"."""
-    return None if fraction == "1.0" else int(float(fraction) * rows * BLOCK_BYTES)
 
 
 def run_worker(args: List[str], limit_bytes: Optional[int] = None) -> dict:

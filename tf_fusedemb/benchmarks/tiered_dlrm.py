@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from tf_fusedemb.benchmarks.lookup_data import CATEGORICAL, DENSE, make_batches, synthetic_columns
-from tf_fusedemb.benchmarks.tiered_fit import (BLOCK_BYTES, ProcessMemory, as_dataset,
+from tf_fusedemb.benchmarks.tiered_fit import (ProcessMemory, as_dataset, budget_bytes,
                                                check_mode, compile_model, fit_batches,
                                                timed_fit)
 
@@ -53,8 +53,7 @@ def stored_keys(earlier: Sequence[Batch], timed: Sequence[Batch]) -> int:
 
 def budgets(fraction: str, rows: Dict[str, int]) -> Dict[str, Optional[int]]:
     """{tiered table: DRAM budget}: ``fraction`` of its ``rows``' payload, None for "1.0"."""
-    return {c: None if fraction == "1.0" else int(float(fraction) * n * BLOCK_BYTES)
-            for c, n in rows.items()}
+    return {c: budget_bytes(fraction, n) for c, n in rows.items()}
 
 
 def build(table_budgets: Dict[str, Optional[int]], spill_dir: str, pipelined: bool) -> Any:

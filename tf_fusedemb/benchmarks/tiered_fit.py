@@ -57,6 +57,11 @@ def machine_busy_s() -> float:
     return busy / os.sysconf("SC_CLK_TCK")
 
 
+def budget_bytes(fraction: str, rows: int) -> Optional[int]:
+    """The DRAM budget of ``fraction`` of a ``rows``-row table's payload; None for "1.0"."""
+    return None if fraction == "1.0" else int(float(fraction) * rows * BLOCK_BYTES)
+
+
 def compile_model(model: Any, pipelined: bool) -> Any:
     """``model`` compiled as the workloads train it: SGD for the dense part, binary
     cross-entropy, the pipelined fit (``pipeline="dbp"``) or plain fit."""
@@ -143,8 +148,9 @@ class FitMemory(NamedTuple):
 def timed_fit(model: Any, layer: Any, timed: Any, steps: int, stored_keys: int,
               base: ProcessMemory, mode: str) -> Dict[str, Any]:
     """Fits the ``timed`` batches (an ``as_dataset`` of ``steps + 2``, the last ``steps``
-    of them timed) and measures them: ``stored_keys`` is the number of their tables' keys stored before their step
-    (new keys left out of the hit rate), ``base`` the memory before the table grew."""
+    of them timed) and measures them: ``stored_keys`` is the number of their tables' keys
+    stored before their step (new keys left out of the hit rate), ``base`` the memory
+    before the table grew."""
     before = FitMemory.of(layer)
     busy = machine_busy_s()
     ends = fit_batches(model, timed)
