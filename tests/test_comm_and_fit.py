@@ -14,9 +14,9 @@ from tf_fusedemb.specs import FeatureSpec, InitializerSpec, OptimizerSpec, Table
 def test_counters_record_only_traffic_to_other_ranks():
     c = CommCounters("g")
     c.record(tf.constant([3, 5, 0], tf.int32), tf.constant([3, 2, 4], tf.int32),
-             tf.constant(64, tf.int64), rank=0)
+             tf.zeros([0, 16], tf.float32), rank=0)  # rows of 64 bytes
     c.record(tf.constant([1, 1, 1], tf.int32), tf.constant([0, 0, 0], tf.int32),
-             tf.constant(8, tf.int64), rank=0)
+             tf.zeros([0, 2, 2], tf.bfloat16), rank=0)  # rows of 8 bytes
     snap = c.snapshot()
     assert snap == {"rounds": 2, "bytes_sent": 5 * 64 + 2 * 8,
                     "bytes_received": 6 * 64, "messages": 1 + 2}

@@ -42,7 +42,8 @@ def test_op_types_in_graphs_are_the_fixed_names():
         g, rec = ops.recovery_gather(rows, r.indices, u.inverse)
         p = ops.recovery_pool(rows, rec, tf.range(tf.size(rec, tf.int64) + 1), [0, tf.size(
             rec, tf.int64)], ["mean"])
-        return g, p, h.lookup_keys, init, ops.owner_rank(k, 2)
+        counts = ops.exchange_counts(r.rank_splits, r.rank_splits, rows, 0)
+        return g, p, h.lookup_keys, init, ops.owner_rank(k, 2), counts
 
     graph = f.get_concrete_function(tf.TensorSpec([None], tf.int64),
                                     tf.TensorSpec([None], tf.int64)).graph

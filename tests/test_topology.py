@@ -9,6 +9,7 @@ import tensorflow as tf
 import tf_keras
 
 from horovod_launch import horovodrun
+from tf_fusedemb import ops
 from tf_fusedemb.comm import CommCounters, LocalCommunicator
 from tf_fusedemb.comm.cost_model import (LinkCosts, TrafficHints, estimate,
                                          measure_node_stage_s_per_key, node_dedup_ratio)
@@ -47,10 +48,10 @@ def test_topology_from_environment_and_override():
 def test_counters_by_link_class():
     c = CommCounters("g", link_classes=True)
     # A 4-rank world of 2 nodes, this rank is 1 (node 0 = ranks 0, 1).
-    c.record(tf.constant([2, 0, 3, 1]), tf.constant([1, 5, 0, 4]), tf.constant(8, tf.int64),
-             rank=1, same_node=[True, True, False, False])
-    c.record(tf.constant([0, 7]), tf.constant([6, 7]), tf.constant(4, tf.int64), rank=1,
-             same_node=[True, True])  # a node-stage round: intra only
+    c.record(tf.constant([2, 0, 3, 1]), tf.constant([1, 5, 0, 4]), tf.zeros([9, 2], tf.float32),
+             rank=1, same_node=[True, True, False, False])  # rows of 8 bytes
+    c.record(tf.constant([0, 7]), tf.constant([6, 7]), tf.zeros([7], tf.int32), rank=1,
+             same_node=[True, True])  # a node-stage round, intra only; 4-byte keys
     s = c.snapshot()
     assert s["rounds"] == 2 and s["intra_rounds"] == 2 and s["inter_rounds"] == 1
     assert s["intra_bytes_sent"] == 2 * 8 and s["inter_bytes_sent"] == 4 * 8
@@ -59,6 +60,39 @@ def test_counters_by_link_class():
     assert s["intra_messages"] == 1 and s["inter_messages"] == 2
     assert set(CommCounters("h").snapshot()) == {"rounds", "bytes_sent", "bytes_received",
                                                  "messages"}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_exchange_counts_equal_numpy(seed):
+    """ops.exchange_counts against numpy's masks and sums, on random sets of 1-9 ranks."""
+    rng = np.random.default_rng(seed)
+    k = int(rng.integers(1, 10))
+    rank = int(rng.integers(0, k))
+    send, recv = rng.integers(0, 4, k), rng.integers(0, 4, k)  # zeros included
+    same = rng.random(k) < 0.5
+    same[rank] = True
+    like = tf.zeros([3, 5, 2], tf.float16)  # 5 * 2 * 2 = 20 bytes a row
+    got = ops.exchange_counts(send.astype(np.int32), recv.astype(np.int32), like, rank,
+                              same.tolist()).numpy()
+    others = np.arange(k) != rank
+
+    def fields(peers, rounds):
+        return [rounds, 20 * send[peers].sum(), 20 * recv[peers].sum(), (send[peers] > 0).sum()]
+    intra, inter = others & same, ~same
+    want = fields(others, 1) + fields(intra, int(intra.any())) + fields(inter, int(inter.any()))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(
+        ops.exchange_counts(send.astype(np.int32), recv.astype(np.int32), like, rank).numpy(),
+        want[:4])
+
+
+def test_exchange_counts_reject_mismatched_splits():
+    with pytest.raises(tf.errors.InvalidArgumentError, match="differ in length"):
+        ops.exchange_counts([1, 2], [1], tf.zeros([1]), 0)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="outside the set"):
+        ops.exchange_counts([1, 2], [1, 2], tf.zeros([1]), 2)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="same_node has 1"):
+        ops.exchange_counts([1, 2], [1, 2], tf.zeros([1]), 0, [True])
 
 
 def test_cost_model_prefers_hierarchical_on_slow_inter_node_links():

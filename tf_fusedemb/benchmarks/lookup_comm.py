@@ -31,11 +31,6 @@ from tf_fusedemb.comm.counters import FIELDS as COUNTER_FIELDS
 _state = threading.local()
 
 
-def _row_bytes(tensor):
-    row_elems = tf.reduce_prod(tf.shape(tensor, out_type=tf.int64)[1:])
-    return row_elems * tensor.dtype.size
-
-
 class AlltoallShim:
     """Installs a counting wrapper around ``horovod.tensorflow.alltoall`` (once per
     process). It counts only inside :meth:`counting` blocks; elsewhere it is the plain
@@ -76,8 +71,7 @@ class AlltoallShim:
 def _record(counters, rank, tensor, splits, received, recv_splits):
     tensor = tf.convert_to_tensor(tensor)
     splits = tf.cast(splits, tf.int32)
-    with tf.control_dependencies([counters.record(splits, recv_splits, _row_bytes(tensor),
-                                                  rank)]):
+    with tf.control_dependencies([counters.record(splits, recv_splits, tensor, rank)]):
         received = tf.identity(received)
     if not tensor.dtype.is_floating:
         return received, recv_splits
@@ -87,8 +81,7 @@ def _record(counters, rank, tensor, splits, received, recv_splits):
         def grad(dy):
             dy = tf.convert_to_tensor(dy)
             # Horovod's gradient sends dy back with splits=recv_splits, receives splits.
-            with tf.control_dependencies([counters.record(recv_splits, splits,
-                                                          _row_bytes(dy), rank)]):
+            with tf.control_dependencies([counters.record(recv_splits, splits, dy, rank)]):
                 return tf.identity(dy)
         return tf.identity(x), grad
     return tap(received), recv_splits

@@ -26,12 +26,6 @@ from tf_fusedemb.comm.counters import CommCounters
 from tf_fusedemb.comm.topology import Topology, init_horovod
 
 
-def _row_bytes(tensor: tf.Tensor) -> tf.Tensor:
-    """Bytes of one row (first dimension) of ``tensor``, as an int64 tensor."""
-    row_elems = tf.reduce_prod(tf.shape(tensor, out_type=tf.int64)[1:])
-    return row_elems * tensor.dtype.size
-
-
 class Communicator:
     """Interface: ``rank``, ``size``, ``topology``, ``alltoall``, ``allreduce_sum``,
     ``allgather``, ``allgather_object``, ``broadcast``."""
@@ -189,7 +183,7 @@ class HorovodCommunicator(Communicator):
 
         def count(send, recv, like):
             if counters is not None:
-                counters.record(send, recv, _row_bytes(like), index, same_node)
+                counters.record(send, recv, like, index, same_node)
 
         # Counter updates are not made control inputs of the received tensors: they run
         # anyway (stateful ops in a tf.function, or eagerly), and gating on them would

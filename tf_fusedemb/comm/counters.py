@@ -3,7 +3,8 @@ from typing import Dict, Mapping, Optional, Sequence
 
 import tensorflow as tf
 
-FIELDS = ("rounds", "bytes_sent", "bytes_received", "messages")  # totals, always counted
+from tf_fusedemb.ops.exchange_counts import FIELDS, exchange_counts  # FIELDS: the totals
+
 LINK_CLASSES = ("intra", "inter")  # inside a node / between nodes (comm.topology)
 LINK_FIELDS = tuple(f"{c}_{f}" for c in LINK_CLASSES for f in FIELDS)
 
@@ -25,37 +26,29 @@ class CommCounters(tf.Module):
         super().__init__(name=f"comm_{group_name}")
         self.group_name = group_name
         self.fields = FIELDS + LINK_FIELDS if link_classes else FIELDS
-        with tf.init_scope():
-            self._vars = {f: tf.Variable(tf.constant(0, tf.int64), trainable=False,
-                                         name=f"{group_name}_{f}") for f in self.fields}
+        with tf.init_scope():  # one variable, so a round is one AssignAdd
+            self._counts = tf.Variable(tf.zeros([len(self.fields)], tf.int64), trainable=False,
+                                       name=f"{group_name}_counts")
 
-    def record(self, send_splits: tf.Tensor, recv_splits: tf.Tensor, row_bytes: tf.Tensor,
+    def record(self, send_splits: tf.Tensor, recv_splits: tf.Tensor, like: tf.Tensor,
                rank: int, same_node: Optional[Sequence[bool]] = None) -> tf.Operation:
-        """Adds one AlltoAll round.
+        """Adds one AlltoAll round (two ops: ``ops.exchange_counts`` and its AssignAdd).
 
         Args:
           send_splits, recv_splits: int32[k] rows sent to / received from each member of
             the collective's set (the world or a process set), in set order.
-          row_bytes: bytes per row (int64 scalar).
+          like: the tensor exchanged, [rows, ...] (its row size in bytes is counted).
           rank: this rank's position in the set.
           same_node: bool[k] (Python list), whether each member is on this rank's node
             (used with ``link_classes``; None counts only the totals).
         """
-        send = tf.cast(send_splits, tf.int64)
-        recv = tf.cast(recv_splits, tf.int64)
-        others = tf.not_equal(tf.range(tf.size(send)), rank)
-        updates = _class_updates("", send, recv, row_bytes, others)
-        if same_node is not None and len(self.fields) > len(FIELDS):
-            same = tf.constant(list(same_node), tf.bool)
-            updates.update(_class_updates("intra_", send, recv, row_bytes,
-                                          tf.logical_and(others, same)))
-            updates.update(_class_updates("inter_", send, recv, row_bytes,
-                                          tf.logical_not(same)))
-        return tf.group([self._vars[f].assign_add(v) for f, v in updates.items()])
+        classes = same_node if len(self.fields) > len(FIELDS) else None
+        return self._counts.assign_add(
+            exchange_counts(send_splits, recv_splits, like, rank, classes)).op
 
     def snapshot(self) -> Dict[str, int]:
         """Current cumulative values as a dict of Python ints."""
-        return {f: int(v.numpy()) for f, v in self._vars.items()}
+        return dict(zip(self.fields, (int(v) for v in self._counts.numpy())))
 
     @staticmethod
     def per_step(before: Mapping[str, int], after: Mapping[str, int],
@@ -67,14 +60,3 @@ class CommCounters(tf.Module):
             1, after["messages"] - before["messages"])
         return d
 
-
-def _class_updates(prefix, send, recv, row_bytes, peers):
-    """Counter increments of one round restricted to the ``peers`` mask (bool[k])."""
-    mask = tf.cast(peers, tf.int64)
-    return {
-        f"{prefix}rounds": tf.cast(tf.reduce_any(peers), tf.int64) if prefix
-        else tf.constant(1, tf.int64),
-        f"{prefix}bytes_sent": tf.reduce_sum(send * mask) * row_bytes,
-        f"{prefix}bytes_received": tf.reduce_sum(recv * mask) * row_bytes,
-        f"{prefix}messages": tf.reduce_sum(tf.cast(send > 0, tf.int64) * mask),
-    }

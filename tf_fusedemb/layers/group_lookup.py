@@ -24,7 +24,7 @@ from tf_fusedemb.layers.inputs import FlatFeature, id_ranges, out_of_range_messa
 from tf_fusedemb.layers.lookup_context import NO_CONTEXT, LookupContext
 from tf_fusedemb.layers.routed_lookup import RoutedLookup, same_ids
 from tf_fusedemb.layers.row_update import RowUpdate, through_row_update
-from tf_fusedemb.ops import hashing
+from tf_fusedemb.ops import hashing, static_sizes
 from tf_fusedemb.specs import FusedGroup
 
 KEY_MODES = ("hashed", "packed")
@@ -96,7 +96,7 @@ class GroupLookup(tf.Module):
         """Steps 1-5 of the lookup for ``flats``: fuse, segment unique, rankwise sort, the
         key AlltoAll and category hashing on the owner (access statistics recorded).
         Returns the RoutedLookup (no rows yet)."""
-        lengths = tf.stack([tf.size(f.ids, out_type=tf.int64) for f in flats])
+        lengths = static_sizes.stack_ints([static_sizes.num_elements(f.ids) for f in flats])
         splits = tf.concat([tf.zeros([1], tf.int64), tf.cumsum(lengths)], 0)
         ids = tf.concat([f.ids for f in flats], 0)
         uniq = ops.segment_unique(ids, splits)

@@ -3,6 +3,7 @@ from typing import Any, List, Optional, Tuple, Union
 
 import tensorflow as tf
 
+from tf_fusedemb.ops import static_sizes
 from tf_fusedemb.ops.recovery import SampleSplits, UniformSplits
 from tf_fusedemb.specs import FeatureSpec
 
@@ -40,7 +41,7 @@ class FlatFeature:
         """int64 scalar B, the samples of the batch."""
         if self.ids_per_sample is None:
             return tf.shape(self.row_splits, out_type=tf.int64)[0] - 1
-        n = tf.size(self.ids, out_type=tf.int64)
+        n = tf.size(self.ids, out_type=tf.int64)  # a tensor, as for ragged features
         return n if self.ids_per_sample == 1 else n // self.ids_per_sample
 
     def sample_splits(self) -> SampleSplits:
@@ -48,7 +49,7 @@ class FlatFeature:
         where every sample has the same number of IDs, else ``row_splits``."""
         if self.ids_per_sample is None:
             return self.row_splits
-        return UniformSplits(self.ids_per_sample, tf.size(self.ids, out_type=tf.int64))
+        return UniformSplits(self.ids_per_sample, static_sizes.num_elements(self.ids))
 
 
 def flatten_feature(spec: FeatureSpec, value: Any, id_bits: Optional[int] = None,

@@ -10,14 +10,16 @@ import tensorflow as tf
 
 from tf_fusedemb.ops import _loader, _validate
 from tf_fusedemb.ops._validate import TensorLike
+from tf_fusedemb.ops.static_sizes import IntLike, stack_ints
 from tf_fusedemb.specs import COMBINERS
 
 
 class UniformSplits(NamedTuple):
-    """A feature whose every sample has ``ids_per_sample`` L IDs: ``num_ids`` int64
-    scalar n of them, so B = n / L samples (its row splits are 0, L, 2L, ..., n)."""
+    """A feature whose every sample has ``ids_per_sample`` L IDs: ``num_ids`` n of them
+    (a Python int when known at trace time, else an int64 scalar), so B = n / L samples
+    (its row splits are 0, L, 2L, ..., n)."""
     ids_per_sample: int
-    num_ids: tf.Tensor
+    num_ids: IntLike
 
 
 # How a feature's IDs split into samples: row splits int64[B+1], or UniformSplits.
@@ -129,9 +131,9 @@ def group_pool_splits(feature_row_splits: Sequence[SampleSplits],
     features a group fuses."""
     uniform = [_as_uniform(s, c) for s, c in zip(feature_row_splits, combiners)]
     ragged = [tf.cast(s, tf.int64) for s, u in zip(feature_row_splits, uniform) if u is None]
-    num_ids = tf.stack([u.num_ids if u else rs[-1] for u, rs in _zip_ragged(uniform, ragged)])
-    sizes = tf.stack([_uniform_size(u) if u else tf.size(rs, out_type=tf.int64) - 1
-                      for u, rs in _zip_ragged(uniform, ragged)])  # B_f
+    num_ids = stack_ints([u.num_ids if u else rs[-1] for u, rs in _zip_ragged(uniform, ragged)])
+    sizes = stack_ints([_uniform_size(u) if u else tf.size(rs, out_type=tf.int64) - 1
+                        for u, rs in _zip_ragged(uniform, ragged)])  # B_f
     ends = tf.cumsum(sizes)
     # Kept split j (every feature's row splits but the leading 0, in order) is sample k
     # of feature f = #{ends <= j}: its value is (k + 1) L_f, or rs_f[k + 1] if ragged.
@@ -167,7 +169,7 @@ def _as_uniform(splits: SampleSplits, combiner: Optional[str]) -> Optional[Unifo
     return None
 
 
-def _uniform_size(u: UniformSplits) -> tf.Tensor:
+def _uniform_size(u: UniformSplits) -> IntLike:
     """B = n / L of a uniform feature."""
     return u.num_ids if u.ids_per_sample == 1 else u.num_ids // u.ids_per_sample
 
