@@ -180,14 +180,11 @@ class KerasLoss:
                                                 None if sw is None else tf.convert_to_tensor(sw))
             elements = tf.cast(obj(y_t, y_p, sample_weight=sw), tf.float32)
             count = _element_count(elements, y_t)
-            check = tf.debugging.assert_equal(  # gates the sum only, never the count
-                tf.cast(tf.size(elements), tf.float32), count,
-                message=f"output {i}: the loss's elements per row differ from its static shape")
-            with tf.control_dependencies([check]):
-                sums.append(tf.reduce_sum(elements))
+            sums.append(_checked_sum(elements, count, f"output {i}: the loss's elements per row "
+                                                      "differ from its static shape"))
             counts.append(count)
             if rows is None:
-                rows = tf.cast(tf.shape(y_t)[0], tf.float32)
+                rows = _as_float(_batch_size(y_t))
         if rows is None:
             raise ValueError("no output has both a loss and labels")
         return LossPartial(sums, counts, rows, outputs)
@@ -255,4 +252,29 @@ def _element_count(elements: tf.Tensor, y_true: tf.Tensor) -> tf.Tensor:
         return tf.cast(tf.size(elements), tf.float32)
     if elements.shape.rank == 0:  # a loss that reduced the batch itself
         return tf.constant(1.0)
-    return tf.cast(tf.shape(y_true)[0] * per_row.num_elements(), tf.float32)
+    return _as_float(_batch_size(y_true) * per_row.num_elements())
+
+
+def _checked_sum(elements: tf.Tensor, count: tf.Tensor, message: str) -> tf.Tensor:
+    """The sum of ``elements``, gated by a check that they are ``count`` many (the check
+    gates the sum only, never the count). Checked when traced where both are static, so a
+    static batch adds no assertion to the step."""
+    size, want = elements.shape.num_elements(), tf.get_static_value(count)
+    if size is not None and want is not None:
+        if size != want:
+            raise ValueError(f"{message}: {size} elements, {want} expected")
+        return tf.reduce_sum(elements)
+    check = tf.debugging.assert_equal(tf.cast(tf.size(elements), tf.float32), count,
+                                      message=message)
+    with tf.control_dependencies([check]):
+        return tf.reduce_sum(elements)
+
+
+def _batch_size(y_true: tf.Tensor) -> Union[int, tf.Tensor]:
+    """Rows of ``y_true``: a Python int when static, else an int32 scalar."""
+    static = y_true.shape[0] if y_true.shape.rank else None
+    return int(static) if static is not None else tf.shape(y_true)[0]
+
+
+def _as_float(value: Union[int, tf.Tensor]) -> tf.Tensor:
+    return tf.constant(float(value)) if isinstance(value, int) else tf.cast(value, tf.float32)

@@ -18,12 +18,14 @@ Non-trainable state that a training forward pass updates from the rank's own bat
 (BatchNormalization's moving statistics) is averaged over the ranks after every step
 (:meth:`DenseReplicas.average_forward_state`), so it stays one model too.
 
-Both run inside the traced step, in ``tf.cond`` branches on counters that are equal on
-every rank, so every rank runs the same collectives. TensorFlow's automatic control
-dependencies order the broadcast's writes before the forward pass's reads of the same
-variables. A checkpoint restore re-arms the broadcast (:meth:`DenseReplicas.resync`): the
-restored values are read on every rank from the same files, and the next step makes
-them rank 0's bit for bit anyway.
+Both run when the first step is traced (or run, eagerly), on every rank: every rank
+traces its first step, so every rank runs the same collectives. They run eagerly even
+then (``tf.init_scope``), so the traced step holds neither: its graph stays the step's
+own. Only a periodic guard (``check_every``) is part of the traced step, in a ``tf.cond``
+on a step counter that is equal on every rank. A checkpoint restore broadcasts again
+(:meth:`DenseReplicas.resync`, a collective of the restore): the restored values are read
+on every rank from the same files, and the broadcast makes them rank 0's bit for bit
+anyway.
 
 Usage: nothing; ``train_step``, ``test_step`` and ``FusedModel`` call
 ``replicas_of(model).synchronize(...)``. One :class:`DenseReplicas` exists per model.
@@ -36,7 +38,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_fusedemb.comm import Communicator
-from tf_fusedemb.layers.model_embeddings import fused_embedding_layers
+from tf_fusedemb.layers.model_embeddings import ModelEmbeddings, fused_embedding_layers
 
 __all__ = ["DenseReplicas", "ReplicaMismatchError", "broadcast_from_root", "build_by_tracing",
            "dense_variables", "replicas_of"]
@@ -111,8 +113,10 @@ class DenseReplicas:
             raise ValueError(f"check_every must be an int >= 1 or None, got {check_every!r}")
         self._model = weakref.ref(model)
         self.check_every = check_every
+        self._synced = False  # rank 0's dense state broadcast since the last resync
+        self._checked = False  # the first training step's guard has run
+        self._optimizer: Optional[Any] = None  # the last step's, for resync's broadcast
         with tf.init_scope():
-            self._synced = tf.Variable(False, trainable=False, name="fusedemb_dense_synced")
             self._steps = tf.Variable(0, dtype=tf.int64, trainable=False,
                                       name="fusedemb_dense_steps")
 
@@ -123,16 +127,27 @@ class DenseReplicas:
             raise RuntimeError("DenseReplicas: its model was garbage collected")
         return model
 
-    def resync(self) -> None:
-        """Makes the next step broadcast rank 0's dense state again (after a restore, or
-        after weights were set on some ranks only). Eager."""
-        self._synced.assign(False)
+    def resync(self, comm: Optional[Communicator] = None) -> None:
+        """Broadcasts rank 0's dense state again now (after a restore, or after weights
+        were set on some ranks only): a collective, every rank calls it. Eager. Before the
+        model is built, the next step broadcasts instead.
+
+        Args:
+          comm: the model's (default: its FusedEmbedding layers' communicator).
+        """
+        self._synced = False
+        model = self._live_model()
+        comm = comm or ModelEmbeddings.of(model).communicator
+        if comm.size > 1 and model.built:
+            self._broadcast_now(comm)
 
     def synchronize(self, comm: Communicator,
                     optimizer: Optional[tf_keras.optimizers.Optimizer] = None, x: Any = None,
                     training: bool = False) -> tf.Tensor:
         """Broadcasts rank 0's dense state if not done yet and, in training, runs the
-        guard when due; returns a bool scalar (True) to depend on.
+        guard when due; returns a bool scalar (True) to depend on. Called while a step is
+        traced, the broadcast and the first step's guard run then, eagerly: the traced
+        step holds only the periodic guard (``check_every``).
 
         Args:
           comm: the step's Communicator (nothing happens in one process).
@@ -147,19 +162,20 @@ class DenseReplicas:
         model = self._live_model()
         if x is not None and not model.built:
             build_by_tracing(model, x)
-        dense = dense_variables(model)
-        synced = tf.cond(self._synced, lambda: tf.constant(True),
-                         lambda: self._broadcast(comm, dense + _optimizer_variables(optimizer)))
-        if not training:
-            return synced
-        with tf.control_dependencies([synced]):
-            step = self._steps.assign_add(1)
-        due = tf.equal(step, 1)
-        if self.check_every is not None:
-            due = tf.logical_or(due, tf.equal(step % self.check_every, 0))
-        checked = tf.cond(due, lambda: self._check(comm, dense),
-                          lambda: tf.constant(True))
-        return tf.logical_and(synced, checked)
+        self._optimizer = optimizer or self._optimizer
+        with tf.init_scope():  # eager, also while the step is traced
+            if not self._synced:
+                self._broadcast_now(comm)
+                self._checked = self._checked or training  # equal now: nothing to check
+            elif training and not self._checked:
+                self.verify(comm)  # synced by an evaluation, changed since on some rank?
+                self._checked = True
+        if not training or self.check_every is None:
+            return tf.constant(True)
+        step = self._steps.assign_add(1)
+        return tf.cond(tf.equal(step % self.check_every, 0),
+                       lambda: self._check(comm, dense_variables(model)),
+                       lambda: tf.constant(True))
 
     def average_forward_state(self, comm: Communicator) -> List[tf.Tensor]:
         """Averages over ranks the non-trainable float variables a training forward pass
@@ -188,11 +204,14 @@ class DenseReplicas:
             if ranks:
                 raise ReplicaMismatchError(MISMATCH.format(v.name, ", ".join(map(str, ranks))))
 
-    # ---------------------------------------------------------------- traced parts
-    def _broadcast(self, comm, variables) -> tf.Tensor:
-        with tf.control_dependencies(broadcast_from_root(comm, variables)):
-            return tf.identity(self._synced.assign(True))
+    def _broadcast_now(self, comm: Communicator) -> None:
+        """Rank 0's dense state, and the optimizer's variables that exist, on every rank
+        (eager)."""
+        model = self._live_model()
+        broadcast_from_root(comm, dense_variables(model) + _optimizer_variables(self._optimizer))
+        self._synced = True
 
+    # ---------------------------------------------------------------- traced part
     def _check(self, comm, variables) -> tf.Tensor:
         gathered = comm.allgather(fingerprints(variables)[None, :], FINGERPRINT_NAME)
         differs = tf.not_equal(gathered, gathered[ROOT_RANK:ROOT_RANK + 1])  # bool[N, V]
@@ -212,8 +231,8 @@ _REPLICAS: "weakref.WeakKeyDictionary[tf_keras.Model, DenseReplicas]" = weakref.
 
 def replicas_of(model: tf_keras.Model, check_every: Optional[int] = None) -> DenseReplicas:
     """The one :class:`DenseReplicas` of ``model`` (made on first use; ``check_every``
-    applies when given). It holds two variables: made inside a ``tf.function``'s first
-    trace (a custom loop's first ``train_step``), they make TensorFlow trace once more;
+    applies when given). It holds a variable: made inside a ``tf.function``'s first
+    trace (a custom loop's first ``train_step``), it makes TensorFlow trace once more;
     call this before tracing to avoid it (``FusedModel.compile``, ``NestedPipeline`` and
     ``train.py`` do)."""
     replicas = _REPLICAS.get(model)

@@ -301,7 +301,7 @@ def _backwards(forwards: Sequence[MicroBatchForward], scales: List[tf.Tensor],
     """Every micro-batch's backward, in order: (the dense gradients summed over the
     micro-batches, one per variable; per prepared lookup, its micro-batches' (keys int64[u],
     row gradients float32[u, dim], init keys int64[u]))."""
-    dense_sum = [tf.zeros_like(v) for v in dense_vars]
+    dense_sum: List[tf.Tensor] = []  # the first micro-batch's gradients start the sums
     parts: List[List[Tuple[tf.Tensor, tf.Tensor, tf.Tensor]]] = [[] for _ in range(num_lookups)]
     previous: List[tf.Tensor] = []
     for i, f in enumerate(forwards):
@@ -317,7 +317,7 @@ def _backwards(forwards: Sequence[MicroBatchForward], scales: List[tf.Tensor],
                                     output_gradients=coefficients)
         local = [dense_gradient(g, v) for g, v in zip(grads, dense_vars)]
         previous = local if len(forwards) > 1 else []
-        dense_sum = [a + g for a, g in zip(dense_sum, local)]
+        dense_sum = [a + g for a, g in zip(dense_sum, local)] if dense_sum else local
         for (j, r), g in zip(watched, grads[len(dense_vars):]):
             parts[j].append((r.keys, row_gradient(g, r.rows), r.init_keys))
     return dense_sum, parts
