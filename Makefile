@@ -181,7 +181,7 @@ docs: $(DOCS_STAMP)
 # the machine alone run one after another on one worker (tests/conftest.py: SERIAL_FILES).
 TEST_SELECT := $(if $(filter tf216,$(STACK)),,-m "not tfra")
 TEST_WORKERS ?= 2
-PYTEST_RUN = $(PY) -m pytest -q -rs --timeout=900 -n $(TEST_WORKERS) --dist loadgroup --durations=25
+PYTEST_RUN = $(PY) -m pytest -q -rs --timeout=900 -n $(TEST_WORKERS) --dist loadgroup --durations=60
 test: typecheck $(DOCS_STAMP) setup
 	$(PYTEST_RUN) $(TEST_SELECT) tests
 	$(if $(filter tf216,$(STACK)),,$(MAKE) test-tf216)

@@ -4,6 +4,13 @@ weights, every table row (read back through the layer) and the communication cou
 
     horovodrun -np 2 --gloo -H localhost:2 python tests/mp_train_equivalence.py --steps 20
     python tests/mp_train_equivalence.py   # single process, no Horovod
+
+Several runs in one launch (each from a fresh model, one RESULT line each with its
+``run`` index): the options before the first ``--each`` apply to every run, those after
+each ``--each`` to that run only. One launch then pays the processes' start-up once::
+
+    horovodrun ... tests/mp_train_equivalence.py --steps 32 --each --pipeline dbp \
+        --each --pipeline fwp=2
 """
 import argparse
 import json
@@ -42,7 +49,32 @@ def read_state(layer, head):
                        for n, r in rows.items()}}
 
 
+EACH = "--each"  # separates the runs of one launch (see module doc)
+
+
+def runs_of(argv):
+    """The runs' argument lists: the options before the first ``--each`` with those of
+    each run (one run without ``--each``)."""
+    parts, current = [], []
+    for arg in argv:
+        if arg == EACH:
+            parts.append(current)
+            current = []
+        else:
+            current.append(arg)
+    parts.append(current)
+    common, runs = parts[0], parts[1:] or [[]]
+    return [common + run for run in runs]
+
+
 def main(argv=None):
+    comm = get_communicator()
+    for index, run_argv in enumerate(runs_of(sys.argv[1:] if argv is None else argv)):
+        train(run_argv, comm, index)
+
+
+def train(argv, comm, index=0):
+    """One run (``argv``: its options), from a fresh model; rank 0 prints its RESULT."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--empty-step", type=int, default=None)
@@ -70,7 +102,6 @@ def main(argv=None):
                         help="rank 1 builds feature 'a' with another dim (must fail clearly)")
     args = parser.parse_args(argv)
 
-    comm = get_communicator()
     specs = em.feature_specs(args.storage)
     if args.mismatch and comm.rank == 1:
         from tf_fusedemb.specs import FeatureSpec, TableSpec
@@ -141,6 +172,7 @@ def main(argv=None):
     state = read_state(layer, head)
     if comm.rank == 0:
         result = {
+            "run": index,
             "losses": losses,
             "dense": state["dense"],
             "num_trainable": len(model.trainable_variables),

@@ -29,9 +29,16 @@ def reference_run(steps=STEPS):
 
 
 def parse_result(stdout):
+    return parse_results(stdout, 1)[0]
+
+
+def parse_results(stdout, runs):
+    """The RESULT of each of a launch's ``runs`` (mp_train_equivalence's ``--each``)."""
     lines = [l for l in stdout.splitlines() if "RESULT " in l]
-    assert len(lines) == 1, stdout[-3000:]
-    return json.loads(lines[0].split("RESULT ", 1)[1])
+    assert len(lines) == runs, stdout[-3000:]
+    results = [json.loads(l.split("RESULT ", 1)[1]) for l in lines]
+    assert [r["run"] for r in results] == list(range(runs)), "runs out of order"
+    return results
 
 
 def assert_equivalent(result, num_ranks, reference=None):

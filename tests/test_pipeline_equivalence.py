@@ -12,7 +12,8 @@ import pytest
 import equivalence_model as em
 from horovod_launch import horovodrun
 import test_fused_embedding_equivalence as fused_equivalence
-from test_fused_embedding_equivalence import parse_result, run_single_process
+from mp_train_equivalence import EACH
+from test_fused_embedding_equivalence import parse_result, parse_results, run_single_process
 
 STEPS = 32
 SCRIPT = "tests/mp_train_equivalence.py"
@@ -53,26 +54,45 @@ def test_consecutive_batches_share_hot_keys():
     assert hot_keys_shared() >= 1
 
 
-MODES = {  # (ranks, mode): worker options
-    (2, "dbp"): ["--pipeline", "dbp"],
-    (2, "dbp_novertical"): ["--pipeline", "dbp,novertical"],
-    (2, "fwp2"): ["--pipeline", "fwp=2"],
-    (2, "fwp4"): ["--pipeline", "fwp=4"],
-    (2, "fwp4_cluster"): ["--pipeline", "fwp=4", "--cluster", "4"],
-    (2, "all"): ["--pipeline", "dbp,fwp=4", "--cluster", "4"],
-    # Step 7 gives the last of 3 ranks an empty batch (then every micro-batch is empty).
-    # On 3 ranks, the modes together only: each alone runs on 2 ranks above, and one 3-rank
-    # job costs about 2 minutes of the suite.
-    (3, "all"): ["--pipeline", "dbp,fwp=4", "--cluster", "4", "--empty-step", "7"],
+TWO_RANK_MODES = {  # mode: worker options, every mode a run of one 2-rank launch
+    "dbp": ["--pipeline", "dbp"],
+    "dbp_novertical": ["--pipeline", "dbp,novertical"],
+    "fwp2": ["--pipeline", "fwp=2"],
+    "fwp4": ["--pipeline", "fwp=4"],
+    "fwp4_cluster": ["--pipeline", "fwp=4", "--cluster", "4"],
+    "all": ["--pipeline", "dbp,fwp=4", "--cluster", "4"],
+    # Prefetch without the dual-buffer synchronisation: must differ (test_stale_...).
+    "stale": ["--pipeline", "dbp", "--stale"],
 }
+# Step 7 gives the last of 3 ranks an empty batch (then every micro-batch is empty). On 3
+# ranks, the modes together only: each alone runs on 2 ranks above, and one 3-rank job
+# costs about 2 minutes of the suite.
+THREE_RANKS_ALL = ["--pipeline", "dbp,fwp=4", "--cluster", "4", "--empty-step", "7"]
+# The 2-rank launch's tests run on one pytest-xdist worker, so it runs once.
+TWO_RANK_LAUNCH = pytest.mark.xdist_group("pipeline_equivalence_two_ranks")
+
+
+@functools.lru_cache(maxsize=None)
+def two_rank_results():
+    """{mode: RESULT} of every 2-rank mode, from one launch (one process start per rank)."""
+    args = [SCRIPT, "--steps", str(STEPS)]
+    for options in TWO_RANK_MODES.values():
+        args += [EACH, *options]
+    out = horovodrun(args, 2, timeout=1100)
+    return dict(zip(TWO_RANK_MODES, parse_results(out, len(TWO_RANK_MODES))))
+
+
+@TWO_RANK_LAUNCH
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("mode", sorted(set(TWO_RANK_MODES) - {"stale"}))
+def test_two_ranks_equal_synchronous(mode):
+    assert_equivalent(two_rank_results()[mode])
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("num_proc,mode", sorted(MODES))
-def test_multi_rank_equals_synchronous(num_proc, mode):
-    result = parse_result(horovodrun([SCRIPT, "--steps", str(STEPS), *MODES[num_proc, mode]],
-                                     num_proc, timeout=500))
-    assert_equivalent(result)
+def test_three_ranks_all_modes_equal_synchronous():
+    assert_equivalent(parse_result(horovodrun([SCRIPT, "--steps", str(STEPS), *THREE_RANKS_ALL],
+                                              3, timeout=500)))
 
 
 @pytest.mark.timeout(600)
@@ -81,12 +101,12 @@ def test_single_process_all_modes_equal_synchronous():
                                          "--cluster", "2"))
 
 
-@pytest.mark.timeout(600)
+@TWO_RANK_LAUNCH
+@pytest.mark.timeout(1200)
 def test_stale_prefetch_differs():
     """Without the dual-buffer synchronisation, batch t+1 reads the shared hot rows before
     batch t's update: training is no longer synchronous and the check catches it."""
-    result = parse_result(horovodrun([SCRIPT, "--steps", str(STEPS), "--pipeline", "dbp",
-                                      "--stale"], 2, timeout=500))
+    result = two_rank_results()["stale"]
     losses, _, _ = reference()
     assert result["losses"][0] == pytest.approx(losses[0], rel=1e-6)  # step 0 has no past
     assert max_relative_error(result) > 1e-3
