@@ -64,6 +64,12 @@ struct __attribute__((packed, aligned(4))) BlockHeader {
   static constexpr uint64_t kCountBits = 48;
   static constexpr uint64_t kMaxCount = (uint64_t{1} << kCountBits) - 1;
   static constexpr uint32_t kNoTable = 0xFFFF;  // not tracked: no identity recorded
+  // count_table of a freed block (Blocks marks it), so a scan of the arenas in address
+  // order can skip the freed blocks without an index probe each. No live block the engine
+  // makes has it (Record sets a table below kNoTable; an untracked block's count is 0); a
+  // forged one adopted from a checkpoint would only be skipped by the SSD tier's victim
+  // scan, staying in DRAM.
+  static constexpr uint64_t kFreed = ~uint64_t{0};
 
   int64_t key;
   int64_t id;            // original instance ID (statistics)
@@ -76,6 +82,7 @@ struct __attribute__((packed, aligned(4))) BlockHeader {
   void Set(uint64_t count, uint32_t table) {
     count_table = (static_cast<uint64_t>(table) << kCountBits) | count;
   }
+  bool freed() const { return count_table == kFreed; }
   void Reset(int64_t k) {
     key = k;
     id = 0;
@@ -153,15 +160,22 @@ class Arena {
     free_head_ = i;
   }
 
-  // Calls f(i, block i) for every block index below end(), in address order.
+  // Calls f(i, block i) for every block index below end(), in address order, with the
+  // first `ahead_bytes` of the block kScanAhead blocks on prefetched. Why: blocks are over
+  // a cache line apart, and a scan that reads only their headers outruns the hardware
+  // prefetcher (the SSD tier's victim scan spent half its time on the first header load).
   template <typename F>
-  void ForEach(F&& f) const {
+  void ForEach(size_t ahead_bytes, F&& f) const {
+    constexpr uint32_t kScanAhead = 16;
     uint32_t i = 0;
     for (size_t c = 0; i < end_; ++c) {
       const char* block = chunks_[c];
       const uint32_t chunk_end =
           static_cast<uint32_t>(std::min<uint64_t>(end_, i + ChunkBlocks(static_cast<int>(c))));
-      for (; i < chunk_end; ++i, block += block_bytes_) f(i, block);
+      for (; i < chunk_end; ++i, block += block_bytes_) {
+        if (i + kScanAhead < chunk_end) PrefetchBytes(block + kScanAhead * block_bytes_, ahead_bytes);
+        f(i, block);
+      }
     }
   }
 
@@ -243,7 +257,7 @@ class Blocks {
     const uint32_t i = full_.Allocate();
     BlockHeader* h = reinterpret_cast<BlockHeader*>(full_.At(i));
     *h = *Header(*ref);
-    meta_.Free(*ref & ~kMetaBit);
+    Release(meta_, *ref & ~kMetaBit);
     *ref = i;
     return h;
   }
@@ -253,16 +267,16 @@ class Blocks {
     meta_.Reserve();
     const uint32_t i = meta_.Allocate();
     *reinterpret_cast<BlockHeader*>(meta_.At(i)) = *Header(*ref);
-    full_.Free(*ref);
+    Release(full_, *ref);
     *ref = i | kMetaBit;
   }
 
   // Returns the block named by `ref` to its arena's free list.
   void Free(uint32_t ref) {
     if (IsStored(ref)) {
-      full_.Free(ref);
+      Release(full_, ref);
     } else {
-      meta_.Free(ref & ~kMetaBit);
+      Release(meta_, ref & ~kMetaBit);
     }
   }
 
@@ -275,17 +289,18 @@ class Blocks {
     return IsStored(ref) ? ref : size_t{full_.end()} + (ref & ~kMetaBit);
   }
 
-  // Calls f(ref, header) for every block ever handed out, freed ones included (the caller
-  // tells them apart: a freed block's first 4 bytes are the free list's), in address
-  // order: a scan of the headers at memory's sequential speed, not the index's random
-  // order, a chunk at a time (no chunk arithmetic per block).
+  // Calls f(ref, header) for every live block, in address order: a scan of the headers at
+  // memory's sequential speed, not the index's random order, a chunk at a time (no chunk
+  // arithmetic per block). The freed blocks are skipped by their mark (BlockHeader::kFreed).
   template <typename F>
-  void ForEachAllocated(F&& f) const {
-    full_.ForEach([&](uint32_t i, const char* block) {
-      f(i, reinterpret_cast<const BlockHeader*>(block));
+  void ForEachLive(F&& f) const {
+    full_.ForEach(sizeof(BlockHeader), [&](uint32_t i, const char* block) {
+      const BlockHeader* h = reinterpret_cast<const BlockHeader*>(block);
+      if (!h->freed()) f(i, h);
     });
-    meta_.ForEach([&](uint32_t i, const char* block) {
-      f(i | kMetaBit, reinterpret_cast<const BlockHeader*>(block));
+    meta_.ForEach(sizeof(BlockHeader), [&](uint32_t i, const char* block) {
+      const BlockHeader* h = reinterpret_cast<const BlockHeader*>(block);
+      if (!h->freed()) f(i | kMetaBit, h);
     });
   }
   // Bytes of the live blocks (what a memory budget bounds).
@@ -297,6 +312,13 @@ class Blocks {
   size_t bytes_used() const { return full_.bytes_used() + meta_.bytes_used(); }
 
  private:
+  // Frees block i of `arena`, marked freed first (ForEachLive). The free list's link takes
+  // the first 4 bytes (the key's), not the count.
+  static void Release(Arena& arena, uint32_t i) {
+    reinterpret_cast<BlockHeader*>(arena.At(i))->count_table = BlockHeader::kFreed;
+    arena.Free(i);
+  }
+
   Arena full_, meta_;
 };
 

@@ -119,10 +119,10 @@ class Shard {
     index_.ForEach(f);
   }
 
-  // Calls f(ref, header) for every block ever handed out, freed ones included (Blocks).
+  // Calls f(ref, header) for every live block, in address order (Blocks).
   template <typename F>
-  void ForEachAllocated(F&& f) const {
-    blocks_.ForEachAllocated(f);
+  void ForEachLive(F&& f) const {
+    blocks_.ForEachLive(f);
   }
 
  private:

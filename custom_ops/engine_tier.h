@@ -103,6 +103,7 @@ class Tier {
   std::string Unpin(int s, Shard& sh, Span pos, const int64_t* keys) {
     ShardState& t = shards_[s];
     for (int64_t k = 0; k < pos.size; ++k) {
+      if (k + kAhead < pos.size) t.pins.prefetch(keys[pos.data[k + kAhead]]);
       auto it = t.pins.find(keys[pos.data[k]]);
       if (it != t.pins.end() && it->second.count > 0) --it->second.count;
     }
@@ -302,12 +303,13 @@ class Tier {
         marks[sh.RefNumber(*ref)] = pin.count > 0 ? kPinned : kRecent;
       }
     }
-    // The headers in address order, freed blocks too: a freed block's key is not its own
-    // (the free list overwrote half of it), so the index's check of each victim below
-    // drops it; the index's own order would cost a cache miss per header.
+    // The live headers in address order (the index's own order would cost a cache miss
+    // per header). Freed blocks are left out by their mark, not by an index probe of each
+    // victim: they are the blocks just spilled, whose stale scores are the lowest, so they
+    // took half of each round's places (three rounds a spill instead of one).
     std::vector<Candidate> candidates;
     candidates.reserve(sh.ref_numbers());
-    sh.ForEachAllocated([&](uint32_t ref, const BlockHeader* h) {
+    sh.ForEachLive([&](uint32_t ref, const BlockHeader* h) {
       const uint8_t mark = marks[sh.RefNumber(ref)];
       if (mark == kPinned) return;  // pinned: stays
       candidates.push_back({Score(mark == kRecent, h->count(), h->last_step), ref});
@@ -321,8 +323,6 @@ class Tier {
       std::nth_element(rest, rest + (take - 1), candidates.end());
       for (auto c = rest; c != rest + take; ++c) {
         const BlockHeader* h = sh.Header(c->ref);
-        const uint32_t* live = sh.Find(h->key);
-        if (live == nullptr || *live != c->ref) continue;  // a freed block
         const size_t size = sh.BytesOf(c->ref);
         victims.push_back({h->key, reinterpret_cast<const char*>(h), size});
         excess -= static_cast<int64_t>(size);

@@ -100,11 +100,9 @@ class SlotFileBlockStore : public BlockStore {
     std::shared_lock<std::shared_mutex> layout(layout_mu_);  // no Clean moves them meanwhile
     std::vector<std::pair<uint32_t, uint32_t>> at;  // (slot, i) of the keys stored
     at.reserve(n);
-    for (size_t i = 0; i < n; ++i) {
-      if (i + kAhead < n) PrefetchSlot(keys[i + kAhead]);
-      const uint32_t slot = Find(keys[i]);
+    FindEach(keys, n, [&](size_t i, uint32_t slot) {
       if (slot != SlotTable::kNone) at.emplace_back(slot, static_cast<uint32_t>(i));
-    }
+    });
     if (at.empty()) return "";
     std::sort(at.begin(), at.end());
     struct stat st;
@@ -217,6 +215,16 @@ class SlotFileBlockStore : public BlockStore {
     Stripe& st = StripeOf(key);
     std::lock_guard<std::mutex> lock(st.mu);
     return st.table.Find(key);
+  }
+
+  // Calls f(i, Find(keys[i])) for each i in [0, n), in order, with the table entries
+  // prefetched kAhead keys ahead (see PrefetchSlot).
+  template <typename F>
+  void FindEach(const int64_t* keys, size_t n, F&& f) {
+    for (size_t i = 0; i < n; ++i) {
+      if (i + kAhead < n) PrefetchSlot(keys[i + kAhead]);
+      f(i, Find(keys[i]));
+    }
   }
 
   // Prefetches key's entry in its table, kAhead keys before its Find or Set: a batch's
@@ -364,10 +372,14 @@ class SlotFileBlockStore : public BlockStore {
       target = live_slots_ + live_slots_ / 2 + kCleanSlack * kSegmentSlots / 2;
     }
     std::sort(by_live.begin(), by_live.end());
-    std::vector<BlockRef> moved;
+    std::vector<BlockRef> held, moved;  // the segment's blocks; the live ones
+    std::vector<int64_t> keys;
+    std::vector<uint32_t> slots;
     for (const auto& [live, seg] : by_live) {
       if (used <= target) break;
-      moved.clear();
+      held.clear();
+      keys.clear();
+      slots.clear();
       for (uint32_t slot = seg * kSegmentSlots; slot < (seg + 1) * kSegmentSlots; ++slot) {
         const char* at = base_ + Offset(slot);
         Length length;
@@ -375,8 +387,16 @@ class SlotFileBlockStore : public BlockStore {
         std::memcpy(&length, at, sizeof(length));
         if (length < sizeof(key) || length > stride_ - sizeof(Length)) continue;  // never live
         std::memcpy(&key, at + sizeof(length), sizeof(key));
-        if (Find(key) == slot) moved.push_back({key, at + sizeof(length), length});
+        held.push_back({key, at + sizeof(length), length});
+        keys.push_back(key);
+        slots.push_back(slot);
       }
+      // Then the keys' slots, a batch like MultiGet's: a Find per slot read was a cache
+      // miss each, nearly all of Write's CPU.
+      moved.clear();
+      FindEach(keys.data(), keys.size(), [&](size_t i, uint32_t slot) {
+        if (slot == slots[i]) moved.push_back(held[i]);
+      });
       const std::string error = WriteFresh(moved);  // frees `seg` once they are moved
       if (!error.empty()) return error;
       used -= kSegmentSlots - moved.size();
