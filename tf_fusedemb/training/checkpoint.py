@@ -300,9 +300,9 @@ class CheckpointManager:
                              for s in shards], self.comm.rank, self.comm.size, full, deltas)
         self._dense.read(os.path.join(path, "dense")).expect_partial()
         self._chain = None  # the next save writes every block (and restarts the record)
-        # Every rank read the same dense values; the broadcast still makes them rank 0's
-        # bit for bit (tf_fusedemb.training.replicas), whatever happened before.
-        self._replicas.resync(self.comm)
+        # Every rank read the same dense values; a step traced next still makes them rank
+        # 0's bit for bit (tf_fusedemb.training.replicas), with no collective here.
+        self._replicas.resync(now=False)
         return meta
 
     def _check_same_model(self, path, meta):

@@ -22,8 +22,8 @@ Both run when the first step is traced (or run, eagerly), on every rank: every r
 traces its first step, so every rank runs the same collectives. They run eagerly even
 then (``tf.init_scope``), so the traced step holds neither: its graph stays the step's
 own. Only a periodic guard (``check_every``) is part of the traced step, in a ``tf.cond``
-on a step counter that is equal on every rank. A checkpoint restore broadcasts again
-(:meth:`DenseReplicas.resync`, a collective of the restore): the restored values are read
+on a step counter that is equal on every rank. A checkpoint restore re-arms the
+broadcast for the next trace (:meth:`DenseReplicas.resync`): the restored values are read
 on every rank from the same files, and the broadcast makes them rank 0's bit for bit
 anyway.
 
@@ -127,19 +127,18 @@ class DenseReplicas:
             raise RuntimeError("DenseReplicas: its model was garbage collected")
         return model
 
-    def resync(self, comm: Optional[Communicator] = None) -> None:
-        """Broadcasts rank 0's dense state again now (after a restore, or after weights
-        were set on some ranks only): a collective, every rank calls it. Eager. Before the
-        model is built, the next step broadcasts instead.
-
-        Args:
-          comm: the model's (default: its FusedEmbedding layers' communicator).
-        """
+    def resync(self, now: bool = True) -> None:
+        """Broadcasts rank 0's dense state again (after weights were set on some ranks
+        only): now, a collective every rank calls (eager, over the model's communicator),
+        or with ``now=False`` when the next step is traced. A restore takes the latter:
+        every rank read the same values, so it needs no collective (sharded inference
+        restores with no collective at all); a step traced before keeps them as read."""
         self._synced = False
         model = self._live_model()
-        comm = comm or ModelEmbeddings.of(model).communicator
-        if comm.size > 1 and model.built:
-            self._broadcast_now(comm)
+        if now and model.built:
+            comm = ModelEmbeddings.of(model).communicator
+            if comm.size > 1:
+                self._broadcast_now(comm)
 
     def synchronize(self, comm: Communicator,
                     optimizer: Optional[tf_keras.optimizers.Optimizer] = None, x: Any = None,
