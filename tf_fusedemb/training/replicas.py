@@ -207,6 +207,8 @@ class DenseReplicas:
         """Rank 0's dense state, and the optimizer's variables that exist, on every rank
         (eager)."""
         model = self._live_model()
+        for layer in fused_embedding_layers(model):  # ranks whose specs differ fail clearly
+            layer.agree_across_ranks()  # first, not inside a broadcast of unequal shapes
         broadcast_from_root(comm, dense_variables(model) + _optimizer_variables(self._optimizer))
         self._synced = True
 
