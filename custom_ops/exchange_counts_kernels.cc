@@ -1,7 +1,6 @@
 // CPU kernel of FusedEmb>ExchangeCounts. The splits are k-vectors (k = ranks in the
 // collective's set), so the kernel is a loop over k; it exists to replace the ~20 small
 // TF ops of each counted round, which cost more to schedule than to compute.
-#include <array>
 #include <vector>
 
 #include "fusedemb_common.h"

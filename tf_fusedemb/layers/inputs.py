@@ -41,7 +41,7 @@ class FlatFeature:
         """int64 scalar B, the samples of the batch."""
         if self.ids_per_sample is None:
             return tf.shape(self.row_splits, out_type=tf.int64)[0] - 1
-        n = tf.size(self.ids, out_type=tf.int64)  # a tensor, as for ragged features
+        n = tf.size(self.ids, out_type=tf.int64)
         return n if self.ids_per_sample == 1 else n // self.ids_per_sample
 
     def sample_splits(self) -> SampleSplits:

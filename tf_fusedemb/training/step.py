@@ -148,8 +148,8 @@ def run_step(model: tf_keras.Model, x: Any, y: Any, loss: LossLike,
     """
     comm = embeddings.communicator
     loss = as_keras_loss(loss, model)
-    # Rank 0's dense state on every rank before the first forward reads it (automatic
-    # control dependencies order the writes before the reads), and the replica guard.
+    # Rank 0's dense state on every rank before the first forward reads it (broadcast
+    # eagerly while the first step is traced), and the replica guard.
     replicas = replicas_of(model)
     replicas.synchronize(comm, optimizer, x, training=True)
     # FWP: every micro-batch's forward first, then the backwards, so each one's
