@@ -24,9 +24,9 @@ import numpy as np
 print("PROBE " + json.dumps({
     "argv": sys.argv, "path0": sys.path[0], "main": __name__, "cwd": os.getcwd(),
     "pythonpath": [p for p in sys.path if p == os.environ.get("PROBE_DIR")],
-    "job": os.environ.get("HOROVOD_PROBE_VALUE"), "hash": hash("rank-order"),
+    "job": os.environ.get("TF_FUSEDEMB_PROBE"), "hash": hash("rank-order"),
     "random": random.random(), "np": float(np.random.rand())}), flush=True)
-sys.exit(int(os.environ.get("HOROVOD_PROBE_EXIT", "0")))
+sys.exit(int(os.environ.get("TF_FUSEDEMB_EXIT", "0")))
 """
 
 
@@ -54,8 +54,8 @@ def test_forked_rank_sees_what_a_plain_process_sees(preloader, tmp_path, form):
                "script": [sys.executable, str(tmp_path / "probe_script.py"), "x", "y"],
                "module": [sys.executable, "-m", "probe_script", "x", "y"]}[form]
     assert preloader.command_for(0, command, {**os.environ, **ENV}) is not None
-    plain_job, plain = _probes(command, 2, None, tmp_path, HOROVOD_PROBE_VALUE="p")
-    forked_job, forked = _probes(command, 2, preloader, tmp_path, HOROVOD_PROBE_VALUE="p")
+    plain_job, plain = _probes(command, 2, None, tmp_path, TF_FUSEDEMB_PROBE="p")
+    forked_job, forked = _probes(command, 2, preloader, tmp_path, TF_FUSEDEMB_PROBE="p")
     assert plain_job.returncode == forked_job.returncode == 0
     assert len(plain) == len(forked) == 2
     same = ("argv", "path0", "main", "cwd", "pythonpath", "job")
@@ -69,7 +69,7 @@ def test_forked_rank_sees_what_a_plain_process_sees(preloader, tmp_path, form):
 @pytest.mark.timeout(300)
 def test_exit_codes_signals_and_timeouts_reach_the_launcher(preloader, tmp_path):
     command = [sys.executable, "-c", PROBE]
-    job, _ = _probes(command, 2, preloader, tmp_path, HOROVOD_PROBE_EXIT="3")
+    job, _ = _probes(command, 2, preloader, tmp_path, TF_FUSEDEMB_EXIT="3")
     assert job.returncode == 3
     killed = [sys.executable, "-c", "import os, signal, time\n"
               "if os.environ['HOROVOD_RANK'] == '1': os.kill(os.getpid(), signal.SIGKILL)\n"
@@ -105,7 +105,7 @@ def test_commands_it_cannot_reproduce_run_as_plain_processes(preloader):
     env = {**os.environ, **ENV}
     code = [sys.executable, "-c", "pass"]
     assert preloader.command_for(0, code, env) is not None
-    assert preloader.command_for(0, code, {**env, "HOROVOD_PROBE_ANY": "1"}) is not None
+    assert preloader.command_for(0, code, {**env, "TF_FUSEDEMB_ANY": "1"}) is not None
     # read at TensorFlow's import or by Python's start-up: a plain process
     assert preloader.command_for(0, code, {**env, "TF_CPP_MIN_LOG_LEVEL": "0"}) is None
     assert preloader.command_for(0, code, {**env, "TF_USE_LEGACY_KERAS": "0"}) is None
