@@ -7,7 +7,6 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from horovod_launch import PRELOADER
 from tf_fusedemb.testing import DistributedTestCase
 
 BAD_ID = 777
@@ -76,7 +75,6 @@ def _expected(bad_rank, size):
 
 
 class BadInputOnOneRankTest(DistributedTestCase):
-    preloader = PRELOADER  # ranks forked after TensorFlow's import (horovod_launch)
 
     @pytest.mark.timeout(400)
     def test_every_rank_names_the_bad_id_of_rank_one(self):

@@ -13,7 +13,6 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from horovod_launch import PRELOADER
 from tf_fusedemb.testing import DistributedTestCase
 from tf_fusedemb.testing.distributed import rank_bounds, rank_dataset
 
@@ -184,8 +183,6 @@ def _one_process(kind, initial, epochs=2):
 
 
 class DenseReplicasTest(DistributedTestCase):
-    preloader = PRELOADER  # ranks forked after TensorFlow's import (horovod_launch)
-
     timeout = 600
 
     def _check_ranks(self, ranks, kinds):
@@ -255,8 +252,6 @@ def _perturbed_rank():
 
 
 class GuardTest(DistributedTestCase):
-    preloader = PRELOADER  # ranks forked after TensorFlow's import (horovod_launch)
-
     timeout = 300
 
     def test_guard_names_the_variable_and_the_rank(self):
@@ -286,8 +281,6 @@ def _restore_rank(directory, phase):
 
 
 class RestoreTest(DistributedTestCase):
-    preloader = PRELOADER  # ranks forked after TensorFlow's import (horovod_launch)
-
     timeout = 300
 
     def test_restore_onto_two_ranks_leaves_them_equal(self):
@@ -338,8 +331,6 @@ def _extra_models_rank(kinds):
 
 
 class LayerNamesTest(DistributedTestCase):
-    preloader = PRELOADER  # ranks forked after TensorFlow's import (horovod_launch)
-
     timeout = 300  # a hang fails here instead of blocking the suite
 
     def test_ranks_with_other_layer_names_train_together(self):

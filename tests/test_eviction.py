@@ -20,7 +20,6 @@ import tensorflow as tf
 import tf_keras
 
 from conftest import storage_params
-from horovod_launch import PRELOADER
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import (STORAGES, AdmissionPolicy, EvictionPolicy, FeatureSpec,
                                FusionPlan, InitializerSpec, OptimizerSpec, TableSpec, plan_fusion)
@@ -406,8 +405,6 @@ def _two_rank_job(x, y, ckpt_in, ckpt_out):
 
 
 class TwoRankEvictionTest(DistributedTestCase):
-    preloader = PRELOADER  # ranks forked after TensorFlow's import (horovod_launch)
-
     timeout = 500
 
     def test_two_ranks_equal_the_reference_and_checkpoints_reshard(self):

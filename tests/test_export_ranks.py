@@ -7,7 +7,6 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from horovod_launch import PRELOADER
 from tf_fusedemb.comm import get_communicator
 from tf_fusedemb.inference import export_saved_model
 from tf_fusedemb.layers import FusedEmbedding
@@ -72,8 +71,6 @@ def stored_rows(export_dir):
 
 
 class ExportFromRanksTest(DistributedTestCase):
-    preloader = PRELOADER  # ranks forked after TensorFlow's import (horovod_launch)
-
     timeout = 420
 
     def test_two_rank_export_equals_the_one_process_export(self):

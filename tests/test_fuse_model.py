@@ -14,7 +14,6 @@ import tf_keras
 import keras_parity as kp
 import tf_fusedemb.layers
 from conftest import REPO_ROOT
-from horovod_launch import PRELOADER
 from tf_fusedemb.layers import FusedEmbedding, from_keras_embeddings
 from tf_fusedemb.models import fuse_model
 from tf_fusedemb.specs import OptimizerSpec
@@ -136,8 +135,6 @@ def _one_embedding(dtype, **kwargs):
 
 
 class FuseModelOnTwoRanksTest(DistributedTestCase):
-    preloader = PRELOADER  # ranks forked after TensorFlow's import (horovod_launch)
-
     timeout = 500
 
     @pytest.mark.timeout(600)

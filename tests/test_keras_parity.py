@@ -12,7 +12,6 @@ import tensorflow as tf
 import tf_keras
 
 import keras_parity as kp
-from horovod_launch import PRELOADER
 from tf_fusedemb.pipeline import PipelineOptions
 from tf_fusedemb.testing import DistributedTestCase
 
@@ -157,9 +156,6 @@ def _configs_on_rank():
 class TwoRankParityTest(DistributedTestCase):
     """FusedModel fit/evaluate/predict on 2 ranks (``run_ranks``) = plain Keras on the
     global batch in one process."""
-
-    preloader = PRELOADER  # ranks forked after TensorFlow's import (horovod_launch)
-
     timeout = 800
 
     @pytest.mark.timeout(900)

@@ -16,7 +16,6 @@ import tensorflow as tf
 import tf_keras
 
 import keras_paths as kpth
-from horovod_launch import PRELOADER
 from tf_fusedemb.models import FusedModel
 from tf_fusedemb.testing import DistributedTestCase
 
@@ -125,9 +124,6 @@ class TwoRankKerasPathsTest(DistributedTestCase):
     """Plain tf_keras fit and a custom loop on 2 ranks (each rank half of every global
     batch, DistributedOptimizer) equal plain Keras on the global batch in one process; a
     bare optimizer fails the first step on every rank with the fix named."""
-
-    preloader = PRELOADER  # ranks forked after TensorFlow's import (horovod_launch)
-
     timeout = 600
 
     @staticmethod

@@ -18,7 +18,6 @@ import pytest
 import tf_keras
 
 import keras_shapes as ks
-from horovod_launch import PRELOADER
 from tf_fusedemb.testing import DistributedTestCase
 
 TOL = 1e-5
@@ -100,9 +99,6 @@ class TwoRankShapesTest(DistributedTestCase):
     2-rank job, equals plain tf_keras on the global batches in this process, with one
     exchange (3 AlltoAll rounds per step) per fused group: the subclassed models' tables
     too, their keys computed before the forward pass."""
-
-    preloader = PRELOADER  # ranks forked after TensorFlow's import (horovod_launch)
-
     timeout = 600
 
     @pytest.mark.timeout(700)

@@ -11,7 +11,6 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from horovod_launch import PRELOADER
 from tf_fusedemb.testing import DistributedTestCase
 
 LOCAL_LIMIT_S = 60  # what rank 1 alone may take to build, round-trip and clone (it is ~2 s)
@@ -107,7 +106,6 @@ def _different_exchanges():
 
 
 class LocalConstructionTest(DistributedTestCase):
-    preloader = PRELOADER  # ranks forked after TensorFlow's import (horovod_launch)
 
     @pytest.mark.timeout(400)
     def test_rank_one_alone_builds_and_clones_and_the_first_step_compares(self):

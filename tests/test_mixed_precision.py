@@ -10,7 +10,6 @@ import tf_keras
 
 import keras_paths as kpth
 from test_keras_paths import TOL, assert_same_training
-from horovod_launch import PRELOADER
 from tf_fusedemb.inference import export_saved_model
 from tf_fusedemb.models import fuse_model
 from tf_fusedemb.specs import OptimizerSpec
@@ -98,9 +97,6 @@ class TwoRankBf16Test(DistributedTestCase):
     """bf16 fit on 2 ranks (each half of every global batch, DistributedOptimizer) equals
     tf_keras bf16 fit of the ordinary model on the global batch in one process, to bf16
     rounding (``BF16_TOL``)."""
-
-    preloader = PRELOADER  # ranks forked after TensorFlow's import (horovod_launch)
-
     timeout = 500
 
     @pytest.mark.timeout(700)

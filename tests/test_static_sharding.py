@@ -7,7 +7,6 @@ import pytest
 import tensorflow as tf
 
 import keras_parity as kp
-from horovod_launch import PRELOADER
 from tf_fusedemb.layers import FusedEmbedding
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.specs import InitializerSpec, OptimizerSpec
@@ -184,8 +183,6 @@ def _restore(directory):
 
 
 class StaticShardingOnRanksTest(DistributedTestCase):
-    preloader = PRELOADER  # ranks forked after TensorFlow's import (horovod_launch)
-
     timeout = 400
 
     @pytest.mark.timeout(500)

@@ -17,7 +17,6 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from horovod_launch import PRELOADER
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.ops.embedding_engine import EmbeddingEngine
 from tf_fusedemb.specs import (AdmissionPolicy, EvictionPolicy, FeatureSpec, FusionPlan,
@@ -519,8 +518,6 @@ def _two_rank_job(x, y, ckpt_one, ckpt_two):
 
 
 class TwoRankTieredTest(DistributedTestCase):
-    preloader = PRELOADER  # ranks forked after TensorFlow's import (horovod_launch)
-
     timeout = 600
 
     def test_two_ranks_with_a_budget_equal_two_ranks_without(self):
@@ -547,8 +544,6 @@ def _hierarchical_job(x, y):
 
 
 class HierarchicalTieredTest(DistributedTestCase):
-    preloader = PRELOADER  # ranks forked after TensorFlow's import (horovod_launch)
-
     timeout = 800
 
     def test_hierarchical_exchange_with_a_budget_equals_without(self):

@@ -9,7 +9,6 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from horovod_launch import PRELOADER
 from tf_fusedemb.testing import DistributedTestCase
 
 FEATURES = ("a", "b", "c")
@@ -86,8 +85,6 @@ def _one_process(batches):
 
 
 class UnevenBatchesTest(DistributedTestCase):
-    preloader = PRELOADER  # ranks forked after TensorFlow's import (horovod_launch)
-
     timeout = 600
 
     def _check(self, batches, pipeline=None, unknown_length=False):

@@ -26,7 +26,6 @@ import tf_keras
 from tf_fusedemb.comm import get_communicator
 from tf_fusedemb.testing.cluster.errors import ClusterTimeout
 from tf_fusedemb.testing.cluster.launcher import run_local_job
-from tf_fusedemb.testing.preload import Preloader
 
 __all__ = ["BatchLosses", "DistributedTestCase", "fit_on_this_rank", "rank_bounds",
            "rank_dataset", "run_local_ranks"]
@@ -100,8 +99,7 @@ def _rank_fit(model_fn, data_fn, batch_size, epochs):
 
 
 def run_local_ranks(command: Sequence[str], num_ranks: int, timeout: float,
-                    env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
-                    preloader: Optional[Preloader] = None) -> str:
+                    env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None) -> str:
     """Runs ``command`` on ``num_ranks`` Gloo ranks of this host (``run_local_job``, as
     ``horovodrun -np N --gloo -H localhost:N`` would) with ``RANK_ENV``, C++ logs at level 2
     and tf_keras, under ``env`` (which wins); returns their output, prefixed as horovodrun
@@ -116,7 +114,7 @@ def run_local_ranks(command: Sequence[str], num_ranks: int, timeout: float,
                 **(env or {})}
     try:
         result = run_local_job(command, num_ranks, env=full_env, cwd=cwd, timeout=timeout,
-                               output=output, preloader=preloader)
+                               output=output)
     except ClusterTimeout:
         raise AssertionError(f"{num_ranks}-rank job timed out after {timeout}s (a collective "
                              f"that never met?); output:\n{output.getvalue()[-6000:]}") from None
@@ -131,12 +129,9 @@ class DistributedTestCase(tf.test.TestCase):
 
     Attributes:
       timeout: seconds a ``run_ranks`` job may take before it is killed (a hang fails).
-      preloader: a ``testing.preload.Preloader`` that forks the ranks after TensorFlow's
-        import (about 2.3 s of CPU less per rank), or None for plain processes.
     """
 
     timeout = DEFAULT_TIMEOUT_S
-    preloader: Optional[Preloader] = None
 
     def run_ranks(self, fn: Callable, num_ranks: int = 2, args: Sequence = (),
                   timeout: Optional[float] = None, env: Optional[Dict[str, str]] = None) -> list:
@@ -163,8 +158,7 @@ class DistributedTestCase(tf.test.TestCase):
         """Runs the rank workers of ``job``; returns their output (``run_local_ranks``)."""
         return run_local_ranks(
             [sys.executable, "-m", "tf_fusedemb.testing.rank_worker", job, work], num_ranks,
-            timeout, env={"PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **env},
-            preloader=self.preloader)
+            timeout, env={"PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **env})
 
     def assertEquivalentToSingleProcess(self, model_fn: Callable, data_fn: Callable,
                                         num_ranks: int = 2, batch_size: int = 32,

@@ -24,7 +24,6 @@ from typing import IO, Any, Dict, List, Mapping, Optional, Protocol, Sequence, T
 from tf_fusedemb.testing.cluster.errors import ClusterTimeout, ClusterUnavailable
 from tf_fusedemb.testing.cluster.network import HOST_IFACE
 from tf_fusedemb.testing.cluster.placement import thread_env
-from tf_fusedemb.testing.preload import Preloader
 
 
 class TextSink(Protocol):
@@ -159,23 +158,18 @@ def _wait(procs: Sequence[subprocess.Popen], start: float, timeout: Optional[flo
 class _Ranks:
     """A job's rank processes, the threads that copy their output, and that output."""
 
-    def __init__(self, sinks: Tuple[Optional[TextSink], Optional[TextSink]],
-                 preloader: Optional[Preloader] = None):
+    def __init__(self, sinks: Tuple[Optional[TextSink], Optional[TextSink]]):
         self.procs: List[subprocess.Popen] = []  # in the order started (run_job: by rank)
         self.stdout: Dict[int, List[str]] = {}
         self.stderr: Dict[int, List[str]] = {}
         self._sinks = sinks  # where prefixed stdout and stderr lines go (None: nowhere)
         self._pumps: List[threading.Thread] = []
         self._lock = threading.Lock()  # one prefixed line at a time into a shared sink
-        self._preloader = preloader  # forks ranks after TensorFlow's import, where it can
 
     def start(self, rank: int, argv: List[str], env: Mapping[str, str],
               cwd: Optional[str]) -> None:
         """Starts ``rank``'s process in a session of its own (so that it is stopped with
-        its children) and the threads that copy its output; on the preloader's server
-        for ``rank`` where the command allows (``Preloader.command_for``)."""
-        if self._preloader is not None:
-            argv = self._preloader.command_for(rank, argv, env) or argv
+        its children) and the threads that copy its output."""
         p = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              start_new_session=True)
@@ -226,7 +220,7 @@ def run_job(command: Sequence[str], plan: Sequence, rendezvous_address: str,
             cwd: Optional[str] = None, timeout: Optional[float] = None,
             stdout: Optional[TextSink] = None, stderr: Optional[TextSink] = None,
             inter_op_threads: Optional[int] = None, grace_s: float = 3.0,
-            on_this_host: bool = False, preloader: Optional[Preloader] = None) -> JobResult:
+            on_this_host: bool = False) -> JobResult:
     """Runs ``command`` once per slot of ``plan``, each in its slot's host, and waits.
 
     Args:
@@ -245,9 +239,6 @@ def run_job(command: Sequence[str], plan: Sequence, rendezvous_address: str,
         grace_s: seconds between SIGTERM and SIGKILL when ranks are stopped.
         on_this_host: run every rank here, not in its slot's namespace, with Gloo on the
             loopback device (:func:`run_local_job`).
-        preloader: runs the ranks in processes forked after TensorFlow's import, where
-            their command and environment allow (``testing.preload``); None: plain
-            processes.
 
     Returns:
         JobResult; returncode != 0 when a rank failed (the others were killed).
@@ -263,7 +254,7 @@ def run_job(command: Sequence[str], plan: Sequence, rendezvous_address: str,
     base = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}
     server = _rendezvous_server(rendezvous_address)
     port = server.start()
-    ranks = _Ranks((stdout, stderr), preloader)
+    ranks = _Ranks((stdout, stderr))
     start = time.monotonic()
     exited_at: Dict[int, float] = {}
     try:
@@ -288,8 +279,7 @@ def run_job(command: Sequence[str], plan: Sequence, rendezvous_address: str,
 
 def run_local_job(command: Sequence[str], num_ranks: int, env: Optional[Mapping[str, str]] = None,
                   cwd: Optional[str] = None, timeout: Optional[float] = None,
-                  output: Optional[TextSink] = None,
-                  preloader: Optional[Preloader] = None) -> JobResult:
+                  output: Optional[TextSink] = None) -> JobResult:
     """Runs ``command`` on ``num_ranks`` Gloo ranks of this host and waits: what
     ``horovodrun -np N --gloo -H localhost:N COMMAND`` does (the same slots, rendezvous
     and environment), less its start-up check; the first rank that fails gets the others
@@ -298,7 +288,7 @@ def run_local_job(command: Sequence[str], num_ranks: int, env: Optional[Mapping[
     Args:
         command: argv of every rank, e.g. [sys.executable, "train.py"].
         num_ranks: int >= 1.
-        env, cwd, timeout, preloader: as for :func:`run_job`.
+        env, cwd, timeout: as for :func:`run_job`.
         output: where every rank's stdout and stderr lines go, prefixed as horovodrun
             prefixes them (``[1]<stderr>:``), in the order they arrive (None: only recorded
             in the result).
@@ -317,4 +307,4 @@ def run_local_job(command: Sequence[str], num_ranks: int, env: Optional[Mapping[
         get_host_assignments, parse_hosts)
     plan = get_host_assignments(parse_hosts(f"localhost:{int(num_ranks)}"), int(num_ranks))
     return run_job(command, plan, LOOPBACK_ADDRESS, env=env, cwd=cwd, timeout=timeout,
-                   stdout=output, stderr=output, on_this_host=True, preloader=preloader)
+                   stdout=output, stderr=output, on_this_host=True)
