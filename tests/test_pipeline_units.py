@@ -11,7 +11,8 @@ from tf_fusedemb.models import train_step
 from tf_fusedemb.pipeline import NestedPipeline, PipelineOptions, make_pipeline
 from tf_fusedemb.pipeline.auto import candidate_options
 from tf_fusedemb.training import keysets
-from tf_fusedemb.training.micro_batches import micro_batch_slices, slice_rows
+from tf_fusedemb.training.micro_batches import (micro_batch_parts, micro_batch_slices,
+                                                slice_rows)
 from tf_fusedemb.training.tracing import RankInvariantFunction, relaxed_spec
 from tf_fusedemb.specs import FeatureSpec, InitializerSpec, OptimizerSpec, TableSpec
 
@@ -63,6 +64,28 @@ def test_slice_rows_dense_ragged_sparse_and_nests():
     assert out["r"].to_list() == [[2, 3], [4], [5, 6, 7]]
     assert tf.RaggedTensor.from_sparse(out["s"]).to_list() == [[2, 3], [4], [5, 6, 7]]
     assert out["n"] is None and isinstance(out["l"], list)
+
+
+@pytest.mark.parametrize("b,n,static", [(10, 4, True), (10, 4, False), (3, 4, True),
+                                         (3, 4, False), (0, 2, False)])
+def test_micro_batch_parts_equal_numpy_row_ranges(b, n, static):
+    """Dense tensors are cut by one Split, ragged and sparse ones by slices: every part
+    equals numpy's rows [i*b//n, (i+1)*b//n), with static shapes where b is an int."""
+    dense = np.arange(b * 3, dtype=np.float32).reshape(b, 3)
+    lists = [[k] * (k % 3) for k in range(b)]
+    ragged = tf.RaggedTensor.from_row_lengths(
+        tf.constant([k for row in lists for k in row], tf.int64),
+        tf.constant([len(row) for row in lists], tf.int64))
+    size = (lambda: b) if static else (lambda: tf.constant(b, tf.int64))
+    parts = micro_batch_parts(({"d": dense, "r": ragged}, [dense], None), n, size)
+    assert len(parts) == n
+    for i, (x, (d,), w) in enumerate(parts):
+        lo, hi = i * b // n, (i + 1) * b // n
+        np.testing.assert_array_equal(x["d"].numpy(), dense[lo:hi])
+        np.testing.assert_array_equal(d.numpy(), dense[lo:hi])
+        assert x["r"].to_list() == lists[lo:hi] and w is None
+        if static:
+            assert x["d"].shape[0] == hi - lo
 
 
 def test_options_validation_and_parse():

@@ -50,7 +50,7 @@ from tf_fusedemb.layers.routed_lookup import RoutedLookup
 from tf_fusedemb.pipeline.options import PipelineOptions
 from tf_fusedemb.training import keysets
 from tf_fusedemb.training.loop import TrainLoop
-from tf_fusedemb.training.micro_batches import micro_batch_parts
+from tf_fusedemb.training.micro_batches import micro_batch_parts, static_rows
 from tf_fusedemb.training.replicas import replicas_of
 from tf_fusedemb.training.loss import LossLike
 from tf_fusedemb.training.step import DENSE_GRADS, as_keras_loss, run_step
@@ -309,6 +309,9 @@ def _feature(x, name, layer, sources):
 
 
 def _batch_size(value):
+    rows = static_rows(value)
+    if rows is not None:
+        return rows
     if isinstance(value, tf.RaggedTensor):
         return value.nrows(out_type=tf.int64)
     if isinstance(value, tf.SparseTensor):

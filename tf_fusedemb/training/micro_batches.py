@@ -3,18 +3,21 @@ from typing import Any, Callable, List, Sequence, Tuple, Union
 
 import tensorflow as tf
 
+BatchSize = Union[int, tf.Tensor]  # a Python int where the batch's shape is static
 
-def micro_batch_slices(batch_size: Union[int, tf.Tensor],
-                       num_micro_batches: int) -> List[Tuple[tf.Tensor, tf.Tensor]]:
-    """(lo, hi) int64 scalar tensors of micro-batch i = rows [i*B//N, (i+1)*B//N).
+
+def micro_batch_slices(batch_size: BatchSize,
+                       num_micro_batches: int) -> List[Tuple[Any, Any]]:
+    """(lo, hi) of micro-batch i = rows [i*B//N, (i+1)*B//N): Python ints for an int
+    ``batch_size``, else int64 scalar tensors.
 
     Sizes differ by at most one; with B < N some micro-batches are empty (valid)."""
-    b = tf.cast(batch_size, tf.int64)
+    b = batch_size if isinstance(batch_size, int) else tf.cast(batch_size, tf.int64)
     return [(b * i // num_micro_batches, b * (i + 1) // num_micro_batches)
             for i in range(num_micro_batches)]
 
 
-def slice_rows(value: Any, lo: tf.Tensor, hi: tf.Tensor) -> Any:
+def slice_rows(value: Any, lo: Any, hi: Any) -> Any:
     """Rows [lo, hi) of a Tensor [B, ...], RaggedTensor [B, None] or SparseTensor [B, L];
     nested dicts/lists/tuples are sliced leaf by leaf; None stays None."""
     if value is None:
@@ -26,25 +29,57 @@ def slice_rows(value: Any, lo: tf.Tensor, hi: tf.Tensor) -> Any:
     if isinstance(value, tf.RaggedTensor):
         return value[lo:hi]
     if isinstance(value, tf.SparseTensor):
+        lo, hi = tf.cast(lo, tf.int64), tf.cast(hi, tf.int64)
         start = tf.stack([lo] + [tf.constant(0, tf.int64)] * (value.shape.rank - 1))
         size = tf.concat([[hi - lo], value.dense_shape[1:]], 0)
         return tf.sparse.slice(value, start, size)
     return tf.convert_to_tensor(value)[lo:hi]
 
 
+def split_rows(value: Any, slices: Sequence[Tuple[Any, Any]]) -> List[Any]:
+    """``value`` (``slice_rows``'s kinds) cut into the row ranges ``slices``, one part
+    per range. A plain tensor is cut by one ``Split`` op (its N parts at once, static
+    shapes where the sizes are ints) instead of N strided slices with their bounds."""
+    n = len(slices)
+    if value is None:
+        return [None] * n
+    if isinstance(value, dict):
+        parts = {k: split_rows(v, slices) for k, v in value.items()}
+        return [{k: p[i] for k, p in parts.items()} for i in range(n)]
+    if isinstance(value, (list, tuple)):
+        columns = [split_rows(v, slices) for v in value]
+        return [type(value)(c[i] for c in columns) for i in range(n)]
+    if isinstance(value, (tf.RaggedTensor, tf.SparseTensor)):
+        return [slice_rows(value, lo, hi) for lo, hi in slices]
+    sizes = [hi - lo for lo, hi in slices]
+    if not all(isinstance(s, int) for s in sizes):
+        sizes = tf.stack(sizes)
+    return tf.split(tf.convert_to_tensor(value), sizes, num=n)
+
+
 def micro_batch_parts(values: Sequence[Any], num_micro_batches: int,
-                      batch_size: Callable[[], tf.Tensor]) -> List[Tuple[Any, ...]]:
+                      batch_size: Callable[[], BatchSize]) -> List[Tuple[Any, ...]]:
     """Per micro-batch, each of ``values`` (``slice_rows``'s kinds) cut to its rows
     (``micro_batch_slices`` of ``batch_size()``). One micro-batch is the batch itself:
     the values as they are, so a step without micro-batches traces no slicing ops."""
     if num_micro_batches == 1:
         return [tuple(values)]
-    return [tuple(slice_rows(v, lo, hi) for v in values)
-            for lo, hi in micro_batch_slices(batch_size(), num_micro_batches)]
+    slices = micro_batch_slices(batch_size(), num_micro_batches)
+    columns = [split_rows(v, slices) for v in values]
+    return [tuple(c[i] for c in columns) for i in range(num_micro_batches)]
 
 
-def batch_size_of(y: Any) -> tf.Tensor:
-    """int64 scalar: rows of the label tensor ``y`` (the batch size)."""
+def batch_size_of(y: Any) -> BatchSize:
+    """Rows of the label tensor ``y`` (the batch size): an int where its shape is
+    static, else an int64 scalar tensor."""
     if isinstance(y, dict):
         y = next(iter(y.values()))
-    return tf.shape(y, out_type=tf.int64)[0]
+    rows = static_rows(y)
+    return rows if rows is not None else tf.shape(y, out_type=tf.int64)[0]
+
+
+def static_rows(value: Any) -> Union[int, None]:
+    """The static number of rows of a tensor, ragged or sparse tensor, or None."""
+    shape = getattr(value, "shape", None)
+    rows = shape[0] if shape is not None and shape.rank else None
+    return int(rows) if rows is not None else None
