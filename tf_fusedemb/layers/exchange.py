@@ -27,6 +27,7 @@ import tensorflow as tf
 from tf_fusedemb import ops
 from tf_fusedemb.comm.counters import CommCounters
 from tf_fusedemb.ops.key_messages import category_bits
+from tf_fusedemb.ops.sorted_search import search_sorted
 
 if TYPE_CHECKING:  # a type only: the communicator module starts Horovod's watchdog machinery
     from tf_fusedemb.comm.communicator import Communicator
@@ -61,7 +62,7 @@ def input_report(ids: tf.Tensor, invalid: tf.Tensor, segment_splits: tf.Tensor,
     features cut at ``segment_splits`` int64[M+1]: the first bad ID and its feature."""
     first = tf.argmax(tf.concat([tf.cast(invalid, tf.int32), [1]], 0), output_type=tf.int64)
     bad_id = tf.concat([ids, tf.zeros([1], tf.int64)], 0)[first]
-    feature = tf.searchsorted(segment_splits, [first], side="right", out_type=tf.int64)[0] - 1
+    feature = search_sorted(segment_splits, [first], side="right", out_type=tf.int64)[0] - 1
     tag = tf.bitwise.bitwise_or(
         tf.bitwise.left_shift(tf.constant(rank, tf.int64), 32),
         tf.bitwise.bitwise_or(tf.bitwise.left_shift(feature, category_bits()), bad_input()))

@@ -5,6 +5,7 @@ import tensorflow as tf
 
 from tf_fusedemb.ops import static_sizes
 from tf_fusedemb.ops.recovery import SampleSplits, UniformSplits
+from tf_fusedemb.ops.row_masks import masked_examples, masked_rows
 from tf_fusedemb.specs import FeatureSpec
 
 
@@ -110,10 +111,12 @@ def flatten_feature(spec: FeatureSpec, value: Any, id_bits: Optional[int] = None
                                     " and ".join(words for _, _, words in ranges))
     if spec.is_sequence and flat.dense_length is None:
         lengths = flat.row_splits[1:] - flat.row_splits[:-1]
-        with tf.control_dependencies([tf.debugging.assert_less_equal(
-                lengths, tf.constant(spec.max_len, tf.int64),
-                message=f"feature '{name}': a sequence is longer than max_len={spec.max_len}; "
-                        "raise max_len or truncate it in the input pipeline")]):
+        too_long = lengths > spec.max_len
+        with tf.control_dependencies([tf.debugging.Assert(
+                tf.logical_not(tf.reduce_any(too_long)),
+                [f"feature '{name}': a sequence is longer than max_len={spec.max_len}; "
+                 "raise max_len or truncate it in the input pipeline; lengths",
+                 masked_examples(too_long, lengths)])]):
             flat.ids = tf.identity(flat.ids)
     return flat
 
@@ -167,7 +170,7 @@ def out_of_range_message(feature: Union[str, tf.Tensor], bad_id: tf.Tensor,
 def _check_range(name, ids, invalid, valid_range):
     """``ids`` once none is ``invalid`` (bool[n]); else an InvalidArgumentError naming the
     feature and the first bad ID (not the first IDs of the batch)."""
-    first_bad = tf.concat([tf.boolean_mask(ids, invalid), tf.zeros([1], tf.int64)], 0)[0]
+    first_bad = tf.concat([masked_rows(invalid, ids)[0][:1], tf.zeros([1], tf.int64)], 0)[0]
     check = tf.debugging.Assert(tf.logical_not(tf.reduce_any(invalid)),
                                 [out_of_range_message(name, first_bad, valid_range)])
     with tf.control_dependencies([check]):

@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from tf_fusedemb.ops import _loader, _validate
 from tf_fusedemb.ops._validate import TensorLike
+from tf_fusedemb.ops.sorted_search import search_sorted
 from tf_fusedemb.ops.static_sizes import IntLike, stack_ints
 from tf_fusedemb.specs import COMBINERS
 
@@ -138,7 +139,7 @@ def group_pool_splits(feature_row_splits: Sequence[SampleSplits],
     # Kept split j (every feature's row splits but the leading 0, in order) is sample k
     # of feature f = #{ends <= j}: its value is (k + 1) L_f, or rs_f[k + 1] if ragged.
     kept = tf.range(ends[-1], dtype=tf.int64)
-    feature = tf.searchsorted(ends, kept, side="right", out_type=tf.int64)
+    feature = search_sorted(ends, kept, side="right", out_type=tf.int64)
     sample = kept - tf.gather(ends - sizes, feature)
     per_sample = [u.ids_per_sample if u else 0 for u in uniform]
     value = sample + 1

@@ -47,6 +47,7 @@ from tf_fusedemb.layers.group_interface import StoredGroup
 from tf_fusedemb.layers.group_store import GroupStore
 from tf_fusedemb.layers.model_embeddings import ModelEmbeddings
 from tf_fusedemb.layers.routed_lookup import RoutedLookup
+from tf_fusedemb.ops.row_masks import masked_rows
 from tf_fusedemb.pipeline.options import PipelineOptions
 from tf_fusedemb.training import keysets
 from tf_fusedemb.training.loop import TrainLoop
@@ -260,9 +261,8 @@ class NestedPipeline:
         else:
             prior = tf.ones_like(keys, tf.bool)
         delayed = tf.logical_not(prior)
-        pending = PendingUpdate(tf.boolean_mask(keys, delayed), tf.boolean_mask(grads, delayed),
-                                tf.boolean_mask(init_keys, delayed), step)
-        pk, pg, pi = (tf.boolean_mask(t, prior) for t in (keys, grads, init_keys))
+        pending = PendingUpdate(*masked_rows(delayed, keys, grads, init_keys), step)
+        pk, pg, pi = masked_rows(prior, keys, grads, init_keys)
         if not self.options.sync_buffers:  # the stale variant: t+1 keeps pre-update rows
             with tf.control_dependencies([p.rows for p in next_rows]):
                 store.apply_gradients(pk, pg, pi, step=step)

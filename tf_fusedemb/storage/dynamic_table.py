@@ -4,6 +4,7 @@ from typing import Dict, Optional, Sequence
 
 import tensorflow as tf
 
+from tf_fusedemb.ops.row_masks import masked_rows
 from tf_fusedemb.storage import serial_insert  # noqa: F401  (before any table exists)
 from tf_fusedemb.storage.initializers import init_rows
 from tf_fusedemb.specs import InitializerSpec, OptimizerSpec
@@ -74,7 +75,7 @@ class DynamicGroupTable(GroupTable):
             keys, _ = self.values.export()
         keys = tf.sort(tf.unique(self._as_keys(keys, "keys")).y)  # reproducible order
         _, exists = self.values.lookup(keys, return_exists=True)
-        keys = tf.boolean_mask(keys, exists)
+        keys, = masked_rows(exists, keys)
         out = {"keys": keys, "values": self.values.lookup(keys)}
         for n in self.slot_names:
             out[n] = self.slots[n].lookup(keys)

@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from tf_fusedemb.ops.embedding_engine import DEFAULT_NUM_SHARDS, EmbeddingEngine
 from tf_fusedemb.ops.category_hash import CategoryHashResult
+from tf_fusedemb.ops.row_masks import masked_rows
 from tf_fusedemb.specs import InitializerSpec, OptimizerSpec
 from tf_fusedemb.storage import initializers
 from tf_fusedemb.storage.group_table import GroupTable
@@ -198,7 +199,7 @@ class EngineGroupTable(GroupTable):
             keys, values, slots = out.keys, out.values, out.slots
         else:
             keys = tf.sort(tf.unique(self._as_keys(keys, "keys")).y)  # reproducible order
-            keys = tf.boolean_mask(keys, self.engine.find(keys).stored)
+            keys, = masked_rows(self.engine.find(keys).stored, keys)
             values, slots = self.engine.gather_rows(keys)
         return dict(self.engine.slots_dict(slots, self.slot_names), keys=keys, values=values)
 

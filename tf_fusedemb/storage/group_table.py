@@ -28,6 +28,7 @@ from typing import Callable, Dict, Optional, Tuple, Union
 import numpy as np
 import tensorflow as tf
 
+from tf_fusedemb.ops.row_masks import masked_rows
 from tf_fusedemb.specs import InitializerSpec, OptimizerSpec
 from tf_fusedemb.storage.optimizers import RowOptimizer
 
@@ -149,8 +150,9 @@ class GroupTable(tf.Module):
             op = self._write(keys, new_rows, new_slots)
         else:  # keys not admitted yet: nothing stored, they keep reading their initial row
             admitted = tf.reshape(self.admission(keys), [-1])  # hash lookups lose the rank
-            op = self._write(tf.boolean_mask(keys, admitted), tf.boolean_mask(new_rows, admitted),
-                             {n: tf.boolean_mask(v, admitted) for n, v in new_slots.items()})
+            names = list(new_slots)
+            kept = masked_rows(admitted, keys, new_rows, *(new_slots[n] for n in names))
+            op = self._write(kept[0], kept[1], dict(zip(names, kept[2:])))
             new_rows = tf.where(admitted[:, None], new_rows, rows)
         return (op, new_rows) if return_rows else op
 

@@ -24,6 +24,8 @@ import numpy as np
 import tensorflow as tf
 
 from tf_fusedemb.ops import hashing
+from tf_fusedemb.ops.row_masks import masked_examples, masked_rows
+from tf_fusedemb.ops.sorted_search import search_sorted
 from tf_fusedemb.storage.initializers import init_rows
 from tf_fusedemb.specs import InitializerSpec, OptimizerSpec
 from tf_fusedemb.storage.group_table import GroupTable, _object_name
@@ -193,11 +195,11 @@ class StaticGroupTable(GroupTable):
         return tf.identity(self.values)
 
     def _check_keys(self, keys):
-        message = f"{self._op_kind}: keys must lie in [0, {self.vocabulary_size})"
-        checks = [tf.debugging.assert_non_negative(keys, message=message),
-                  tf.debugging.assert_less(keys, tf.constant(self.vocabulary_size, tf.int64),
-                                           message=message)]
-        with tf.control_dependencies(checks):
+        message = f"{self._op_kind}: keys must lie in [0, {self.vocabulary_size}), got"
+        bad = tf.logical_or(keys < 0, keys >= self.vocabulary_size)
+        check = tf.debugging.Assert(tf.logical_not(tf.reduce_any(bad)),
+                                    [message, masked_examples(bad, keys)])
+        with tf.control_dependencies([check]):
             return tf.identity(keys)
 
     def _keys_of(self, rows) -> tf.Tensor:
@@ -205,7 +207,7 @@ class StaticGroupTable(GroupTable):
         if self.num_ranks == 1:
             return rows
         before = tf.cast(self.owned_before, tf.int64)
-        word = tf.searchsorted(before, rows, side="right", out_type=tf.int64) - 1
+        word = search_sorted(before, rows, side="right", out_type=tf.int64) - 1
         pos = _select(tf.gather(self.owned_bits, word), rows - tf.gather(before, word))
         return word * _WORD + pos
 
@@ -235,7 +237,7 @@ class StaticGroupTable(GroupTable):
         rows, hit = self._local(keys)
         check = tf.debugging.Assert(tf.reduce_all(hit), [
             f"{self._op_kind}: keys owned by another rank (this is rank {self.rank} of "
-            f"{self.num_ranks}), e.g.", tf.boolean_mask(keys, tf.logical_not(hit))[:3]])
+            f"{self.num_ranks}), e.g.", masked_examples(tf.logical_not(hit), keys)])
         with tf.control_dependencies([check]):
             return tf.identity(rows)
 
@@ -264,7 +266,7 @@ class StaticGroupTable(GroupTable):
             keys = tf.sort(tf.unique(self._check_keys(self._as_keys(keys, "keys"))).y)
             rows, hit = self._local(keys)
             stored = tf.logical_and(hit, self._touched(rows)) if self._num_owned else hit
-            rows = tf.boolean_mask(rows, stored)
+            rows, = masked_rows(stored, rows)
         out = {"keys": self._keys_of(rows), "values": tf.gather(self.values, rows)}
         for n in self.slot_names:
             out[n] = tf.gather(self.slots[n], rows)

@@ -8,6 +8,7 @@ from typing import Tuple
 
 import tensorflow as tf
 
+from tf_fusedemb.ops.sorted_search import search_sorted
 
 def find_keys(keys: tf.Tensor, table_keys: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
     """Where each of ``keys`` occurs in ``table_keys`` (whose entries are unique).
@@ -23,7 +24,7 @@ def find_keys(keys: tf.Tensor, table_keys: tf.Tensor) -> Tuple[tf.Tensor, tf.Ten
     order = tf.argsort(table_keys, stable=True)
     sorted_keys = tf.gather(table_keys, order)
     size = tf.size(sorted_keys)
-    pos = tf.searchsorted(sorted_keys, keys, side="left", out_type=tf.int32)
+    pos = search_sorted(sorted_keys, keys, side="left", out_type=tf.int32)
     pos = tf.clip_by_value(pos, 0, tf.maximum(size - 1, 0))
     found = tf.logical_and(size > 0, tf.equal(
         tf.gather(tf.concat([sorted_keys, tf.zeros([1], tf.int64)], 0), pos), keys))
