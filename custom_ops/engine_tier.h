@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <string>
 #include <utility>
@@ -47,6 +48,16 @@ class Tier {
     bool resident;
   };
 
+  // Keys just pinned, with their entries in the pins map.
+  struct Pinned {
+    std::vector<int64_t> keys;
+    std::vector<PinState*> pins;
+    void Clear() {
+      keys.clear();
+      pins.clear();
+    }
+  };
+
   // The tier's state of one shard: the keys pinned in DRAM or pinned by one of the last
   // few Pin calls (see kRecentPins), and what the store holds of this shard's keys.
   struct ShardState {
@@ -54,9 +65,14 @@ class Tier {
     uint32_t pin_calls = 0;
     size_t pins_after_prune = 0;
     int64_t blocks = 0, stored = 0, tracked = 0, bytes = 0;
+    // The highest access count among the last spill's victims (see Victims).
+    uint64_t victim_count = 0;
     // Keys whose DRAM block was erased since the last Unpin (see EraseBlock): their store
     // entries, stale copies where there are any, are deleted with Unpin's batch.
     std::vector<int64_t> erased;
+    // A Pin call's keys pinned anew and those of them without a DRAM block: kept between
+    // calls so their memory is reused (a call's own vectors were a few mallocs per call).
+    Pinned fresh, missing;
     // Cumulative I/O: blocks and bytes read back, blocks and bytes spilled (benchmarks).
     int64_t io[4] = {0, 0, 0, 0};
     void Add(const BlockHeader& h, size_t bytes_of_block, bool stored_row, int sign) {
@@ -91,10 +107,10 @@ class Tier {
     ShardState& t = shards_[s];
     // Only TooSmall's check needs the bytes of the blocks pinned, so each block's size.
     const bool sized = step_batch && budget_ > 0;
-    const Pinned fresh = PinKeys(t, pos, keys, sized);
+    PinKeys(t, pos, keys, sized);
     int64_t pinned = 0;  // bytes of the blocks this call pins, once read back
-    const Pinned missing = FindBlocks(sh, fresh, &pinned);
-    std::string error = ReadBack(t, sh, missing, &pinned);
+    FindBlocks(sh, t.fresh, &t.missing, &pinned);
+    std::string error = ReadBack(t, sh, t.missing, &pinned);
     if (error.empty() && sized && pinned > budget_) error = TooSmall(s, pinned);
     return error;
   }
@@ -124,22 +140,17 @@ class Tier {
   }
 
  private:
-  // Keys just pinned, with their entries in the pins map.
-  struct Pinned {
-    std::vector<int64_t> keys;
-    std::vector<PinState*> pins;
-  };
-
   // Keys or blocks prefetched ahead of their use (each is a cache miss otherwise).
   static constexpr int64_t kAhead = 8;
 
-  // Takes a pin on each key at `pos`; returns the keys pinned anew whose block Find must
-  // look for: those not known to be in DRAM, or all of them when `sized`. The map is
-  // reserved first, so no insertion moves the entries returned.
-  static Pinned PinKeys(ShardState& t, Span pos, const int64_t* keys, bool sized) {
+  // Takes a pin on each key at `pos`; sets t.fresh to the keys pinned anew whose block
+  // Find must look for: those not known to be in DRAM, or all of them when `sized`. The
+  // map is reserved first, so no insertion moves the entries kept.
+  static void PinKeys(ShardState& t, Span pos, const int64_t* keys, bool sized) {
     const uint32_t call = ++t.pin_calls;
     t.pins.reserve(t.pins.size() + pos.size);
-    Pinned fresh;
+    Pinned& fresh = t.fresh;
+    fresh.Clear();
     for (int64_t k = 0; k < pos.size; ++k) {
       if (k + kAhead < pos.size) t.pins.prefetch(keys[pos.data[k + kAhead]]);
       const int64_t key = keys[pos.data[k]];
@@ -149,14 +160,13 @@ class Tier {
       fresh.keys.push_back(key);
       fresh.pins.push_back(&pin);
     }
-    return fresh;
   }
 
   // Looks up the blocks of `fresh` in DRAM (the index probes and the keys in the blocks
   // they compare prefetched ahead), adding their bytes to *bytes and marking them
-  // resident; returns the keys without one.
-  static Pinned FindBlocks(const Shard& sh, const Pinned& fresh, int64_t* bytes) {
-    Pinned missing;
+  // resident; sets *missing to the keys without one.
+  static void FindBlocks(const Shard& sh, const Pinned& fresh, Pinned* missing, int64_t* bytes) {
+    missing->Clear();
     const int64_t n = static_cast<int64_t>(fresh.keys.size());
     for (int64_t j = 0; j < n; ++j) {
       if (j + 2 * kAhead < n) sh.PrefetchIndex(fresh.keys[j + 2 * kAhead]);
@@ -165,11 +175,10 @@ class Tier {
         *bytes += static_cast<int64_t>(sh.BytesOf(*ref));
         fresh.pins[j]->resident = true;
       } else {
-        missing.keys.push_back(fresh.keys[j]);
-        missing.pins.push_back(fresh.pins[j]);
+        missing->keys.push_back(fresh.keys[j]);
+        missing->pins.push_back(fresh.pins[j]);
       }
     }
-    return missing;
   }
 
   // Reads the blocks of `missing` (keys without a DRAM block) from the store into DRAM,
@@ -276,6 +285,14 @@ class Tier {
     return (uint64_t{recent} << 63) | (capped << 32) | step;
   }
 
+  // The order as one integer (see Score), so nth_element compares 16-byte pairs with one
+  // instruction instead of three fields with branches.
+  struct Candidate {
+    uint64_t score;
+    uint32_t ref;
+    bool operator<(const Candidate& o) const { return score < o.score; }
+  };
+
   // The blocks to spill to bring `sh` to `target` bytes (see Spill for the order; the
   // victims come out in no particular order, since they are spilled together).
   //
@@ -283,18 +300,49 @@ class Tier {
   // each victim ten elements' log n comparisons, and a probe of the pins map per block
   // scanned. The pinned and recent blocks are marked instead, from the pins map (a few
   // calls' keys) into an array indexed by block, the headers are read in address order;
-  // then rounds of nth_element take the least ordered candidates: each round takes as many as the bytes still to free need if all
-  // were full blocks, all of which a sorted order would have taken too (the same victims
-  // as the sort, up to ties), and the rest of the candidates go to the next round.
-  static std::vector<BlockRef> Victims(const ShardState& t, const Shard& sh, int64_t target) {
-    // The order as one integer (see Score), so nth_element compares 16-byte pairs with
-    // one instruction instead of three fields with branches.
-    struct Candidate {
-      uint64_t score;
-      uint32_t ref;
-      bool operator<(const Candidate& o) const { return score < o.score; }
-    };
-    enum Mark : uint8_t { kCandidate = 0, kRecent = 1, kPinned = 2 };
+  // then rounds of nth_element take the least ordered candidates (TakeLeast).
+  //
+  // Why two sets of candidates: the victims are a tenth of them, and the highest count
+  // among them changes little from one spill to the next. The candidates counted at most
+  // one more than the last spill's highest (ShardState::victim_count), about half of them,
+  // are selected from first, and the others, which all come after them in the order, only
+  // if those do not free enough: the same victims as one set, for a selection over half
+  // the candidates (nth_element over all of them was a third of the choice's CPU).
+  static std::vector<BlockRef> Victims(ShardState& t, const Shard& sh, int64_t target) {
+    const std::vector<uint8_t> marks = Marks(t, sh);
+    const uint64_t bound = Score(false, t.victim_count + 1, std::numeric_limits<int32_t>::max());
+    // The live headers in address order (the index's own order would cost a cache miss
+    // per header). Freed blocks are left out by their mark, not by an index probe of each
+    // victim: they are the blocks just spilled, whose stale scores are the lowest, so they
+    // took half of each round's places (three rounds a spill instead of one).
+    // Each candidate is written field by field into room for all of them: a Candidate
+    // built in registers and pushed was stored in two halves and reloaded whole, a failed
+    // store forwarding that stalled every header of the scan.
+    const size_t most = sh.ref_numbers();
+    std::unique_ptr<Candidate[]> room(new Candidate[most]);  // the first ones from the front,
+    Candidate* first_end = room.get();                        // the later ones from the back
+    Candidate* later_begin = room.get() + most;
+    sh.ForEachLive([&](uint32_t ref, const BlockHeader* h) {
+      const uint8_t mark = marks[sh.RefNumber(ref)];
+      if (mark == kPinned) return;  // pinned: stays
+      const uint64_t score = Score(mark == kRecent, h->count(), h->last_step);
+      Candidate* c = score <= bound ? first_end++ : --later_begin;
+      c->score = score;
+      c->ref = ref;
+    });
+    std::vector<BlockRef> victims;
+    int64_t excess = sh.live_bytes() - target;
+    t.victim_count = 0;
+    TakeLeast(sh, room.get(), first_end, &excess, &victims, &t.victim_count);
+    TakeLeast(sh, later_begin, room.get() + most, &excess, &victims, &t.victim_count);
+    return victims;
+  }
+
+  enum Mark : uint8_t { kCandidate = 0, kRecent = 1, kPinned = 2 };
+
+  // A mark per block of `sh` (by RefNumber): pinned, pinned by one of the last
+  // kRecentPins calls, or neither, from the pins map.
+  static std::vector<uint8_t> Marks(const ShardState& t, const Shard& sh) {
     std::vector<uint8_t> marks(sh.ref_numbers(), kCandidate);
     const uint32_t now = t.pin_calls;
     for (const auto& [key, pin] : t.pins) {
@@ -303,33 +351,29 @@ class Tier {
         marks[sh.RefNumber(*ref)] = pin.count > 0 ? kPinned : kRecent;
       }
     }
-    // The live headers in address order (the index's own order would cost a cache miss
-    // per header). Freed blocks are left out by their mark, not by an index probe of each
-    // victim: they are the blocks just spilled, whose stale scores are the lowest, so they
-    // took half of each round's places (three rounds a spill instead of one).
-    std::vector<Candidate> candidates;
-    candidates.reserve(sh.ref_numbers());
-    sh.ForEachLive([&](uint32_t ref, const BlockHeader* h) {
-      const uint8_t mark = marks[sh.RefNumber(ref)];
-      if (mark == kPinned) return;  // pinned: stays
-      candidates.push_back({Score(mark == kRecent, h->count(), h->last_step), ref});
-    });
-    std::vector<BlockRef> victims;
-    int64_t excess = sh.live_bytes() - target;
+    return marks;
+  }
+
+  // Appends the least of [rest, end) (reordered) to *victims while *excess bytes remain
+  // to free, subtracting their bytes and raising *most_count to their highest count. Each
+  // round of nth_element takes as many as the bytes still to free need if all were full
+  // blocks, all of which a sorted order would have taken too (the same victims as a sort,
+  // up to ties), and the rest go to the next round.
+  static void TakeLeast(const Shard& sh, Candidate* rest, Candidate* end, int64_t* excess,
+                        std::vector<BlockRef>* victims, uint64_t* most_count) {
     const int64_t largest = static_cast<int64_t>(sh.full_block_bytes());
-    auto rest = candidates.begin();
-    while (excess > 0 && rest != candidates.end()) {
-      const auto take = std::min<int64_t>(candidates.end() - rest, (excess + largest - 1) / largest);
-      std::nth_element(rest, rest + (take - 1), candidates.end());
+    while (*excess > 0 && rest != end) {
+      const auto take = std::min<int64_t>(end - rest, (*excess + largest - 1) / largest);
+      std::nth_element(rest, rest + (take - 1), end);
       for (auto c = rest; c != rest + take; ++c) {
         const BlockHeader* h = sh.Header(c->ref);
         const size_t size = sh.BytesOf(c->ref);
-        victims.push_back({h->key, reinterpret_cast<const char*>(h), size});
-        excess -= static_cast<int64_t>(size);
+        victims->push_back({h->key, reinterpret_cast<const char*>(h), size});
+        *excess -= static_cast<int64_t>(size);
+        *most_count = std::max(*most_count, h->count());
       }
       rest += take;
     }
-    return victims;
   }
 
   std::unique_ptr<BlockStore> store_;  // null: every block in DRAM
