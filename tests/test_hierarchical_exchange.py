@@ -31,7 +31,8 @@ import pytest
 import equivalence_model as em
 from conftest import REPO_ROOT
 from horovod_launch import horovodrun
-from test_fused_embedding_equivalence import SCRIPT, assert_equivalent, parse_result
+from mp_train_equivalence import EACH
+from test_fused_embedding_equivalence import SCRIPT, assert_equivalent, parse_result, parse_results
 from test_multihost import reference
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.testing.cluster import ClusterTimeout, ClusterUnavailable, EmulatedCluster
@@ -41,6 +42,12 @@ FLAT_ROUNDS, HIER_ROUNDS = 3, 6  # AlltoAll rounds per step and group: (keys, ro
 RUN_TIMEOUT_S = 420
 ENV = {"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
 HIERARCHICAL = ["--exchange", "hierarchical"]  # FusedEmbedding(exchange="hierarchical")
+
+
+def with_exchange(args):
+    """``[script, *options]`` with the hierarchical exchange among the options that every
+    run of the launch shares (before the first ``--each``)."""
+    return [args[0], *HIERARCHICAL, *args[1:]]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +61,7 @@ def run_job():
 
     def on_cluster(args):
         try:
-            rc = cluster.run([sys.executable, *args, *HIERARCHICAL], timeout=RUN_TIMEOUT_S,
+            rc = cluster.run([sys.executable, *with_exchange(args)], timeout=RUN_TIMEOUT_S,
                              env=ENV, cwd=str(REPO_ROOT), echo=False)
         except ClusterTimeout as e:
             pytest.fail(str(e))
@@ -67,7 +74,7 @@ def run_job():
         old = os.environ.get("TF_FUSEDEMB_TOPOLOGY")
         os.environ["TF_FUSEDEMB_TOPOLOGY"] = "2x2"
         try:
-            return horovodrun([*args, *HIERARCHICAL], WORLD, timeout=RUN_TIMEOUT_S)
+            return horovodrun(with_exchange(args), WORLD, timeout=RUN_TIMEOUT_S)
         finally:
             if old is None:
                 os.environ.pop("TF_FUSEDEMB_TOPOLOGY")
@@ -105,31 +112,43 @@ def check(result, steps, world=WORLD):
         assert c["inter_bytes_sent"] > 0 and c["intra_bytes_sent"] > 0, (group, c)
 
 
+# The 2 x 2 runs, each from a fresh model, as runs of one launch (one process start per
+# rank): {name: (steps, its options)}. Step 3 gives the last rank (second node) an empty
+# batch in each.
+RUNS = {"sync": (6, []), "dbp_fwp": (8, ["--pipeline", "dbp,fwp=2"]),
+        "auto": (12, ["--pipeline", "exchange=auto"])}
+
+
+@pytest.fixture(scope="module")
+def results(run_job):
+    """{run name: RESULT} of RUNS, from one launch."""
+    args = [SCRIPT, "--empty-step", "3"]
+    for steps, options in RUNS.values():
+        args += [EACH, "--steps", str(steps), *options]
+    return dict(zip(RUNS, parse_results(run_job(args), len(RUNS))))
+
+
 @pytest.mark.timeout(900)
-def test_hierarchical_sync_equals_reference(run_job):
-    steps = 6  # step 3 gives the last rank (second node) an empty batch
-    result = parse_result(run_job([SCRIPT, "--steps", str(steps), "--empty-step", "3"]))
+def test_hierarchical_sync_equals_reference(results):
+    steps = RUNS["sync"][0]
+    result = results["sync"]
     check(result, steps)
     for group, c in result["counters"].items():  # 2 stages x (keys, rows, gradients)
         assert c["rounds"] == HIER_ROUNDS * steps and c["inter_rounds"] == 3 * steps, (group, c)
 
 
 @pytest.mark.timeout(900)
-def test_hierarchical_dbp_fwp_equals_reference(run_job):
-    steps = 8
-    result = parse_result(run_job([SCRIPT, "--steps", str(steps), "--pipeline", "dbp,fwp=2",
-                                   "--empty-step", "3"]))
-    check(result, steps)
+def test_hierarchical_dbp_fwp_equals_reference(results):
+    check(results["dbp_fwp"], RUNS["dbp_fwp"][0])
 
 
 @pytest.mark.timeout(900)
-def test_measured_exchange_choice_equals_reference(run_job):
+def test_measured_exchange_choice_equals_reference(results):
     """PipelineOptions(exchange="auto"): 5 steps with the flat exchange, 5 with the
     hierarchical one (2 untimed + 3 timed each, on the same tables), then the faster; the
     counters show which exchange each step used, and training is exact throughout."""
-    steps = 12
-    result = parse_result(run_job([SCRIPT, "--steps", str(steps), "--pipeline", "exchange=auto",
-                                   "--empty-step", "3"]))
+    steps = RUNS["auto"][0]
+    result = results["auto"]
     check(result, steps)
     chosen = result["pipeline_chosen"]
     assert chosen in ("exchange=flat", "exchange=hierarchical"), chosen
