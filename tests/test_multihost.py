@@ -27,7 +27,8 @@ import pytest
 import equivalence_model as em
 from conftest import REPO_ROOT
 from horovod_launch import horovodrun
-from test_fused_embedding_equivalence import SCRIPT, parse_result
+from mp_train_equivalence import EACH
+from test_fused_embedding_equivalence import SCRIPT, parse_result, parse_results
 from tf_fusedemb.testing.cluster import ClusterTimeout, ClusterUnavailable, EmulatedCluster
 
 HOSTS, RANKS_PER_HOST, LINK_MBIT = 2, 2, 1000.0
@@ -105,13 +106,23 @@ def assert_matches(got, want, what):
 
 
 @pytest.fixture(scope="module")
-def fit_2x2(cluster, tmp_path_factory):
-    """``FusedModel.fit`` for FIRST steps on 2 x 2, checkpointed: (RESULT, checkpoint dir).
-    Shared by the fit test and the restore test (one 4-rank run instead of two)."""
+def runs_2x2(cluster, tmp_path_factory):
+    """Two runs of one 4-rank launch on 2 x 2 (one process start per rank): (RESULT of
+    ``FusedModel.fit`` for FIRST steps, its checkpoint dir, RESULT of DBP+FWP4 for
+    PIPELINE_STEPS, where step 3 gives the last rank, on the second host, an empty batch:
+    its 4 micro-batches are empty, and it still takes part in every collective)."""
     ckpt = str(tmp_path_factory.mktemp("multihost") / "ckpt")
-    job = run_on_cluster(cluster, [SCRIPT, "--steps", str(FIRST), "--keras-fit",
-                                   "--save-dir", ckpt])
-    return parse_result(job.text(0)), ckpt
+    job = run_on_cluster(cluster, [
+        SCRIPT, EACH, "--steps", str(FIRST), "--keras-fit", "--save-dir", ckpt,
+        EACH, "--steps", str(PIPELINE_STEPS), "--pipeline", "dbp,fwp=4", "--empty-step", "3"])
+    fit, pipelined = parse_results(job.text(0), 2)
+    return fit, ckpt, pipelined
+
+
+@pytest.fixture(scope="module")
+def fit_2x2(runs_2x2):
+    """(RESULT, checkpoint dir) of the fit run: shared by the fit and restore tests."""
+    return runs_2x2[:2]
 
 
 @pytest.mark.timeout(900)
@@ -126,12 +137,8 @@ def test_keras_fit_on_two_hosts_equals_reference(fit_2x2):
 
 
 @pytest.mark.timeout(900)
-def test_dbp_fwp4_on_two_hosts_equals_reference(cluster):
-    # Step 3 gives the last rank (on the second host) an empty batch: its 4 micro-batches
-    # are empty, and it still takes part in every collective.
-    job = run_on_cluster(cluster, [SCRIPT, "--steps", str(PIPELINE_STEPS), "--pipeline",
-                                   "dbp,fwp=4", "--empty-step", "3"])
-    result = parse_result(job.text(0))
+def test_dbp_fwp4_on_two_hosts_equals_reference(runs_2x2):
+    result = runs_2x2[2]
     (losses, dense, tables), _ = reference(PIPELINE_STEPS)
     assert len(result["losses"]) == PIPELINE_STEPS
     assert_matches(result, (losses, dense, tables), f"DBP+FWP4 on {HOSTS}x{RANKS_PER_HOST}")
