@@ -261,7 +261,8 @@ class NestedPipeline:
         else:
             prior = tf.ones_like(keys, tf.bool)
         delayed = tf.logical_not(prior)
-        pending = PendingUpdate(*masked_rows(delayed, keys, grads, init_keys), step)
+        dk, dg, di = masked_rows(delayed, keys, grads, init_keys)
+        pending = PendingUpdate(dk, dg, di, step)
         pk, pg, pi = masked_rows(prior, keys, grads, init_keys)
         if not self.options.sync_buffers:  # the stale variant: t+1 keeps pre-update rows
             with tf.control_dependencies([p.rows for p in next_rows]):
