@@ -162,17 +162,19 @@ class Engine {
   size_t block_bytes() const { return format_.block_bytes(); }
   const BlockStore* store() const { return tier_.store(); }
 
-  // Brings the blocks of the keys at `pos` into DRAM and pins them there (Tier::Pin).
-  // Nothing to do without a store.
-  std::string Pin(int s, Span pos, const int64_t* keys) {
+  // Brings the blocks of the keys at `pos` into DRAM and pins them there (Tier::Pin);
+  // *anew (if given): how many had no pin before. Nothing to do without a store.
+  std::string Pin(int s, Span pos, const int64_t* keys, int64_t* anew = nullptr) {
     if (!tiered()) return "";
     std::unique_lock<std::shared_mutex> lock(shards_[s]->mutex());
-    return tier_.Pin(s, *shards_[s], pos, keys);
+    return tier_.Pin(s, *shards_[s], pos, keys, anew);
   }
 
-  // The error of a budget smaller than the blocks pinned at once (Tier::CheckPinned);
-  // empty when they fit or without a store.
-  std::string CheckPinned() const { return tiered() ? tier_.CheckPinned() : ""; }
+  // The error of a budget smaller than the blocks pinned at once, with `extra_keys` keys
+  // more (Tier::CheckPinned); empty when they fit or without a store.
+  std::string CheckPinned(int64_t extra_keys = 0) const {
+    return tiered() ? tier_.CheckPinned(extra_keys) : "";
+  }
 
   // Releases Pin's pins of the keys at `pos`, then spills while the shard is over budget
   // (Tier::Unpin). Nothing to do without a store.

@@ -3,6 +3,7 @@
 // intra-op pool, each under that shard's lock: writers exclusive, readers shared, so
 // kernels on one resource may run concurrently.
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -60,11 +61,11 @@ class EngineResource : public ResourceBase {
                            " shards)");
   }
   int64_t MemoryUsed() const override { return engine_.Size().bytes_held; }
-  // The error of a budget smaller than the blocks pinned at once (Engine::CheckPinned),
-  // read between prefetches.
-  std::string CheckPinned() {
+  // The error of a budget smaller than the blocks pinned at once, with `extra_keys` more
+  // (Engine::CheckPinned), read between prefetches.
+  std::string CheckPinned(int64_t extra_keys) {
     std::lock_guard<std::mutex> lock(prefetch_mu_);
-    return engine_.CheckPinned();
+    return engine_.CheckPinned(extra_keys);
   }
 
  private:
@@ -179,8 +180,8 @@ class EngineKernel : public OpKernel {
     const int64_t* keys = nullptr;
     int64_t n = 0;
     // A training step's batch (the update's keys): with a tier, its blocks, with those
-    // other calls keep pinned (a prefetch), must fit the budget (Tier::CheckPinned).
-    // Other calls (finds, exports, evictions) may pin any number.
+    // other calls keep pinned (a prefetch), must fit the budget (Tier::CheckPinned), or
+    // the call fails once run. Other calls (finds, exports, evictions) may pin any number.
     bool step_batch = false;
     Engine& engine() const { return resource->engine(); }
     // Runs fn(shard, span) over the shards of the keys, in parallel; with an SSD tier,
@@ -196,48 +197,29 @@ class EngineKernel : public OpKernel {
     __attribute__((noinline)) Status RunTiered(OpKernelContext* ctx, int64_t cost_per_key,
                                                F& fn) const {
       Engine& e = engine();
-      const ShardedBatch batch(ctx, e, keys, n);
-      if (step_batch) return RunStepBatch(ctx, batch, cost_per_key, fn);
-      return batch.Run(ctx, cost_per_key + kTierCostPerKey, [&](int s, Span p) {
-        const std::string error = e.Pin(s, p, keys);
-        if (error.empty()) return RunPinned(s, p, fn);
-        e.Unpin(s, p, keys);  // on an error the pins are still taken
-        return error;
-      });
-    }
-    // A step batch's blocks pinned in every shard first, then checked against the budget
-    // (Tier::CheckPinned), then fn run. Why every shard first: pinned, run and released
-    // shard by shard, a batch never has all its blocks pinned at once, yet a batch over
-    // the budget puts each shard over its share, which then spills every unpinned block.
-    template <typename F>
-    Status RunStepBatch(OpKernelContext* ctx, const ShardedBatch& batch, int64_t cost_per_key,
-                        F& fn) const {
-      Engine& e = engine();
-      const Status pinned = batch.Run(ctx, kTierCostPerKey, [&](int s, Span p) {
-        return e.Pin(s, p, keys);
-      });
-      const std::string error = pinned.ok() ? resource->CheckPinned() : "";
-      if (!pinned.ok() || !error.empty()) {
-        batch.Run(ctx, kTierCostPerKey, [&](int s, Span p) { return e.Unpin(s, p, keys); })
-            .IgnoreError();  // the first error is the one to report
-        return pinned.ok() ? errors::InvalidArgument("embedding engine: ", error) : pinned;
-      }
-      return batch.Run(ctx, cost_per_key + kTierCostPerKey,
-                       [&](int s, Span p) { return RunPinned(s, p, fn); });
-    }
-    // fn(s, p) on the pinned keys at p, then their pins released (on an exception too).
-    template <typename F>
-    std::string RunPinned(int s, Span p, F& fn) const {
-      Engine& e = engine();
-      std::string error;
-      try {
-        error = fn(s, p);
-      } catch (...) {  // out of memory: release the pins before ShardedBatch reports it
-        e.Unpin(s, p, keys);
-        throw;
-      }
-      const std::string unpinned = e.Unpin(s, p, keys);
-      return error.empty() ? unpinned : error;
+      std::atomic<int64_t> anew{0};  // keys this call pinned that no other call had pinned
+      const Status status = ShardedBatch(ctx, e, keys, n).Run(
+          ctx, cost_per_key + kTierCostPerKey, [&](int s, Span p) {
+            int64_t pinned = 0;
+            std::string error = e.Pin(s, p, keys, &pinned);
+            anew.fetch_add(pinned, std::memory_order_relaxed);
+            try {
+              if (error.empty()) error = fn(s, p);
+            } catch (...) {  // out of memory: release the pins before ShardedBatch reports it
+              e.Unpin(s, p, keys);
+              throw;
+            }
+            const std::string unpinned = e.Unpin(s, p, keys);
+            return error.empty() ? unpinned : error;
+          });
+      if (!status.ok() || !step_batch) return status;
+      // The batch's keys and those other calls keep pinned, as if pinned at once: shard by
+      // shard they never are, yet a batch over the budget puts each shard over its share,
+      // which then spills every unpinned block. Checked after the call, which pins each
+      // shard's keys only while it runs there (all shards first would cost a pass more).
+      const std::string error = resource->CheckPinned(anew.load(std::memory_order_relaxed));
+      if (!error.empty()) return errors::InvalidArgument("embedding engine: ", error);
+      return status;
     }
     // Rough extra cycles per key of Pin and Unpin (hash map updates, a share of the I/O).
     static constexpr int64_t kTierCostPerKey = 400;

@@ -103,25 +103,30 @@ class Tier {
   // Brings the blocks of the keys at `pos` into DRAM and pins them there (a count per key:
   // a prefetch and the step's own operation may pin the same key). Keys in neither tier
   // stay absent. On an error the pins are still taken: Unpin releases them. A key
-  // pinned counts in CheckPinned until its last pin is released.
-  std::string Pin(int s, Shard& sh, Span pos, const int64_t* keys) {
+  // pinned counts in CheckPinned until its last pin is released; *anew (if given): how
+  // many keys had no pin before.
+  std::string Pin(int s, Shard& sh, Span pos, const int64_t* keys, int64_t* anew = nullptr) {
     ShardState& t = shards_[s];
-    pinned_keys_.fetch_add(PinKeys(t, pos, keys), std::memory_order_relaxed);
+    const int64_t pinned = PinKeys(t, pos, keys);
+    pinned_keys_.fetch_add(pinned, std::memory_order_relaxed);
+    if (anew != nullptr) *anew = pinned;
     FindBlocks(sh, t.fresh, &t.missing);
     return ReadBack(t, sh, t.missing);
   }
 
   // The error of a budget smaller than the blocks of the keys pinned at once in all
-  // shards (empty if they fit, or with a budget of 0): a training step's batch and, with
-  // the pipelined fit, the batches a prefetch keeps pinned. Each key counts a block with
-  // a row, stored or not: the step's update gives each one. Why an error: pinned blocks
+  // shards, with `extra_keys` more (a call's keys, pinned shard by shard); empty if they
+  // fit or with a budget of 0. What counts: a training step's batch and, with the
+  // pipelined fit, the batches a prefetch keeps pinned; each key a block with a row,
+  // stored or not (the step's update gives each one). Why an error: pinned blocks
   // cannot be spilled, so each shard over its share of the budget spills every unpinned
   // block at each call's end, and a step reads its blocks back at each of its calls (more
   // reads than keys: no hit). Other calls, such as an eviction's scan of every key, may
   // pin any number of blocks for their length. A budget of 0 keeps no block in DRAM
   // between calls, on purpose: the tier's exactness tests move every block at every call.
-  std::string CheckPinned() const {
-    const int64_t pinned = pinned_keys_.load(std::memory_order_relaxed) * block_bytes_;
+  std::string CheckPinned(int64_t extra_keys = 0) const {
+    const int64_t pinned =
+        (pinned_keys_.load(std::memory_order_relaxed) + extra_keys) * block_bytes_;
     if (budget_ == 0 || pinned <= budget_) return "";
     return "SSD tier of embedding engine " + name_ + ": a memory budget of " +
            std::to_string(budget_) + " bytes is smaller than the " + std::to_string(pinned) +
