@@ -154,21 +154,26 @@ class Engine {
   // batch operation runs between Pin and Unpin of its keys (engine_tier.h). Call before
   // any other use.
   void AttachStore(std::unique_ptr<BlockStore> store, int64_t budget_bytes,
-                   const std::string& name) {
-    tier_.Attach(std::move(store), budget_bytes, num_shards(), name);
+                   const std::string& name, const std::string& tables = "") {
+    tier_.Attach(std::move(store), budget_bytes, num_shards(), block_bytes(), name, tables);
   }
   bool tiered() const { return tier_.attached(); }
   // Bytes of a block with a row (the largest a store is given).
   size_t block_bytes() const { return format_.block_bytes(); }
   const BlockStore* store() const { return tier_.store(); }
 
-  // Brings the blocks of the keys at `pos` into DRAM and pins them there (Tier::Pin; a
-  // step_batch, a training step's update, must fit the budget). Nothing to do without a
-  // store.
-  std::string Pin(int s, Span pos, const int64_t* keys, bool step_batch = false) {
+  // Brings the blocks of the keys at `pos` into DRAM and pins them there (Tier::Pin);
+  // *anew (if given): how many had no pin before. Nothing to do without a store.
+  std::string Pin(int s, Span pos, const int64_t* keys, int64_t* anew = nullptr) {
     if (!tiered()) return "";
     std::unique_lock<std::shared_mutex> lock(shards_[s]->mutex());
-    return tier_.Pin(s, *shards_[s], pos, keys, step_batch);
+    return tier_.Pin(s, *shards_[s], pos, keys, anew);
+  }
+
+  // The error of a budget smaller than the blocks pinned at once, with `extra_keys` keys
+  // more (Tier::CheckPinned); empty when they fit or without a store.
+  std::string CheckPinned(int64_t extra_keys = 0) const {
+    return tiered() ? tier_.CheckPinned(extra_keys) : "";
   }
 
   // Releases Pin's pins of the keys at `pos`, then spills while the shard is over budget

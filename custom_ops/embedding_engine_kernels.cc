@@ -3,6 +3,7 @@
 // intra-op pool, each under that shard's lock: writers exclusive, readers shared, so
 // kernels on one resource may run concurrently.
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -42,10 +43,13 @@ class EngineResource : public ResourceBase {
   explicit EngineResource(const engine::Config& c) : engine_(c) {}
   Engine& engine() { return engine_; }
 
+  // Held for the whole of a prefetch (its pins, then the release of the oldest batch's)
+  // and by CheckPinned: a step's check never sees the batch being prefetched beside the
+  // one it is about to release, a passing moment.
+  std::mutex& prefetch_mutex() { return prefetch_mu_; }
   // Records `keys` as the newest prefetched batch; returns the batch it releases (empty
-  // while fewer than kPrefetchDepth are held).
+  // while fewer than kPrefetchDepth are held). Call with prefetch_mutex() held.
   std::vector<int64_t> PushPrefetched(std::vector<int64_t> keys) {
-    std::lock_guard<std::mutex> lock(prefetch_mu_);
     prefetched_.push_back(std::move(keys));
     if (prefetched_.size() <= kPrefetchDepth) return {};
     std::vector<int64_t> oldest = std::move(prefetched_.front());
@@ -57,6 +61,12 @@ class EngineResource : public ResourceBase {
                            " shards)");
   }
   int64_t MemoryUsed() const override { return engine_.Size().bytes_held; }
+  // The error of a budget smaller than the blocks pinned at once, with `extra_keys` more
+  // (Engine::CheckPinned), read between prefetches.
+  std::string CheckPinned(int64_t extra_keys) {
+    std::lock_guard<std::mutex> lock(prefetch_mu_);
+    return engine_.CheckPinned(extra_keys);
+  }
 
  private:
   Engine engine_;
@@ -169,8 +179,9 @@ class EngineKernel : public OpKernel {
     core::RefCountPtr<EngineResource> resource;
     const int64_t* keys = nullptr;
     int64_t n = 0;
-    // A training step's batch (the update's keys): with a tier, its blocks must fit the
-    // budget (Tier::Pin). Other calls (finds, exports, evictions) may pin any number.
+    // A training step's batch (the update's keys): with a tier, its blocks, with those
+    // other calls keep pinned (a prefetch), must fit the budget (Tier::CheckPinned), or
+    // the call fails once run. Other calls (finds, exports, evictions) may pin any number.
     bool step_batch = false;
     Engine& engine() const { return resource->engine(); }
     // Runs fn(shard, span) over the shards of the keys, in parallel; with an SSD tier,
@@ -186,17 +197,29 @@ class EngineKernel : public OpKernel {
     __attribute__((noinline)) Status RunTiered(OpKernelContext* ctx, int64_t cost_per_key,
                                                F& fn) const {
       Engine& e = engine();
-      return ShardedBatch(ctx, e, keys, n).Run(ctx, cost_per_key + kTierCostPerKey, [&](int s, Span p) {
-        std::string error = e.Pin(s, p, keys, step_batch);
-        try {
-          if (error.empty()) error = fn(s, p);
-        } catch (...) {  // out of memory: release the pins before ShardedBatch reports it
-          e.Unpin(s, p, keys);
-          throw;
-        }
-        const std::string unpinned = e.Unpin(s, p, keys);
-        return error.empty() ? unpinned : error;
-      });
+      std::atomic<int64_t> anew{0};  // keys this call pinned that no other call had pinned
+      const Status status = ShardedBatch(ctx, e, keys, n).Run(
+          ctx, cost_per_key + kTierCostPerKey, [&](int s, Span p) {
+            int64_t pinned = 0;
+            std::string error = e.Pin(s, p, keys, &pinned);
+            anew.fetch_add(pinned, std::memory_order_relaxed);
+            try {
+              if (error.empty()) error = fn(s, p);
+            } catch (...) {  // out of memory: release the pins before ShardedBatch reports it
+              e.Unpin(s, p, keys);
+              throw;
+            }
+            const std::string unpinned = e.Unpin(s, p, keys);
+            return error.empty() ? unpinned : error;
+          });
+      if (!status.ok() || !step_batch) return status;
+      // The batch's keys and those other calls keep pinned, as if pinned at once: shard by
+      // shard they never are, yet a batch over the budget puts each shard over its share,
+      // which then spills every unpinned block. Checked after the call, which pins each
+      // shard's keys only while it runs there (all shards first would cost a pass more).
+      const std::string error = resource->CheckPinned(anew.load(std::memory_order_relaxed));
+      if (!error.empty()) return errors::InvalidArgument("embedding engine: ", error);
+      return status;
     }
     // Rough extra cycles per key of Pin and Unpin (hash map updates, a share of the I/O).
     static constexpr int64_t kTierCostPerKey = 400;
@@ -260,6 +283,7 @@ class EngineHandleOp : public OpKernel {
     OP_REQUIRES(ctx, bad.empty(), errors::InvalidArgument("embedding engine: ", bad));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("memory_budget_bytes", &budget_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("spill_path", &spill_path_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("tables", &tables_));
     OP_REQUIRES(ctx, budget_ < 0 || !spill_path_.empty(),
                 errors::InvalidArgument("a memory budget needs a spill_path for its SSD tier"));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("container", &container_));
@@ -299,7 +323,7 @@ class EngineHandleOp : public OpKernel {
       std::unique_ptr<engine::BlockStore> store = engine::OpenSlotFileBlockStore(
           spill_path_, name_, r->engine().block_bytes(), &error);
       if (store == nullptr) return errors::FailedPrecondition(error);
-      r->engine().AttachStore(std::move(store), budget_, name_);
+      r->engine().AttachStore(std::move(store), budget_, name_, tables_);
     }
     *out = r.release();
     return OkStatus();
@@ -307,7 +331,7 @@ class EngineHandleOp : public OpKernel {
 
   engine::Config config_;
   int64_t budget_;
-  std::string container_, name_, spill_path_;
+  std::string container_, name_, spill_path_, tables_;
 };
 
 // ------------------------------------------------------------------ lookup and apply
@@ -569,11 +593,15 @@ class EnginePrefetchOp : public EngineKernel {
     OP_REQUIRES_OK(ctx, PrepareKeys(ctx, &b));
     Engine& e = b.engine();
     if (!e.tiered()) return;
+    std::lock_guard<std::mutex> lock(b.resource->prefetch_mutex());
     // The new pins first, so a key of both batches never leaves DRAM in between.
     OP_REQUIRES_OK(ctx, PinKeys(ctx, e, b.keys, b.n, true));
     const std::vector<int64_t> old =
         b.resource->PushPrefetched(std::vector<int64_t>(b.keys, b.keys + b.n));
     OP_REQUIRES_OK(ctx, PinKeys(ctx, e, old.data(), static_cast<int64_t>(old.size()), false));
+    // What stays pinned now, this batch and the one before, must fit the budget.
+    const std::string error = e.CheckPinned();
+    OP_REQUIRES(ctx, error.empty(), errors::InvalidArgument("embedding engine: ", error));
   }
 };
 

@@ -54,6 +54,7 @@ REGISTER_OP("FusedEmb>EngineHandle")
     .Attr("num_shards: int = 16")
     .Attr("memory_budget_bytes: int = -1")
     .Attr("spill_path: string = ''")
+    .Attr("tables: string = ''")
     .Attr("row_dtype: {'float32', 'bfloat16'} = 'float32'")
     .Attr("container: string = ''")
     .Attr("shared_name: string")
@@ -75,9 +76,12 @@ init_params: two float64 numbers as text (Python's repr, read back exactly): (mi
 num_shards: power of two; keys are split by the top bits of mix64(key).
 memory_budget_bytes: -1: every block in DRAM. Else the DRAM bytes of blocks and index
   the engine keeps at most (per shard budget / num_shards, keys pinned by a running op
-  or a prefetch aside); the other blocks are spilled whole to a RocksDB store.
+  or a prefetch aside); the other blocks are spilled whole to a file of block slots. A
+  training step's update, or a prefetch, fails when the blocks pinned at once (a block
+  with a row per key) exceed a budget other than 0.
 spill_path: the store's directory, this engine's alone (emptied at creation, removed
   with the engine); required with a budget.
+tables: the names of the tables the engine holds, for the SSD tier's errors.
 row_dtype: how rows are stored: float32, or bfloat16 (rounded to nearest even on every
   store; slots and the optimizer's math stay float32, rows travel as float32).
 shared_name: unique per table instance.

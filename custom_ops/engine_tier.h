@@ -20,6 +20,7 @@
 #define TF_FUSEDEMB_ENGINE_TIER_H_
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -83,14 +84,16 @@ class Tier {
     }
   };
 
-  // Call before any other use of the engine; `name` (the engine's) is named in errors.
+  // Call before any other use of the engine; `name` (the engine's) and `tables` (the
+  // names of its tables, if known) are named in errors; `block_bytes`: a block with a row.
   void Attach(std::unique_ptr<BlockStore> store, int64_t budget_bytes, int num_shards,
-              std::string name) {
+              size_t block_bytes, const std::string& name, const std::string& tables = "") {
     store_ = std::move(store);
     budget_ = std::max<int64_t>(0, budget_bytes);
     shard_budget_ = budget_ / num_shards;
     shards_ = std::vector<ShardState>(num_shards);
-    name_ = std::move(name);
+    block_bytes_ = static_cast<int64_t>(block_bytes);
+    name_ = "'" + name + "'" + (tables.empty() ? "" : " (tables " + tables + ")");
   }
   bool attached() const { return store_ != nullptr; }
   BlockStore* store() const { return store_.get(); }
@@ -99,30 +102,48 @@ class Tier {
 
   // Brings the blocks of the keys at `pos` into DRAM and pins them there (a count per key:
   // a prefetch and the step's own operation may pin the same key). Keys in neither tier
-  // stay absent. On an error the pins are still taken: Unpin releases them. A step_batch
-  // (a training step's update) whose blocks in this shard alone exceed the whole of a
-  // non-zero budget fails (TooSmall); other calls, such as an eviction's scan of every
-  // key, may pin any number of blocks for the length of the call.
-  std::string Pin(int s, Shard& sh, Span pos, const int64_t* keys, bool step_batch) {
+  // stay absent. On an error the pins are still taken: Unpin releases them. A key
+  // pinned counts in CheckPinned until its last pin is released; *anew (if given): how
+  // many keys had no pin before.
+  std::string Pin(int s, Shard& sh, Span pos, const int64_t* keys, int64_t* anew = nullptr) {
     ShardState& t = shards_[s];
-    // Only TooSmall's check needs the bytes of the blocks pinned, so each block's size.
-    const bool sized = step_batch && budget_ > 0;
-    PinKeys(t, pos, keys, sized);
-    int64_t pinned = 0;  // bytes of the blocks this call pins, once read back
-    FindBlocks(sh, t.fresh, &t.missing, &pinned);
-    std::string error = ReadBack(t, sh, t.missing, &pinned);
-    if (error.empty() && sized && pinned > budget_) error = TooSmall(s, pinned);
-    return error;
+    const int64_t pinned = PinKeys(t, pos, keys);
+    pinned_keys_.fetch_add(pinned, std::memory_order_relaxed);
+    if (anew != nullptr) *anew = pinned;
+    FindBlocks(sh, t.fresh, &t.missing);
+    return ReadBack(t, sh, t.missing);
+  }
+
+  // The error of a budget smaller than the blocks of the keys pinned at once in all
+  // shards, with `extra_keys` more (a call's keys, pinned shard by shard); empty if they
+  // fit or with a budget of 0. What counts: a training step's batch and, with the
+  // pipelined fit, the batches a prefetch keeps pinned; each key a block with a row,
+  // stored or not (the step's update gives each one). Why an error: pinned blocks
+  // cannot be spilled, so each shard over its share of the budget spills every unpinned
+  // block at each call's end, and a step reads its blocks back at each of its calls (more
+  // reads than keys: no hit). Other calls, such as an eviction's scan of every key, may
+  // pin any number of blocks for their length. A budget of 0 keeps no block in DRAM
+  // between calls, on purpose: the tier's exactness tests move every block at every call.
+  std::string CheckPinned(int64_t extra_keys = 0) const {
+    const int64_t pinned =
+        (pinned_keys_.load(std::memory_order_relaxed) + extra_keys) * block_bytes_;
+    if (budget_ == 0 || pinned <= budget_) return "";
+    return "SSD tier of embedding engine " + name_ + ": a memory budget of " +
+           std::to_string(budget_) + " bytes is smaller than the " + std::to_string(pinned) +
+           " bytes of the blocks pinned at once (a batch's, with the pipelined fit the next "
+           "batch's too); raise memory_budget_bytes above that, or lower the batch size";
   }
   // Releases Pin's pins of the keys at `pos`, then spills while the shard is over budget
   // (and deletes the store entries of blocks erased meanwhile, in the same batch).
   std::string Unpin(int s, Shard& sh, Span pos, const int64_t* keys) {
     ShardState& t = shards_[s];
+    int64_t released = 0;  // keys whose last pin this call releases
     for (int64_t k = 0; k < pos.size; ++k) {
       if (k + kAhead < pos.size) t.pins.prefetch(keys[pos.data[k + kAhead]]);
       auto it = t.pins.find(keys[pos.data[k]]);
-      if (it != t.pins.end() && it->second.count > 0) --it->second.count;
+      if (it != t.pins.end() && it->second.count > 0) released += --it->second.count == 0;
     }
+    pinned_keys_.fetch_sub(released, std::memory_order_relaxed);
     PrunePins(&t);
     return Spill(t, sh);
   }
@@ -144,35 +165,38 @@ class Tier {
   static constexpr int64_t kAhead = 8;
 
   // Takes a pin on each key at `pos`; sets t.fresh to the keys pinned anew whose block
-  // Find must look for: those not known to be in DRAM, or all of them when `sized`. The
-  // map is reserved first, so no insertion moves the entries kept.
-  static void PinKeys(ShardState& t, Span pos, const int64_t* keys, bool sized) {
+  // Find must look for (those not known to be in DRAM) and returns how many keys it
+  // pinned anew. The map is reserved first, so no insertion moves the entries kept.
+  static int64_t PinKeys(ShardState& t, Span pos, const int64_t* keys) {
     const uint32_t call = ++t.pin_calls;
     t.pins.reserve(t.pins.size() + pos.size);
     Pinned& fresh = t.fresh;
     fresh.Clear();
+    int64_t pinned = 0;
     for (int64_t k = 0; k < pos.size; ++k) {
       if (k + kAhead < pos.size) t.pins.prefetch(keys[pos.data[k + kAhead]]);
       const int64_t key = keys[pos.data[k]];
       PinState& pin = t.pins.try_emplace(key, PinState{0, call, false}).first->second;
       pin.last_pin = call;
-      if (++pin.count != 1 || (pin.resident && !sized)) continue;
+      if (++pin.count != 1) continue;
+      ++pinned;
+      if (pin.resident) continue;
       fresh.keys.push_back(key);
       fresh.pins.push_back(&pin);
     }
+    return pinned;
   }
 
   // Looks up the blocks of `fresh` in DRAM (the index probes and the keys in the blocks
-  // they compare prefetched ahead), adding their bytes to *bytes and marking them
-  // resident; sets *missing to the keys without one.
-  static void FindBlocks(const Shard& sh, const Pinned& fresh, Pinned* missing, int64_t* bytes) {
+  // they compare prefetched ahead), marking them resident; sets *missing to the keys
+  // without one.
+  static void FindBlocks(const Shard& sh, const Pinned& fresh, Pinned* missing) {
     missing->Clear();
     const int64_t n = static_cast<int64_t>(fresh.keys.size());
     for (int64_t j = 0; j < n; ++j) {
       if (j + 2 * kAhead < n) sh.PrefetchIndex(fresh.keys[j + 2 * kAhead]);
       if (j + kAhead < n) sh.PrefetchBlock(fresh.keys[j + kAhead], sizeof(int64_t));
-      if (const uint32_t* ref = sh.Find(fresh.keys[j])) {
-        *bytes += static_cast<int64_t>(sh.BytesOf(*ref));
+      if (sh.Find(fresh.keys[j]) != nullptr) {
         fresh.pins[j]->resident = true;
       } else {
         missing->keys.push_back(fresh.keys[j]);
@@ -181,9 +205,8 @@ class Tier {
     }
   }
 
-  // Reads the blocks of `missing` (keys without a DRAM block) from the store into DRAM,
-  // adding their bytes to *bytes.
-  std::string ReadBack(ShardState& t, Shard& sh, const Pinned& missing, int64_t* bytes) {
+  // Reads the blocks of `missing` (keys without a DRAM block) from the store into DRAM.
+  std::string ReadBack(ShardState& t, Shard& sh, const Pinned& missing) {
     if (missing.keys.empty() || t.blocks == 0) return "";
     // Each block is read straight into its arena block (no buffer per block), then counted
     // once the store has filled it (on an error too: every block placed is filled).
@@ -205,27 +228,8 @@ class Tier {
       t.Add(*h, placed[k].second, placed[k].second == sh.full_block_bytes(), -1);
       t.io[0] += 1;
       t.io[1] += static_cast<int64_t>(placed[k].second);
-      *bytes += static_cast<int64_t>(placed[k].second);
     }
     return error;
-  }
-
-  // The error of a budget too small for one call's blocks. Why an error: pinned blocks
-  // cannot be spilled, so DRAM would hold many times the budget, and every block of a step
-  // would be spilled between its calls and read back again (three reads a step, no hit).
-  // Why the whole budget and not the shard's share (budget / shards): a call's blocks
-  // over the share but within the whole budget still train at the cost of re-reads, which
-  // the tier's exactness tests choose on purpose (every block moves at every call); a call
-  // whose blocks in one shard exceed the whole budget is a budget below 1/shards of one
-  // batch, a mistake. A budget of 0 keeps no block in DRAM between calls, on purpose.
-  std::string TooSmall(int s, int64_t pinned) const {
-    const int shards = static_cast<int>(shards_.size());
-    return "SSD tier of embedding engine '" + name_ + "': a memory budget of " +
-           std::to_string(budget_) +
-           " bytes is smaller than one batch's blocks: one call pins " + std::to_string(pinned) +
-           " bytes of blocks in shard " + std::to_string(s) + " of its " +
-           std::to_string(shards) + " alone (about " + std::to_string(pinned * shards) +
-           " bytes in all); give the table a budget well over that, or smaller batches";
   }
 
   // Pin calls per shard during which a key stays a late victim after its pins are
@@ -378,7 +382,11 @@ class Tier {
 
   std::unique_ptr<BlockStore> store_;  // null: every block in DRAM
   int64_t budget_ = 0, shard_budget_ = 0;  // DRAM bytes with a store, in all and per shard
-  std::string name_;                   // the engine's, for errors
+  int64_t block_bytes_ = 0;                // a block with a row
+  // Keys with a pin, all shards: a sum that each shard adds to and takes from under its
+  // own lock (CheckPinned).
+  std::atomic<int64_t> pinned_keys_{0};
+  std::string name_;  // the engine's, quoted, and its tables: for errors
   std::vector<ShardState> shards_;     // with a store: one per shard, under its lock
 };
 

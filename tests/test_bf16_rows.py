@@ -58,7 +58,7 @@ def test_bf16_rows_under_a_memory_budget_equal_bf16_rows_in_dram(tmp_path):
     spec, rng = OptimizerSpec.adagrad(0.1), np.random.default_rng(4)
     dram = _table(spec, "bfloat16", "d")
     tiered = EngineGroupTable("t", 8, InitializerSpec.normal(0.0, 0.5), spec,
-                              row_dtype="bfloat16", memory_budget_bytes=4096,
+                              row_dtype="bfloat16", memory_budget_bytes=10_000,
                               spill_path=str(tmp_path / "spill"))
     universe = np.unique(rng.integers(-2**40, 2**40, 400))
     for _ in range(10):

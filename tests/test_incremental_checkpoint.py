@@ -179,7 +179,7 @@ def test_incremental_arguments_are_checked(tmp_path):
         CheckpointManager(str(tmp_path), model, incremental="yes")
 
 
-@pytest.mark.parametrize("budget", [None, 3000], ids=["dram", "tiered"])
+@pytest.mark.parametrize("budget", [None, 6000], ids=["dram", "tiered"])
 def test_engine_delta_writes_changed_blocks_and_deletions(tmp_path, monkeypatch, budget):
     """The engine alone: after a tracked full write, a delta holds exactly the keys that
     changed (by update, row write, statistics, row removal, forgetting), a deletion for
@@ -206,7 +206,9 @@ def test_engine_delta_writes_changed_blocks_and_deletions(tmp_path, monkeypatch,
     keys = np.arange(1000, dtype=np.int64) * 7
     rng = np.random.default_rng(3)
     e.record(keys, keys % 2, keys, np.ones(len(keys), np.int64), 1, True)
-    e.apply_gradients(keys, keys, rng.standard_normal((len(keys), 4)).astype(np.float32), 1)
+    grads = rng.standard_normal((len(keys), 4)).astype(np.float32)
+    for at in range(0, len(keys), 50):  # 3,000 bytes of blocks an update: within the budget
+        e.apply_gradients(keys[at:at + 50], keys[at:at + 50], grads[at:at + 50], 1)
     refused = "the engine records no changes since a checkpoint of its blocks by this writer"
     with pytest.raises(tf.errors.FailedPreconditionError, match=refused):
         e.write_delta(str(tmp_path / "untracked"), "me")

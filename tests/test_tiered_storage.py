@@ -3,12 +3,14 @@ blocks to an SSD tier (a file of block slots) and reads them back, invisibly to 
 
 The reference of every check is the same work without a budget (every block in DRAM),
 compared bit for bit with numpy: rows, optimizer slots, statistics and losses. Budgets
-are 5% of the table (the table 20x the budget), so nearly every block of a step comes
-back from the SSD tier; admission and eviction policies are on; training crosses a
-checkpoint restore and runs on 1 and 2 ranks.
+are a small share of the table (a sixteenth at the engine, under a third in training),
+above the blocks a step pins at once, so most blocks of a step come back from the SSD
+tier; admission and eviction policies are on; training crosses a checkpoint restore and
+runs on 1 and 2 ranks. A budget below the blocks a step pins fails in one line.
 """
 import gc
 import os
+import re
 import subprocess
 import tempfile
 
@@ -33,9 +35,14 @@ POLICIES = {"u": dict(admission=AdmissionPolicy(2), eviction=EvictionPolicy(ttl_
             "v": {},
             "w": dict(eviction=EvictionPolicy(max_rows=150, every_steps=2))}
 VOCAB, STEPS, HALF, GLOBAL_BATCH = 500, 16, 8, 64
-# Per table and rank; the group's engine gets the sum. At ~60 bytes a block (28 header,
-# 16 row, 16 accumulator) the untraced table holds >= 20x this many bytes: asserted below.
-TABLE_BUDGET = 800
+BLOCK = 28 + 2 * 4 * DIM  # bytes of a block: header, row, accumulator
+# Per table and rank; the group's engine gets the sum, 21,000 bytes: over the 18,840 bytes
+# of blocks of the keys of three consecutive batches (a step's, the next one's, which the
+# pipelined fit prefetches, and the previous one's, whose delayed updates it runs), the
+# most a step pins at once. The table holds >= 3x the sum: asserted below.
+TABLE_BUDGET = 7000
+# The engine tests' budget: over the blocks of one update (at most 500 keys of 60 bytes).
+ENGINE_BUDGET = 30_000
 
 
 @pytest.fixture(autouse=True)
@@ -65,13 +72,13 @@ def assert_same_export(a, b):
 
 
 def test_every_engine_call_answers_as_without_a_budget():
-    """Random lookups, updates, statistics, row writes and removals on 4,000 keys with a
-    budget of 5% of the table: every output and the final state equal the untiered
-    engine's; the DRAM tier stays near the budget and the SSD tier holds the rest."""
-    plain, tiered = engines(budget=12_000)
+    """Random lookups, updates, statistics, row writes and removals on 10,000 keys with a
+    budget of a sixteenth of the table: every output and the final state equal the
+    untiered engine's; the DRAM tier stays near the budget and the SSD tier holds the rest."""
+    plain, tiered = engines(budget=ENGINE_BUDGET)
     rng = np.random.default_rng(5)
     for step in range(1, 41):
-        keys = np.unique(rng.integers(0, 4000, 400))
+        keys = np.unique(rng.integers(0, 10_000, 400))
         grads = rng.standard_normal((len(keys), DIM)).astype(np.float32)
         counts = rng.integers(1, 3, len(keys))
         probe = rng.integers(0, 5000, 300)
@@ -91,11 +98,11 @@ def test_every_engine_call_answers_as_without_a_budget():
     size_a, size_b = plain.size(), tiered.size()
     assert [int(size_a.stored), int(size_a.tracked)] == [int(size_b.stored), int(size_b.tracked)]
     assert int(size_a.ssd_bytes) == 0
-    block = 28 + 2 * 4 * DIM  # header, row, accumulator
-    assert int(size_b.ssd_bytes) >= int(size_b.stored) * block - 12_000  # the rest is on SSD
-    assert int(size_a.bytes_held) >= 20 * 12_000  # the table 20x the budget
+    # the rest is on SSD
+    assert int(size_b.ssd_bytes) >= int(size_b.stored) * BLOCK - ENGINE_BUDGET
+    assert int(size_a.bytes_held) >= 10 * ENGINE_BUDGET  # the table 10x the budget
     # DRAM: the budget plus one call's pinned blocks (400 keys of ~60 bytes, per shard).
-    assert int(size_b.bytes_held) <= 12_000 + 2 * 400 * 92
+    assert int(size_b.bytes_held) <= ENGINE_BUDGET + 2 * 400 * 92
 
 
 def test_pinned_blocks_stay_in_dram_until_unpinned():
@@ -167,20 +174,20 @@ def test_a_checkpoint_restores_every_block_onto_any_engine_and_world_size(tmp_pa
     equal to the engine that never left DRAM; read by 2 ranks, each gets the blocks it
     owns (mix64(ID) mod 2), and together all of them. The untiered engine's checkpoint
     (its blocks written anew) reads back the same."""
-    plain, tiered = trained_engines(budget=12_000)
+    plain, tiered = trained_engines(budget=ENGINE_BUDGET)
     assert int(tiered.size().ssd_bytes) > int(plain.size().bytes_held) / 2
     assert int(plain.size().tracked) > int(plain.size().stored)  # header-only blocks too
     ckpt = str(tmp_path / "ckpt")
     (tiered if writer == "tiered" else plain).write_checkpoint(ckpt)
     assert_same_export(plain, tiered)  # the checkpoint moved no block
     blocks = int(plain.size().tracked)
-    for budget in (None, 12_000):
-        fresh = engines(12_000)[budget is not None]
+    for budget in (None, ENGINE_BUDGET):
+        fresh = engines(ENGINE_BUDGET)[budget is not None]
         assert int(fresh.read_checkpoint([ckpt], 0, 1)) == blocks
         assert_same_export(plain, fresh)
     want, got = exported(plain), {}
     for rank in (0, 1):
-        part = engines(12_000)[0]
+        part = engines(ENGINE_BUDGET)[0]
         part.read_checkpoint([ckpt], rank, 2)
         mine = exported(part)
         ids = np.array([v[2] for v in mine.values()], np.int64)
@@ -205,7 +212,7 @@ def test_a_large_untiered_checkpoint_is_written_in_parallel_and_reads_back(tmp_p
 
 
 def test_tiered_checkpoint_errors_name_what_is_wrong(tmp_path):
-    plain, tiered = trained_engines(budget=12_000)
+    plain, tiered = trained_engines(budget=ENGINE_BUDGET)
     ckpt = str(tmp_path / "ckpt")
     plain.write_checkpoint(str(tmp_path / "plain"))
     with pytest.raises(tf.errors.InternalError, match=f"cannot write the checkpoint at "
@@ -306,24 +313,32 @@ def test_a_full_disk_fails_in_one_line_naming_engine_and_path_and_loses_no_check
 
 
 def test_a_budget_below_one_batch_fails_in_one_line_naming_engine_and_sizes():
-    """A call whose blocks in one shard alone exceed the whole budget fails before it runs
-    (they could never be spilled: every step would read its blocks back at every call),
-    in one line naming the engine, the budget and the bytes pinned; nothing is lost, and
-    smaller calls still run."""
-    plain, tiered = engines(budget=1000)
-    keys = np.arange(2000, dtype=np.int64)  # 125 blocks of 60 bytes per shard: 7,500 bytes
+    """An update whose blocks exceed the budget fails (pinned, they could never be
+    spilled: every step would read its blocks back at every call), in one line naming the
+    engine, its tables, the budget and the bytes pinned; so does a prefetch that leaves
+    more pinned. Nothing is lost, and smaller calls still run."""
+    params = initializers._params(INIT)  # pylint: disable=protected-access
+    plain = EmbeddingEngine("plain", DIM, INIT, params, OPTIMIZER)
+    tiered = EmbeddingEngine("tiered", DIM, INIT, params, OPTIMIZER, memory_budget_bytes=1000,
+                             spill_path=make_spill_path("g", ["a", "b"], None),
+                             tables=["a", "b"])
+    keys = np.arange(2000, dtype=np.int64)
     grads = np.ones((len(keys), DIM), np.float32)
-    for e in (plain, tiered):
-        e.apply_gradients(keys, keys, grads, 1)  # new keys: nothing to pin yet
-    with pytest.raises(tf.errors.OpError) as err:
-        tiered.apply_gradients(keys, keys, grads, 2)
+    plain.apply_gradients(keys, keys, grads, 1)
+    with pytest.raises(tf.errors.InvalidArgumentError) as err:
+        tiered.apply_gradients(keys, keys, grads, 1)
     message = err.value.message
-    assert "\n" not in message and "tiered': a memory budget" in message
-    assert "budget of 1000 bytes" in message and "pins" in message
-    assert int(tiered.size().stored) == len(keys)  # the pins released, every block kept
-    plain.apply_gradients(keys, keys, grads, 2)
-    for at in range(0, len(keys), 50):  # ~3 blocks per shard a call: within the budget
-        tiered.apply_gradients(keys[at:at + 50], keys[at:at + 50], grads[at:at + 50], 2)
+    assert "\n" not in message and "tiered' (tables a, b): a memory budget" in message
+    assert f"budget of 1000 bytes is smaller than the {2000 * BLOCK} bytes" in message
+    assert "raise memory_budget_bytes" in message and "lower the batch size" in message
+    assert_same_export(plain, tiered)  # the update ran once; every block kept
+    for at in range(0, len(keys), 16):  # 960 bytes a call: within the budget
+        for e in (plain, tiered):
+            e.apply_gradients(keys[at:at + 16], keys[at:at + 16], grads[at:at + 16], 2)
+    assert_same_export(plain, tiered)
+    tiered.prefetch(keys[:10])  # 600 bytes pinned
+    with pytest.raises(tf.errors.InvalidArgumentError, match=f"smaller than the {20 * BLOCK} "):
+        tiered.prefetch(keys[10:20])  # the next batch beside it: 1,200 bytes
     assert_same_export(plain, tiered)
 
 
@@ -418,7 +433,7 @@ def data(steps=STEPS):
     n = steps * GLOBAL_BATCH
     x = {name: np.minimum(rng.zipf(1.3, n), VOCAB).astype(np.int64) + rng.integers(0, VOCAB, n) % 3
          for name in NAMES}
-    x["v"] = rng.integers(0, VOCAB, n).astype(np.int64)  # uniform: most steps miss DRAM
+    x["v"] = rng.integers(0, 10 * VOCAB, n).astype(np.int64)  # uniform: most steps miss DRAM
     return x, (rng.random((n, 1)) < 0.5).astype(np.float32)
 
 
@@ -467,10 +482,10 @@ def fit_in_halves(budget, x, y, ckpt=None, num_ranks=1, rank=0):
     return first, fit_rank((model, layer), x, y, HALF, STEPS, num_ranks, rank)
 
 
-def test_training_with_a_5_percent_budget_is_bit_identical_through_a_restore(tmp_path):
+def test_training_with_a_budget_is_bit_identical_through_a_restore(tmp_path):
     x, y = data()
     want_first, want = fit_in_halves(None, x, y)
-    assert want["memory"]["bytes"] >= 20 * 3 * TABLE_BUDGET  # the table is 20x the budget
+    assert want["memory"]["bytes"] >= 3 * 3 * TABLE_BUDGET  # the table is 3x the budget
     assert want["memory"]["ssd_bytes"] == 0
     ckpt = str(tmp_path / "ckpt")
     got_first, got = fit_in_halves(TABLE_BUDGET, x, y, ckpt)
@@ -493,12 +508,42 @@ def test_training_with_a_5_percent_budget_is_bit_identical_through_a_restore(tmp
 
 def test_pipelined_fit_with_prefetch_is_bit_identical():
     """fit's pipelined mode (DBP: batch t+1's rows retrieved, and pinned in DRAM, during
-    step t) with a 5% budget equals the same pipeline without one."""
+    step t) with a budget just over the blocks it pins at once equals the same pipeline
+    without one."""
     x, y = data()
     want = fit_rank(build_model(None, pipeline="dbp"), x, y, 0, STEPS)
     got = fit_rank(build_model(TABLE_BUDGET, pipeline="dbp"), x, y, 0, STEPS)
     assert_bit_identical(got, want, "dbp")
     assert got["memory"]["ssd_bytes"] > 0
+
+
+def test_a_budget_below_a_batch_fails_training_in_one_line_and_loses_no_checkpoint(tmp_path):
+    """Restored onto a model whose budget (300 bytes for the group) is below the blocks
+    one batch pins, training fails at its first update in one line naming the tables,
+    the budget, the bytes pinned and what to do; the checkpoint written before still
+    holds every row as the untiered run trained it."""
+    from tf_fusedemb.training import CheckpointManager  # pylint: disable=import-outside-toplevel
+    x, y = data()
+    want = fit_rank(build_model(None), x, y, 0, HALF)
+    model, layer = build_model(TABLE_BUDGET)
+    fit_rank((model, layer), x, y, 0, HALF)
+    ckpt = str(tmp_path / "ckpt")
+    CheckpointManager(ckpt, model, model.optimizer).save(HALF)
+    with pytest.raises(tf.errors.InvalidArgumentError) as err:
+        fit_rank(restored(100, ckpt), x, y, HALF, STEPS)
+    lines = [line for line in str(err.value).splitlines() if "SSD tier" in line]
+    assert len(lines) == 1, str(err.value)
+    line = lines[0]
+    assert "(tables u, v, w): a memory budget of 300 bytes is smaller than the" in line, line
+    assert "raise memory_budget_bytes" in line and "lower the batch size" in line, line
+    pinned = int(re.search(r"smaller than the (\d+) bytes", line).group(1))
+    assert pinned % BLOCK == 0 and 300 < pinned <= 3 * GLOBAL_BATCH * BLOCK, line
+    # Nothing checkpointed is lost: restored without a budget, every row as trained.
+    _, plain = restored(None, ckpt)
+    rows = plain.groups[0].store.stored_rows().arrays()
+    assert sorted(rows) == sorted(want["rows"])
+    for name, values in want["rows"].items():
+        np.testing.assert_array_equal(rows[name], values, err_msg=name)
 
 
 # ---------------------------------------------------------------- two ranks
@@ -548,7 +593,7 @@ class HierarchicalTieredTest(DistributedTestCase):
 
     def test_hierarchical_exchange_with_a_budget_equals_without(self):
         """4 local ranks seen as 2 nodes x 2 (TF_FUSEDEMB_TOPOLOGY, as in
-        test_hierarchical_exchange): the two-stage exchange with a 5% budget."""
+        test_hierarchical_exchange): the two-stage exchange with a budget."""
         x, y = data()
         ranks = self.run_ranks(_hierarchical_job, 4, (x, y),
                                env={"TF_FUSEDEMB_TOPOLOGY": "2x2", "TF_NUM_INTRAOP_THREADS": "1"})

@@ -14,7 +14,8 @@ its own worker process (its own RSS); "1.0" is the engine without a budget (all 
 Per budget: the median step (record + update of one batch) without prefetch, and with
 the batch prefetched first (``EngineGroupTable.prefetch``: in the pipelined fit it runs
 during the previous step's compute, so it is timed apart and not counted in the step);
-the DRAM hit rate (1 - blocks read back from SSD per key of a step); SSD bytes read and
+the DRAM hit rate (1 - blocks read back from SSD per key of a step, in [0, 1]; blocks read
+back more than once in a step, beyond one per key, are ``rereads_per_step``); SSD bytes read and
 written per step; the RSS the table adds; the wall time of a checkpoint as
 training/checkpoint.py writes it (``EngineGroupTable.write_checkpoint``: a new RocksDB database of every block, tiered:
 the SSD tier's blocks read out of its file with the DRAM tier's in their place;
@@ -72,7 +73,7 @@ import numpy as np  # noqa: E402
 from tf_fusedemb.benchmarks import plots, tiered_dlrm  # noqa: E402
 from tf_fusedemb.benchmarks.storage import DIM, ZipfKeys, rss_bytes  # noqa: E402
 from tf_fusedemb.benchmarks.tiered_fit import (MODES, NEW_FRACTION, budget_bytes,  # noqa: E402
-                                               fit_summary, fit_worker)
+                                               fit_summary, fit_worker, hit_rate)
 from tf_fusedemb.benchmarks.timing import emit, time_steps  # noqa: E402
 from tf_fusedemb.specs import InitializerSpec, OptimizerSpec  # noqa: E402
 from tf_fusedemb.testing.memory_limit import MemoryLimit  # noqa: E402
@@ -160,9 +161,10 @@ def worker(fraction: str, rows: int, batch: int, steps: int, spill_dir: str) -> 
     t.step(tf.constant(keys.next(new_fraction=0.02))).numpy()  # the first Zipf step
     plain = timed_steps(t, keys, steps, prefetch=False)
     fetched = timed_steps(t, keys, steps, prefetch=True)
+    hits, rereads = hit_rate(plain["blocks_read"], batch)
     return {"budget_bytes": budget, "rss_growth_bytes": rss_bytes() - base,
-            "no_prefetch": plain, "prefetch": fetched,
-            "hit_rate": 1.0 - plain["blocks_read"] / batch, "checkpoint_s": checkpoint_s(t, spill_dir),
+            "no_prefetch": plain, "prefetch": fetched, "hit_rate": hits,
+            "rereads_per_step": rereads, "checkpoint_s": checkpoint_s(t, spill_dir),
             "ssd_bytes": int(t.table.ssd_bytes().numpy())}
 
 

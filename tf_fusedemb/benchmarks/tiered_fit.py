@@ -13,7 +13,8 @@ Per worker: the median step, the whole machine's busy CPU seconds per step over 
 steps (``/proc/stat``, every core: the kernel's page-cache and writeback
 work count), the blocks read back from and spilled to the SSD tier, the DRAM hit rate
 (the share of a step's stored keys whose block was in DRAM when the step or its prefetch
-asked for it; new keys left out), and the RSS the table added, anonymous and file-backed
+asked for it; new keys left out; in [0, 1]: the blocks read beyond one per stored key,
+read back more than once in a step, are counted apart as ``rereads_per_step``), and the RSS the table added, anonymous and file-backed
 apart (page cache is reclaimable; anonymous memory is what a budget bounds), and the
 DRAM of the SSD tier's index per cold key (``dram_bytes_per_cold_key``).
 """
@@ -55,6 +56,19 @@ def machine_busy_s() -> float:
         jiffies = [int(v) for v in f.readline().split()[1:]]
     busy = jiffies[0] + jiffies[1] + jiffies[2] + jiffies[5] + jiffies[6] + jiffies[7]
     return busy / os.sysconf("SC_CLK_TCK")
+
+
+def hit_rate(blocks_read: float, stored_keys: int) -> Tuple[Optional[float], float]:
+    """(DRAM hit rate, re-reads) of ``blocks_read`` blocks read back from the SSD tier for
+    ``stored_keys`` keys found stored (over the same steps): the rate is the share of those
+    keys whose block was in DRAM, in [0, 1] (None without stored keys); the blocks read
+    beyond one per stored key, read back more than once (evicted again before the step's
+    last call: a budget near the blocks a step pins), are the re-reads, never a rate
+    below 0."""
+    rereads = max(0.0, blocks_read - stored_keys)
+    if not stored_keys:
+        return None, rereads
+    return 1.0 - (blocks_read - rereads) / stored_keys, rereads
 
 
 def budget_bytes(fraction: str, rows: int) -> Optional[int]:
@@ -162,12 +176,14 @@ def timed_fit(model: Any, layer: Any, timed: Any, steps: int, stored_keys: int,
     step_s = [b - a for a, b in zip(ends[1:], ends[2:])]
     blocks_read = after.blocks_read - before.blocks_read
     blocks_spilled = after.blocks_spilled - before.blocks_spilled
+    hits, rereads = hit_rate(blocks_read, stored_keys)
     return {"mode": mode, "rows": after.rows,
             "step_ms": round(1e3 * statistics.median(step_s), 3),
             "cpu_s_per_step": busy / (steps + 2),
             "blocks_read_per_step": blocks_read / (steps + 2),
             "blocks_spilled_per_step": blocks_spilled / (steps + 2),
-            "hit_rate": round(1.0 - blocks_read / stored_keys, 4) if stored_keys else None,
+            "hit_rate": None if hits is None else round(hits, 4),
+            "rereads_per_step": rereads / (steps + 2),
             "anon_rss_growth_bytes": memory.anon - base.anon,
             "file_rss_growth_bytes": memory.file - base.file,
             "rss_growth_bytes": memory.anon + memory.file - base.anon - base.file,

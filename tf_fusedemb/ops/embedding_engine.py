@@ -104,12 +104,15 @@ class EmbeddingEngine(tf.saved_model.experimental.TrackableResource):
             tf_fusedemb.storage.spill_dir for where the storage layer puts it.
         row_dtype: "float32" or "bfloat16": how rows are stored (TableSpec.row_dtype);
             lookups, gradients and slots are float32 either way.
+        tables: the names of the tables the engine holds, named in the SSD tier's errors
+            (a budget smaller than the blocks a batch pins, say).
     """
 
     def __init__(self, name: str, dim: int, initializer: InitializerSpec,
                  init_params: Tuple[float, float], optimizer: OptimizerSpec,
                  num_shards: int = DEFAULT_NUM_SHARDS, memory_budget_bytes: Optional[int] = None,
-                 spill_path: Optional[str] = None, row_dtype: str = "float32"):
+                 spill_path: Optional[str] = None, row_dtype: str = "float32",
+                 tables: Sequence[str] = ()):
         if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0:
             raise ValueError(f"engine {name!r}: dim must be an int > 0, got {dim!r}")
         if not isinstance(num_shards, int) or num_shards <= 0 or num_shards & (num_shards - 1):
@@ -132,7 +135,8 @@ class EmbeddingEngine(tf.saved_model.experimental.TrackableResource):
         if memory_budget_bytes is not None:
             if not spill_path:
                 raise ValueError(f"engine {name!r}: a memory budget needs a spill_path")
-            self._attrs.update(memory_budget_bytes=memory_budget_bytes, spill_path=spill_path)
+            self._attrs.update(memory_budget_bytes=memory_budget_bytes, spill_path=spill_path,
+                               tables=", ".join(tables))
         for key in ("initial_accumulator_value", "beta1", "beta2", "epsilon",
                     "learning_rate_power", "l1", "l2"):
             if key in hp:

@@ -49,7 +49,9 @@ class TableSpec:
             (a file of block slots), invisibly to results. A table setting, not a layer one, because
             tables differ in size; the tables fused into one group share one engine
             whose budget is the sum of theirs, and tiered tables fuse only with tiered
-            tables of the same ``spill_dir``.
+            tables of the same ``spill_dir``. It must hold the blocks a step pins at
+            once (one batch's keys, up to three batches' with the pipelined fit), or
+            the step fails in one line naming the tables and the sizes.
         spill_dir: where the SSD tier's stores go (one fresh subdirectory per group and
             rank, removed when its table is). None: the system temporary directory
             (``tempfile.gettempdir()``, i.e. $TMPDIR), because the table is made before

@@ -245,13 +245,12 @@ class EngineBackend(StorageBackend):
                static: Optional[StaticLayout] = None) -> GroupStorage:
         _no_layout(self, group, static)
         budget = group.memory_budget_bytes
-        path = None if budget is None else make_spill_path(
-            group.name, [t.name for t in group.tables], group.spill_dir)
+        tables = [t.name for t in group.tables]
+        path = None if budget is None else make_spill_path(group.name, tables, group.spill_dir)
         table = EngineGroupTable(table_name, group.dim, group.initializer, group.optimizer,
                                  memory_budget_bytes=budget, spill_path=path,
-                                 row_dtype=group.row_dtype)
-        return GroupStorage(table, EngineStatistics(group.name, [t.name for t in group.tables],
-                                                    table.engine))
+                                 row_dtype=group.row_dtype, tables=tables)
+        return GroupStorage(table, EngineStatistics(group.name, tables, table.engine))
 
     def install_admission(self, storage: GroupStorage, min_counts: np.ndarray) -> None:
         # Decided inside the update kernel from the block's count and table: the same rule.

@@ -81,17 +81,18 @@ class EngineGroupTable(GroupTable):
         memory_budget_bytes, spill_path: the SSD tier (TableSpec.memory_budget_bytes)
             and its directory (storage/spill_dir.py); None keeps every block in DRAM.
         row_dtype: "float32" or "bfloat16" (TableSpec.row_dtype).
+        tables: the group's table names, named in the SSD tier's errors.
     """
 
     def __init__(self, name: str, dim: int, initializer: InitializerSpec, optimizer: OptimizerSpec,
                  num_shards: int = DEFAULT_NUM_SHARDS, validate_unique: bool = False,
                  memory_budget_bytes: Optional[int] = None, spill_path: Optional[str] = None,
-                 row_dtype: str = "float32"):
+                 row_dtype: str = "float32", tables: Sequence[str] = ()):
         super().__init__(name, dim, initializer, optimizer, validate_unique)
         with tf.init_scope():
             self.engine = EmbeddingEngine(
                 name, dim, initializer, initializers._params(initializer),  # pylint: disable=protected-access
-                optimizer, num_shards, memory_budget_bytes, spill_path, row_dtype)
+                optimizer, num_shards, memory_budget_bytes, spill_path, row_dtype, tables)
         self._min_counts: Optional[tf.Tensor] = None  # int64[T] while admission is on
 
     # ---------------------------------------------------------------- admission
