@@ -51,7 +51,7 @@ from tf_fusedemb.ops.row_masks import masked_rows
 from tf_fusedemb.pipeline.options import PipelineOptions
 from tf_fusedemb.training import keysets
 from tf_fusedemb.training.loop import TrainLoop
-from tf_fusedemb.training.micro_batches import micro_batch_parts, static_rows
+from tf_fusedemb.training.micro_batches import micro_batch_parts, rows_of
 from tf_fusedemb.training.replicas import replicas_of
 from tf_fusedemb.training.loss import LossLike
 from tf_fusedemb.training.step import DENSE_GRADS, as_keras_loss, run_step
@@ -214,7 +214,7 @@ class NestedPipeline:
         first = self.layers[0]
         parts = micro_batch_parts(
             (x,), self.options.num_micro_batches,
-            lambda: _batch_size(_feature(x, first.features[0].name, first, self._sources)))
+            lambda: rows_of(_feature(x, first.features[0].name, first, self._sources)))
         return [self.route_slice(x_i, i) for i, (x_i,) in enumerate(parts)]
 
     def route_slice(self, x: Mapping[str, tf.Tensor], i: int) -> List[RoutedLookup]:
@@ -307,17 +307,6 @@ def _feature(x, name, layer, sources):
                          f"'{layer.name}' as x[{key!r}]); it is missing. They read the IDs "
                          "from x, so the layer must take its inputs from x directly")
     return x[key]
-
-
-def _batch_size(value):
-    rows = static_rows(value)
-    if rows is not None:
-        return rows
-    if isinstance(value, tf.RaggedTensor):
-        return value.nrows(out_type=tf.int64)
-    if isinstance(value, tf.SparseTensor):
-        return value.dense_shape[0]
-    return tf.shape(value, out_type=tf.int64)[0]
 
 
 def _build_optimizer(optimizer, variables):

@@ -38,17 +38,19 @@ def slice_rows(value: Any, lo: Any, hi: Any) -> Any:
 
 def split_rows(value: Any, slices: Sequence[Tuple[Any, Any]]) -> List[Any]:
     """``value`` (``slice_rows``'s kinds) cut into the row ranges ``slices``, one part
-    per range. A plain tensor is cut by one ``Split`` op (its N parts at once, static
-    shapes where the sizes are ints) instead of N strided slices with their bounds."""
+    per range, nests leaf by leaf. A plain tensor is cut by one ``Split`` op (its N parts
+    at once, static shapes where the sizes are ints) instead of N strided slices with
+    their bounds."""
+    parts = [_split_leaf(leaf, slices) for leaf in tf.nest.flatten(value)]
+    return [tf.nest.pack_sequence_as(value, [p[i] for p in parts])
+            for i in range(len(slices))]
+
+
+def _split_leaf(value: Any, slices: Sequence[Tuple[Any, Any]]) -> List[Any]:
+    """One leaf of ``split_rows``: a Tensor, RaggedTensor, SparseTensor or None."""
     n = len(slices)
     if value is None:
         return [None] * n
-    if isinstance(value, dict):
-        parts = {k: split_rows(v, slices) for k, v in value.items()}
-        return [{k: p[i] for k, p in parts.items()} for i in range(n)]
-    if isinstance(value, (list, tuple)):
-        columns = [split_rows(v, slices) for v in value]
-        return [type(value)(c[i] for c in columns) for i in range(n)]
     if isinstance(value, tf.RaggedTensor) and value.ragged_rank == 1:
         return _split_ragged(value, slices)
     if isinstance(value, (tf.RaggedTensor, tf.SparseTensor)):
@@ -88,16 +90,21 @@ def micro_batch_parts(values: Sequence[Any], num_micro_batches: int,
 
 
 def batch_size_of(y: Any) -> BatchSize:
-    """Rows of the label tensor ``y`` (the batch size): an int where its shape is
-    static, else an int64 scalar tensor."""
+    """Rows of the label tensor ``y`` (the batch size; a dict's first entry):
+    ``rows_of``."""
     if isinstance(y, dict):
         y = next(iter(y.values()))
-    rows = static_rows(y)
-    return rows if rows is not None else tf.shape(y, out_type=tf.int64)[0]
+    return rows_of(y)
 
 
-def static_rows(value: Any) -> Union[int, None]:
-    """The static number of rows of a tensor, ragged or sparse tensor, or None."""
+def rows_of(value: Any) -> BatchSize:
+    """Rows of a Tensor [B, ...], RaggedTensor [B, None] or SparseTensor [B, L]: an int
+    where its shape is static, else an int64 scalar tensor."""
     shape = getattr(value, "shape", None)
-    rows = shape[0] if shape is not None and shape.rank else None
-    return int(rows) if rows is not None else None
+    if shape is not None and shape.rank and shape[0] is not None:
+        return int(shape[0])
+    if isinstance(value, tf.RaggedTensor):
+        return value.nrows(out_type=tf.int64)
+    if isinstance(value, tf.SparseTensor):
+        return value.dense_shape[0]
+    return tf.shape(value, out_type=tf.int64)[0]
