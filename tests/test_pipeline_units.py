@@ -69,8 +69,9 @@ def test_slice_rows_dense_ragged_sparse_and_nests():
 @pytest.mark.parametrize("b,n,static", [(10, 4, True), (10, 4, False), (3, 4, True),
                                          (3, 4, False), (0, 2, False)])
 def test_micro_batch_parts_equal_numpy_row_ranges(b, n, static):
-    """Dense tensors are cut by one Split, ragged and sparse ones by slices: every part
-    equals numpy's rows [i*b//n, (i+1)*b//n), with static shapes where b is an int."""
+    """Dense tensors are cut by one Split, ragged ones by two (values, row lengths), in
+    nests: every part equals numpy's rows [i*b//n, (i+1)*b//n), with static shapes where
+    b is an int."""
     dense = np.arange(b * 3, dtype=np.float32).reshape(b, 3)
     lists = [[k] * (k % 3) for k in range(b)]
     ragged = tf.RaggedTensor.from_row_lengths(
