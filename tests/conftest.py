@@ -20,7 +20,7 @@ TFRA_MARKER = ("tfra: needs TensorFlow Recommenders-Addons, installed on the tf2
                "(docs/guide/stacks.md); the other stacks run `-m 'not tfra'`")
 
 
-# `make test` runs the suite on 2 pytest-xdist workers (`-n 2 --dist loadgroup`). The tests
+# `make test` runs the suite on 3 pytest-xdist workers (`-n 3 --dist loadgroup`). The tests
 # of these files run one after another on one worker: they build emulated hosts (network
 # namespaces and their subnets), run `make` in the checkout, pin ranks to cores, or assert
 # how long a wait took, so two of them at once would share what they need alone.
