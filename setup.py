@@ -18,6 +18,7 @@ from setuptools.command.build_ext import build_ext
 
 LIB_NAME = "tf_fusedemb._fusedemb_ops"
 SOURCES = sorted(glob.glob(os.path.join("custom_ops", "*.cc")))
+PCH_HEADER = "tf_framework.h"  # precompiled once per build (build_extension)
 
 
 def _tf_flags():
@@ -56,11 +57,25 @@ class BuildTfOps(build_ext):
         base = [cxx, "-fPIC", "-O3", "-DNDEBUG", "-std=c++17", "-Wall", "-Wno-sign-compare",
                 "-Icustom_ops"] + compile_flags
 
+        def outdated(target, src):
+            return not (os.path.exists(target) and os.path.getmtime(target) >= max(
+                os.path.getmtime(p) for p in [src] + glob.glob("custom_ops/*.h")))
+
+        # The TensorFlow headers most sources share, parsed once (custom_ops/tf_framework.h):
+        # g++ finds the .gch in obj_dir before the header in custom_ops/ and, should the
+        # .gch not fit the flags, reads the header instead (the same code either way).
+        pch = os.path.join(obj_dir, PCH_HEADER + ".gch")
+        if outdated(pch, os.path.join("custom_ops", PCH_HEADER)):
+            subprocess.run(base + ["-x", "c++-header", os.path.join("custom_ops", PCH_HEADER),
+                                   "-o", pch], check=True)
+
         def compile_one(src):
             obj = os.path.join(obj_dir, os.path.basename(src)[:-3] + ".o")
-            if not (os.path.exists(obj) and os.path.getmtime(obj) >= max(
-                    os.path.getmtime(p) for p in [src] + glob.glob("custom_ops/*.h"))):
-                subprocess.run(base + ["-c", src, "-o", obj], check=True)
+            if outdated(obj, src):
+                with open(src) as f:
+                    uses_tf = '#include "tensorflow/core/framework/' in f.read()
+                first = ["-I" + obj_dir, "-include", PCH_HEADER] if uses_tf else []
+                subprocess.run(base[:1] + first + base[1:] + ["-c", src, "-o", obj], check=True)
             return obj
 
         jobs = int(os.environ.get("TF_FUSEDEMB_JOBS", os.cpu_count() or 2))
