@@ -19,7 +19,7 @@ files, ``.venv``, and ``../shared`` beside it), so ``runs/``, ``predictions.tsv`
 like land in the scratch directory. The environment is a newcomer's: no
 ``TF_CPP_MIN_LOG_LEVEL``/``TF_USE_LEGACY_KERAS`` from this suite, so every block's output is
 also checked for TensorFlow's CUDA-factory error lines, which the project's commands and
-``tf_fusedemb.quiet.install()`` must drop. About 8 minutes on 2 cores.
+``tf_fusedemb.quiet.install()`` must drop. Two to four minutes of the suite on 2 cores.
 """
 import dataclasses
 import os
