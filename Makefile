@@ -50,7 +50,15 @@ export TF_CPP_MIN_LOG_LEVEL := 2
 .PHONY: setup ops typecheck docs test train smoke bench clean
 NP ?= 2
 
+# The last step of setup byte-compiles the package (its __pycache__ directories): where
+# PYTHONDONTWRITEBYTECODE is set, as in many CI images, Python would otherwise compile every
+# module of the package again in each process it starts, every rank of every job included
+# (0.15 s of CPU a process on a 2-core VM; the suite starts about 260 processes that import
+# TensorFlow). A module edited afterwards is compiled from its source as before: Python
+# checks each .pyc against its source's modification time and size.
 setup: netns-tools mpi-tools rocksdb-lib $(HVD_STAMP) ops
+	$(PY) -m compileall -q -j0 tf_fusedemb
+
 
 # Distributed inference (tf_fusedemb.serve, comm/bls_alltoallv.py) runs under Open MPI's
 # mpirun with mpi4py (requirements.txt); installed only where missing (apt-get; needs root).
@@ -138,7 +146,8 @@ OPS_TF := $(if $(filter tf221,$(STACK)),2.21,2.16)
 OPS_SO := tf_fusedemb/_fusedemb_ops-tf$(OPS_TF).so
 ops: $(OPS_SO)
 $(OPS_SO): $(STAMP) setup.py $(wildcard custom_ops/*.cc custom_ops/*.h) | rocksdb-lib
-	$(PIP) install --no-build-isolation --no-deps -e .
+	mkdir -p build && flock build/.editable-install.lock \
+		$(PIP) install --no-build-isolation --no-deps -e .
 	$(PY) setup.py build_ext --inplace
 	touch $@
 
@@ -166,16 +175,15 @@ $(DOCS_STAMP): $(STAMP) requirements-docs.txt
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
-# The whole suite, after the type check (first, so that a type error fails the run before
-# Horovod is built and the long suite runs); multi-process Horovod tests carry their own
-# timeouts, and every test is bounded by pytest-timeout so a hang fails instead of blocking CI.
+# The whole suite, after the set-up of both stacks (test-setup, below); multi-process
+# Horovod tests carry their own timeouts, and every test is bounded by pytest-timeout so a
+# hang fails instead of blocking CI.
 # tests/test_docs.py builds the site (strict) and tests/test_readme.py runs the code blocks
 # of the README and the guides: the docs requirements are installed first.
 # The tests that need TFRA (marked `tfra`, registered in tests/conftest.py) run on the tf216
 # stack only, the one that has TFRA: on the default stack, `make test` runs the suite
-# without them (deselected by the marker, not skipped), then `make test-tf216`, which sets
-# up the tf216 stack and runs exactly them there. `make test STACK=tf216` runs the whole
-# suite on tf216.
+# without them (deselected by the marker, not skipped), then exactly them on tf216 (the
+# pytest-tfra target). `make test STACK=tf216` runs the whole suite on tf216.
 # Three pytest-xdist workers on two cores: most tests spend their time in one Python
 # thread (tracing, process start-up) or waiting (on ranks, on a deadline a test checks), so
 # two workers left an eighth of two cores idle; a third fills it (the default suite on a
@@ -185,14 +193,35 @@ docs: $(DOCS_STAMP)
 TEST_SELECT := $(if $(filter tf216,$(STACK)),,-m "not tfra")
 TEST_WORKERS ?= 3
 PYTEST_RUN = $(PY) -m pytest -q -rs --timeout=900 -n $(TEST_WORKERS) --dist loadgroup --durations=60
-test: typecheck $(DOCS_STAMP) setup
+test:
+	$(MAKE) --no-print-directory test-setup
 	$(PYTEST_RUN) $(TEST_SELECT) tests
-	$(if $(filter tf216,$(STACK)),,$(MAKE) test-tf216)
+	$(if $(filter tf216,$(STACK)),,$(MAKE) STACK=tf216 pytest-tfra)
+
+# Everything the suite needs: the type check (it fails the run before the long suite), the
+# docs requirements and this stack's setup, one after another; on the default stack, the
+# tf216 stack's setup (for its TFRA tests) at the same time, in the background, its output
+# kept in build/tf216-setup.log and printed once it is done. Pip installs spend much of their
+# time unpacking and writing files, so the two setups overlap on two cores. The system
+# packages are checked first, so only one apt-get ever runs; the editable installs take
+# turns (both write tf_fusedemb.egg-info: the ops target's flock).
+.PHONY: test-setup system-packages
+test-setup: system-packages
+ifeq ($(STACK),tf216)
+	$(MAKE) typecheck $(DOCS_STAMP) setup
+else
+	@mkdir -p build; $(MAKE) STACK=tf216 setup > build/tf216-setup.log 2>&1 & other=$$!; \
+	$(MAKE) typecheck $(DOCS_STAMP) setup; mine=$$?; wait $$other; theirs=$$?; \
+	echo "--- the tf216 stack's setup (build/tf216-setup.log) ---"; cat build/tf216-setup.log; \
+	exit $$(( mine || theirs ))
+endif
+system-packages: netns-tools mpi-tools rocksdb-lib
 
 # The TF 2.16 stack's share of CI: the tests marked `tfra` (the TFRA backend, the
 # benchmarks' TFRA baselines, the checkpoint round trip between the two backends, and the
 # 2-rank TFRA save restored onto 1 rank of tests/test_checkpoint.py, the 2-rank job): 48
-# tests, about 9 minutes on 2 cores, after its setup. Always on tf216 whatever STACK says.
+# tests, about a minute and a half on 2 cores, after its setup. Always on tf216 whatever
+# STACK says.
 .PHONY: test-tf216 pytest-tfra
 test-tf216:
 	$(MAKE) STACK=tf216 setup
