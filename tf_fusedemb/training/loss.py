@@ -28,6 +28,8 @@ import tf_keras
 from tf_keras.src.engine.compile_utils import match_dtype_and_rank
 from tf_keras.src.losses import LossFunctionWrapper
 
+from tf_fusedemb.training.micro_batches import rows_of
+
 _NONE = tf_keras.losses.Reduction.NONE
 _MEAN_LIKE = (tf_keras.losses.Reduction.SUM_OVER_BATCH_SIZE, tf_keras.losses.Reduction.AUTO)
 
@@ -184,7 +186,7 @@ class KerasLoss:
                                                       "differ from its static shape"))
             counts.append(count)
             if rows is None:
-                rows = _as_float(_batch_size(y_t))
+                rows = _as_float(rows_of(y_t))
         if rows is None:
             raise ValueError("no output has both a loss and labels")
         return LossPartial(sums, counts, rows, outputs)
@@ -252,7 +254,7 @@ def _element_count(elements: tf.Tensor, y_true: tf.Tensor) -> tf.Tensor:
         return tf.cast(tf.size(elements), tf.float32)
     if elements.shape.rank == 0:  # a loss that reduced the batch itself
         return tf.constant(1.0)
-    return _as_float(_batch_size(y_true) * per_row.num_elements())
+    return _as_float(rows_of(y_true) * per_row.num_elements())
 
 
 def _checked_sum(elements: tf.Tensor, count: tf.Tensor, message: str) -> tf.Tensor:
@@ -271,12 +273,6 @@ def _checked_sum(elements: tf.Tensor, count: tf.Tensor, message: str) -> tf.Tens
         tf.strings.as_string(tf.cast(count, tf.int64)), "expected"])
     with tf.control_dependencies([check]):
         return tf.reduce_sum(elements)
-
-
-def _batch_size(y_true: tf.Tensor) -> Union[int, tf.Tensor]:
-    """Rows of ``y_true``: a Python int when static, else an int32 scalar."""
-    static = y_true.shape[0] if y_true.shape.rank else None
-    return int(static) if static is not None else tf.shape(y_true)[0]
 
 
 def _as_float(value: Union[int, tf.Tensor]) -> tf.Tensor:
