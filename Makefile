@@ -407,3 +407,4 @@ sanitize: $(STAMP) rocksdb-lib sanitize-engine
 
 clean:
 	rm -rf build site tf_fusedemb/_fusedemb_ops-tf*.so *.egg-info
+	find tf_fusedemb -name __pycache__ -type d -prune -exec rm -rf {} +
