@@ -3,11 +3,14 @@ holds every row in DRAM.
 
 The limit is set as a user would set it: the table's DRAM budget, plus the process's
 fixed overhead (TensorFlow, the model, one batch's tensors: the peak of the same job over
-a table of 1,000 rows, measured first in an unlimited cgroup), plus the SSD tier's index
-of cold keys, plus 10%. The tiered table
-then grows to more than 10x its budget inside that limit: no process is OOM-killed, and
-its losses and rows equal, bit for bit, those of the same job without a budget (run
-outside any cgroup), which is the reference.
+a table of 1,000 rows, measured in an unlimited cgroup), plus the SSD tier's index of
+cold keys, plus 10%. The overhead is measured twice and the smaller peak kept: the first
+process after heavy file I/O charges its cgroup for reading TensorFlow's libraries back
+into the page cache (914 MB against 246 MB once, on a 2-core VM), which would leave a
+limit that binds nothing. The tiered table then grows to more than 10x its budget inside
+that limit: no process is OOM-killed, and its losses and rows equal, bit for bit, those of
+the same job without a budget (run outside any cgroup), which is the reference. That
+same job without a budget, run inside the limit, is OOM-killed: the limit binds.
 """
 import json
 import os
@@ -20,8 +23,8 @@ import pytest
 from tf_fusedemb.testing.memory_limit import LimitedRun, MemoryLimit, MemoryLimitUnavailable
 
 WORKER = os.path.join(os.path.dirname(__file__), "memory_limit_worker.py")
-STEPS, BATCH, DISTINCT = 64, 8_000, 1_200_000
-BUDGET = 2_000_000  # bytes of DRAM for the table's blocks: 1.6x one batch's blocks
+STEPS, BATCH, DISTINCT = 64, 16_000, 1_200_000
+BUDGET = 4_000_000  # bytes of DRAM for the table's blocks: 1.6x one batch's blocks
 BLOCK_BYTES = 28 + 2 * 4 * 16  # header, row, Adagrad accumulator
 # The SSD tier's own memory, which a table of 1,000 rows barely allocates: its DRAM index
 # of cold keys, at most 24 bytes per key (custom_ops/slot_table.h), for at most every key
@@ -48,9 +51,12 @@ def run_in_cgroup(limit_bytes, argv) -> LimitedRun:
 
 @pytest.mark.timeout(900)
 def test_a_table_10x_its_budget_trains_exactly_inside_a_memory_limit(tmp_path):
-    overhead = run_in_cgroup(None, worker_argv(tmp_path / "small.npz", 1000, BUDGET,
-                                               tmp_path / "spill_small"))
-    assert overhead.returncode == 0, overhead.stderr[-3000:]
+    overheads = [run_in_cgroup(None, worker_argv(tmp_path / f"small{i}.npz", 1000, BUDGET,
+                                                 tmp_path / f"spill_small{i}"))
+                 for i in range(2)]
+    for run in overheads:
+        assert run.returncode == 0, run.stderr[-3000:]
+    overhead = min(overheads, key=lambda run: run.peak_bytes)
     limit_bytes = int((BUDGET + overhead.peak_bytes + STORE_BYTES) * 1.1)
 
     tiered = run_in_cgroup(limit_bytes, worker_argv(tmp_path / "tiered.npz", DISTINCT, BUDGET,
@@ -70,9 +76,10 @@ def test_a_table_10x_its_budget_trains_exactly_inside_a_memory_limit(tmp_path):
     np.testing.assert_array_equal(got["losses"], want["losses"])
     np.testing.assert_array_equal(got["sample_keys"], want["sample_keys"])
     np.testing.assert_array_equal(got["sample_rows"], want["sample_rows"])
-    # The untiered table alone would not have fit beside the process's overhead.
-    assert overhead.peak_bytes + memory["rows"] * BLOCK_BYTES > limit_bytes, \
-        (overhead.peak_bytes, memory, limit_bytes)
+    # The untiered job does not fit inside the limit: the limit binds.
+    untiered = run_in_cgroup(limit_bytes, worker_argv(tmp_path / "untiered.npz", DISTINCT))
+    assert untiered.oom_kills >= 1 and untiered.returncode == -9, \
+        (limit_bytes, untiered.peak_bytes, untiered.returncode, memory)
 
 
 @pytest.mark.timeout(120)
