@@ -59,7 +59,6 @@ NP ?= 2
 setup: netns-tools mpi-tools rocksdb-lib $(HVD_STAMP) ops
 	$(PY) -m compileall -q -j0 tf_fusedemb
 
-
 # Distributed inference (tf_fusedemb.serve, comm/bls_alltoallv.py) runs under Open MPI's
 # mpirun with mpi4py (requirements.txt); installed only where missing (apt-get; needs root).
 .PHONY: mpi-tools
