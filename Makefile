@@ -205,12 +205,14 @@ test:
 # packages are checked first, so only one apt-get ever runs; the editable installs take
 # turns (both write tf_fusedemb.egg-info: the ops target's flock).
 .PHONY: test-setup system-packages
+# The running stack's own targets, in order (its type check, docs requirements, setup).
+OWN_SETUP = typecheck $(DOCS_STAMP) setup
 test-setup: system-packages
 ifeq ($(STACK),tf216)
-	$(MAKE) typecheck $(DOCS_STAMP) setup
+	$(MAKE) $(OWN_SETUP)
 else
 	@mkdir -p build; $(MAKE) STACK=tf216 setup > build/tf216-setup.log 2>&1 & other=$$!; \
-	$(MAKE) typecheck $(DOCS_STAMP) setup; mine=$$?; wait $$other; theirs=$$?; \
+	$(MAKE) $(OWN_SETUP); mine=$$?; wait $$other; theirs=$$?; \
 	echo "--- the tf216 stack's setup (build/tf216-setup.log) ---"; cat build/tf216-setup.log; \
 	exit $$(( mine || theirs ))
 endif

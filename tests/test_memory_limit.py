@@ -4,10 +4,10 @@ holds every row in DRAM.
 The limit is set as a user would set it: the table's DRAM budget, plus the process's
 fixed overhead (TensorFlow, the model, one batch's tensors: the peak of the same job over
 a table of 1,000 rows, measured in an unlimited cgroup), plus the SSD tier's index of
-cold keys, plus 10%. The overhead is measured twice and the smaller peak kept: the first
-process after heavy file I/O charges its cgroup for reading TensorFlow's libraries back
-into the page cache (914 MB against 246 MB once, on a 2-core VM), which would leave a
-limit that binds nothing. The tiered table then grows to more than 10x its budget inside
+cold keys, plus 10%. The overhead is the smaller peak of two runs
+(``measure_overhead``: the first process after heavy file I/O is charged for reading
+TensorFlow's libraries back into the page cache, which would leave a limit that binds
+nothing). The tiered table then grows to more than 10x its budget inside
 that limit: no process is OOM-killed, and its losses and rows equal, bit for bit, those of
 the same job without a budget (run outside any cgroup), which is the reference. That
 same job without a budget, run inside the limit, is OOM-killed: the limit binds.
@@ -20,7 +20,8 @@ import sys
 import numpy as np
 import pytest
 
-from tf_fusedemb.testing.memory_limit import LimitedRun, MemoryLimit, MemoryLimitUnavailable
+from tf_fusedemb.testing.memory_limit import (LimitedRun, MemoryLimit, MemoryLimitUnavailable,
+                                              measure_overhead)
 
 WORKER = os.path.join(os.path.dirname(__file__), "memory_limit_worker.py")
 STEPS, BATCH, DISTINCT = 64, 16_000, 1_200_000
@@ -51,12 +52,12 @@ def run_in_cgroup(limit_bytes, argv) -> LimitedRun:
 
 @pytest.mark.timeout(900)
 def test_a_table_10x_its_budget_trains_exactly_inside_a_memory_limit(tmp_path):
-    overheads = [run_in_cgroup(None, worker_argv(tmp_path / f"small{i}.npz", 1000, BUDGET,
-                                                 tmp_path / f"spill_small{i}"))
-                 for i in range(2)]
-    for run in overheads:
-        assert run.returncode == 0, run.stderr[-3000:]
-    overhead = min(overheads, key=lambda run: run.peak_bytes)
+    try:
+        overhead = measure_overhead([worker_argv(tmp_path / f"small{i}.npz", 1000, BUDGET,
+                                                 tmp_path / f"spill_small{i}")
+                                     for i in range(2)], timeout=400)
+    except MemoryLimitUnavailable as e:
+        pytest.skip(f"no memory cgroup on this machine: {e}")
     limit_bytes = int((BUDGET + overhead.peak_bytes + STORE_BYTES) * 1.1)
 
     tiered = run_in_cgroup(limit_bytes, worker_argv(tmp_path / "tiered.npz", DISTINCT, BUDGET,
@@ -114,3 +115,21 @@ def test_the_command_reports_the_peak_and_exits_as_the_command_did():
     assert free.returncode == 0 and "grown 209715200" in free.stdout, free
     assert report["oom_kills"] == 0 and report["peak_bytes"] >= 200 << 20, report
     assert report["limit_bytes"] is None
+
+
+@pytest.mark.timeout(120)
+def test_the_overhead_is_the_smallest_peak_and_a_failed_run_is_named():
+    """``measure_overhead``: of a run that touches 200 MB and one that touches nothing, the
+    second; a run that fails raises with its command, and no command is an error."""
+    try:
+        MemoryLimit(None)
+    except MemoryLimitUnavailable as e:
+        pytest.skip(f"no memory cgroup on this machine: {e}")
+    big = [sys.executable, "-c", "b = bytearray(200 << 20); print(len(b))"]
+    small = [sys.executable, "-c", "print(1)"]
+    run = measure_overhead([big, small], timeout=100)
+    assert run.returncode == 0 and run.stdout == "1\n" and run.peak_bytes < 200 << 20, run
+    with pytest.raises(RuntimeError, match="exited 3"):
+        measure_overhead([small, [sys.executable, "-c", "raise SystemExit(3)"]], timeout=100)
+    with pytest.raises(ValueError, match="at least one"):
+        measure_overhead([], timeout=100)

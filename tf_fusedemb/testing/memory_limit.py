@@ -5,6 +5,10 @@
     assert run.returncode == 0 and run.oom_kills == 0
     print(run.peak_bytes)
 
+A limit is the job's DRAM budget plus its fixed overhead plus a margin;
+:func:`measure_overhead` measures the overhead as the smallest peak of a few unlimited runs
+of the same job over a small table.
+
 The cgroup is this kernel's memory controller: cgroup v1's ``memory.limit_in_bytes``
 where the v1 hierarchy is mounted (``/sys/fs/cgroup/memory``), else cgroup v2's
 ``memory.max`` (``/sys/fs/cgroup`` with the memory controller). Creating one needs root.
@@ -141,6 +145,34 @@ class MemoryLimit:
     def _write(self, name: str, value: str) -> None:
         with open(os.path.join(self.path, name), "w") as f:
             f.write(value)
+
+
+def measure_overhead(argvs: Sequence[Sequence[str]], timeout: Optional[float],
+                     env: Optional[dict] = None, cwd: Optional[str] = None) -> LimitedRun:
+    """A job's fixed overhead (TensorFlow, the model, a batch's tensors): each command of
+    ``argvs`` (the same job over a small table, two runs or more) in a fresh cgroup
+    without a limit; the run whose peak is the smallest.
+
+    Why the smallest: the kernel charges a cgroup the page cache its processes fill, and the
+    first process after heavy file I/O reads TensorFlow's libraries back into it (914 MB
+    against 246 MB once, on a 2-core VM). A limit built on that peak would bind nothing.
+
+    Raises:
+      ValueError: ``argvs`` is empty.
+      RuntimeError: a run exited non-zero (its command and the end of its stderr).
+      MemoryLimitUnavailable: no memory cgroup here.
+    """
+    if not argvs:
+        raise ValueError("measure_overhead needs at least one command")
+    runs = []
+    for argv in argvs:
+        with MemoryLimit(None) as cgroup:
+            run = cgroup.run(argv, timeout=timeout, env=env, cwd=cwd)
+        if run.returncode != 0:
+            raise RuntimeError(f"overhead run {list(argv)} exited {run.returncode}:\n"
+                               f"{run.stderr[-3000:]}")
+        runs.append(run)
+    return min(runs, key=lambda run: run.peak_bytes)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
