@@ -29,6 +29,7 @@ import equivalence_model as em  # noqa: E402
 from tf_fusedemb.comm import get_communicator  # noqa: E402
 from tf_fusedemb.layers import FusedEmbedding  # noqa: E402
 from tf_fusedemb.models import FusedModel, train_step  # noqa: E402
+from tf_fusedemb.training import create_step_variables  # noqa: E402
 from tf_fusedemb.training.tracing import RankInvariantFunction  # noqa: E402
 
 
@@ -124,7 +125,8 @@ def train(argv, comm, index=0):
     # ranks whose batch size changes, e.g. when one rank's batch is empty, and ranks
     # running different traces never meet in their collectives).
     step = RankInvariantFunction(
-        lambda x, y: train_step(model, x, y, em.bce, dense_opt, communicator=comm).loss)
+        lambda x, y: train_step(model, x, y, em.bce, dense_opt, communicator=comm).loss,
+        before_trace=lambda x, y: create_step_variables(model, dense_opt, x))
 
     if args.keras_fit:
         model.compile(optimizer=dense_opt, loss=em.bce)

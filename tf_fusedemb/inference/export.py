@@ -135,7 +135,7 @@ def export_saved_model(model: tf_keras.Model, export_dir: str, feature_kinds: Ma
 
     def save_graph(directory):
         tf.saved_model.save(module, directory,
-                            signatures={"serving_default": serve.get_concrete_function()})
+                            signatures={"serving_default": serve})
     # embeddings.stores are in the order of serving_groups_
     return ExportWriter(export_dir, embeddings.communicator).write(embeddings.stores, row_dtype,
                                                                    save_graph)

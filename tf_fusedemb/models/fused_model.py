@@ -28,6 +28,7 @@ from tf_fusedemb.training.loss import KerasLoss, LossLike
 from tf_fusedemb.training.progress import fit_verbosity
 from tf_fusedemb.training.rank_batches import RankBatches, agree_on_steps
 from tf_fusedemb.training.replicas import replicas_of
+from tf_fusedemb.training.step_variables import step_variables_first
 from tf_fusedemb.training.tracing import RankInvariantFunction
 
 METRICS_GATHER = "fusedemb/metrics_inputs"
@@ -285,7 +286,9 @@ class SparseTrainingMixin(_KerasModel):
         if not hasattr(self, "_fused_steps"):
             raise ValueError(f"{type(self).__name__}: call compile() before fit/evaluate")
         if kind not in self._fused_steps:
-            self._fused_steps[kind] = RankInvariantFunction(fn)
+            # A training step's variables before its trace (one trace, not two).
+            before = step_variables_first(self, self.optimizer) if kind == "train" else None
+            self._fused_steps[kind] = RankInvariantFunction(fn, before_trace=before)
         return self._fused_steps[kind]
 
     def _keras_loss(self):

@@ -55,6 +55,7 @@ from tf_fusedemb.training.micro_batches import micro_batch_parts, rows_of
 from tf_fusedemb.training.replicas import replicas_of
 from tf_fusedemb.training.loss import LossLike
 from tf_fusedemb.training.step import DENSE_GRADS, as_keras_loss, run_step
+from tf_fusedemb.training.step_variables import step_variables_first
 from tf_fusedemb.training.step_plan import (PendingUpdate, Prepared, StepCarry, StepPlan,
                                             StepResult)
 from tf_fusedemb.training.tracing import RankInvariantFunction
@@ -128,9 +129,11 @@ class NestedPipeline:
         self._prepared = None  # prefetch buffer of the next step
         self._pending = None  # delayed row updates of the last step
         self._dense_pending = None  # the last step's dense gradients, not yet applied
-        self._optimizer_built = False  # its slots created eagerly (see _build_optimizer)
         replicas_of(model)  # its variables before the first trace (one trace, not two)
-        self._step_fn = RankInvariantFunction(self._step)
+        # The model's and optimizer's variables before each trace: a deferred dense update
+        # is applied in a later trace, where TensorFlow forbids creating variables.
+        self._step_fn = RankInvariantFunction(
+            self._step, before_trace=step_variables_first(model, optimizer))
         self._prefetch_fn = RankInvariantFunction(self._prefetch)
         self._flush_fn = RankInvariantFunction(self._flush)
 
@@ -157,10 +160,6 @@ class NestedPipeline:
         result, prepared, self._pending, self._dense_pending = self._step_fn(
             x, y, sample_weight, self._prepared, pending, next_x, self._dense_pending)
         self._prepared = prepared if next_x is not None else None
-        if self._dense_pending is not None and not self._optimizer_built:  # the next step
-            # applies it: its trace must not create the optimizer's slots
-            _build_optimizer(self.optimizer, self.model.trainable_variables)
-            self._optimizer_built = True
         return result
 
     def flush(self) -> None:
@@ -308,12 +307,3 @@ def _feature(x, name, layer, sources):
                          "from x, so the layer must take its inputs from x directly")
     return x[key]
 
-
-def _build_optimizer(optimizer, variables):
-    """Creates ``optimizer``'s slot variables for ``variables`` now (eagerly), as its
-    first ``apply_gradients`` would: a step whose dense update was deferred applies it in
-    a later trace of the step function, where TensorFlow forbids creating variables."""
-    if hasattr(optimizer, "_create_all_weights"):  # tf_keras.optimizers.legacy: no public
-        optimizer._create_all_weights(variables)  # pylint: disable=protected-access
-    else:
-        optimizer.build(variables)

@@ -5,5 +5,7 @@ from tf_fusedemb.training.checkpoint_chain import BrokenChainError
 from tf_fusedemb.training.distributed_optimizer import DistributedOptimizer
 from tf_fusedemb.training.loss import KerasLoss
 from tf_fusedemb.training.step import StepResult, test_step, train_step
+from tf_fusedemb.training.step_variables import create_step_variables
 
-__all__ = ["BrokenChainError", "CheckpointManager", "DistributedOptimizer", "KerasLoss", "StepResult", "test_step", "train_step"]
+__all__ = ["BrokenChainError", "CheckpointManager", "DistributedOptimizer", "KerasLoss", "StepResult", "create_step_variables",
+           "test_step", "train_step"]

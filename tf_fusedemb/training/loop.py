@@ -24,6 +24,7 @@ from tf_fusedemb.comm import Communicator
 from tf_fusedemb.training.loss import LossLike
 from tf_fusedemb.training.replicas import replicas_of
 from tf_fusedemb.training.step import StepResult, as_keras_loss, train_step
+from tf_fusedemb.training.step_variables import step_variables_first
 from tf_fusedemb.training.tracing import RankInvariantFunction
 
 __all__ = ["LookaheadStep", "Progress", "SynchronousStep", "TrainLoop"]
@@ -123,7 +124,8 @@ class SynchronousStep:
         replicas_of(model)  # the dense-state broadcast's variables, before the trace
         # No AutoGraph (RankInvariantFunction): the step has no tensor-dependent Python
         # control flow, and converting all of tf_keras under it slows the first trace ~10x.
-        self._step_fn = RankInvariantFunction(self._step)
+        self._step_fn = RankInvariantFunction(
+            self._step, before_trace=step_variables_first(model, optimizer))
 
     def _step(self, x, y, sample_weight):
         return train_step(self.model, x, y, self.loss, self.optimizer, sample_weight,

@@ -31,16 +31,28 @@ def relaxed_spec(value: Any) -> Optional[tf.TypeSpec]:
 
 class RankInvariantFunction:
     """``tf.function(fn)`` (AutoGraph off) traced once per nested input structure, with
-    relaxed leading dimensions (see module doc)."""
+    relaxed leading dimensions (see module doc).
 
-    def __init__(self, fn: Callable[..., Any]):
+    Args:
+      fn: the function to trace.
+      before_trace: called eagerly with a call's arguments before that call's structure
+        is traced, e.g. to create the variables the trace would create
+        (``step_variables.create_step_variables``: TensorFlow traces twice a function
+        whose first trace creates variables).
+    """
+
+    def __init__(self, fn: Callable[..., Any],
+                 before_trace: Optional[Callable[..., None]] = None):
         self._function = tf.function(fn, autograph=False)
+        self._before_trace = before_trace
         self._traced: Set[str] = set()  # the input structures traced (their specs' repr)
 
     def __call__(self, *args: Any) -> Any:
         specs = tf.nest.map_structure(relaxed_spec, args)
         key = repr(specs)
         if key not in self._traced:
+            if self._before_trace is not None:
+                self._before_trace(*args)
             self._function.get_concrete_function(*specs)
             self._traced.add(key)
         return self._function(*args)
