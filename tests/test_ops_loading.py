@@ -43,7 +43,7 @@ def test_op_types_in_graphs_are_the_fixed_names():
         p = ops.recovery_pool(rows, rec, tf.range(tf.size(rec, tf.int64) + 1), [0, tf.size(
             rec, tf.int64)], ["mean"])
         counts = ops.exchange_counts(r.rank_splits, r.rank_splits, rows, 0)
-        return g, p, h.lookup_keys, init, ops.owner_rank(k, 2), counts
+        return g, p, h.lookup_keys, init, ops.owner_rank(k, 2), counts, ops.find_keys(k, s)
 
     graph = f.get_concrete_function(tf.TensorSpec([None], tf.int64),
                                     tf.TensorSpec([None], tf.int64)).graph

@@ -36,6 +36,24 @@ def test_find_keys_int64_extremes():
     np.testing.assert_array_equal(index.numpy()[[0, 1, 3]], [2, 1, 0])
 
 
+def test_find_keys_gives_the_first_of_equal_table_keys_in_one_op():
+    rng = np.random.default_rng(3)
+    table = rng.integers(-20, 20, 60).astype(np.int64)  # with repeats
+    keys = rng.integers(-30, 30, 200).astype(np.int64)
+    found, index = keysets.find_keys(keys, table)
+    first = {}
+    for i, t in enumerate(table):
+        first.setdefault(int(t), i)
+    np.testing.assert_array_equal(found.numpy(), [int(k) in first for k in keys])
+    np.testing.assert_array_equal(index.numpy(), [first.get(int(k), 0) for k in keys])
+    graph = tf.function(keysets.find_keys).get_concrete_function(
+        tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.int64)).graph
+    assert [op.type for op in graph.get_operations()
+            if op.type not in ("Placeholder", "Identity")] == ["FusedEmb>FindKeys"]
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="table_keys must"):
+        keysets.find_keys(keys, table.reshape(6, 10))
+
+
 def test_coalesce_sums_equal_keys():
     keys = np.array([5, 3, 5, 9, 3, 5], np.int64)
     grads = np.arange(12, dtype=np.float32).reshape(6, 2)

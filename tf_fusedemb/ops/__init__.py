@@ -9,6 +9,7 @@ from tf_fusedemb.ops._loader import is_loaded, load_library
 from tf_fusedemb.ops.category_hash import (CategoryHashResult, category_hash,
                                            category_key_strings, collision_partner)
 from tf_fusedemb.ops.exchange_counts import exchange_counts
+from tf_fusedemb.ops.find_keys import find_keys
 from tf_fusedemb.ops.key_messages import (KeyMessages, hashed_unified_keys, pack_key_messages,
                                           unpack_key_messages)
 from tf_fusedemb.ops.rankwise_sort import RankwiseSortResult, owner_rank, rankwise_sort
@@ -25,7 +26,7 @@ def register_ops() -> Any:
 
 __all__ = [
     "CategoryHashResult", "KeyMessages", "RankwiseSortResult", "SegmentUniqueResult",
-    "category_hash", "category_key_strings", "collision_partner", "exchange_counts", "hashed_unified_keys",
+    "category_hash", "category_key_strings", "collision_partner", "exchange_counts", "find_keys", "hashed_unified_keys",
     "is_loaded", "load_library", "owner_rank", "pack_key_messages", "rankwise_sort",
     "finish_pooling", "recover_features", "recovery_gather", "recovery_pool", "register_ops", "segment_unique",
     "unpack_key_messages",

@@ -26,7 +26,7 @@ ENGINE_OP_NAMES = ("EngineHandle", "EngineLookup", "EngineApplyGradients", "Engi
                    "EngineRecordsChangesFor", "EngineWriteDelta", "EngineReadCheckpoint")
 OP_NAMES = ("SegmentUnique", "RankwiseSort", "OwnerRank", "CategoryHash",
             "PackKeyMessages", "UnpackKeyMessages", "HashedUnifiedKeys", "KeyMessageCategoryBits",
-            "RecoveryGather", "RecoveryPool", "RecoveryPoolGrad", "ExchangeCounts") + ENGINE_OP_NAMES
+            "RecoveryGather", "RecoveryPool", "RecoveryPoolGrad", "ExchangeCounts", "FindKeys") + ENGINE_OP_NAMES
 
 _lock = threading.Lock()
 _library: Optional[Any] = None  # the module of raw ops tf.load_op_library returns

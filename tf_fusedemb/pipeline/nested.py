@@ -54,10 +54,10 @@ from tf_fusedemb.training.loop import TrainLoop
 from tf_fusedemb.training.micro_batches import micro_batch_parts, rows_of
 from tf_fusedemb.training.replicas import replicas_of
 from tf_fusedemb.training.loss import LossLike
-from tf_fusedemb.training.step import DENSE_GRADS, as_keras_loss, run_step
-from tf_fusedemb.training.step_variables import step_variables_first
-from tf_fusedemb.training.step_plan import (PendingUpdate, Prepared, StepCarry, StepPlan,
-                                            StepResult)
+from tf_fusedemb.training.step import DENSE_GRADS, as_keras_loss, run_step, top_layers_split
+from tf_fusedemb.training.step_variables import create_step_variables, step_variables_first
+from tf_fusedemb.training.step_plan import (DensePending, PendingUpdate, Prepared, StepCarry,
+                                            StepPlan, StepResult)
 from tf_fusedemb.training.tracing import RankInvariantFunction
 
 
@@ -152,13 +152,17 @@ class NestedPipeline:
           Keras's running mean, this rank's predictions).
         """
         if not self.options.prefetch:
-            result, _, _, _ = self._step_fn(x, y, sample_weight, None, None, None, None)
+            result, _, _, _ = self._step_fn(x, y, sample_weight, None, None, None, None, None)
             return result
         if self._prepared is None:
             self._prepared = self._prefetch_fn(x)
         pending = self._pending if self._pending is not None else self._empty_pending()
+        # No dense update left before the first step (or after a flush): zeros that the
+        # step skips, so the first step runs the trace of every step after it.
+        has_dense = self._dense_pending is not None
+        dense = self._dense_pending if has_dense else self._no_dense_pending(x)
         result, prepared, self._pending, self._dense_pending = self._step_fn(
-            x, y, sample_weight, self._prepared, pending, next_x, self._dense_pending)
+            x, y, sample_weight, self._prepared, pending, next_x, dense, tf.constant(has_dense))
         self._prepared = prepared if next_x is not None else None
         return result
 
@@ -188,6 +192,17 @@ class NestedPipeline:
         return [PendingUpdate(tf.zeros([0], tf.int64), tf.zeros([0, g.group.dim]),
                               tf.zeros([0], tf.int64), tf.constant(0, tf.int64))
                 for g in self.lookups]
+
+    def _no_dense_pending(self, x: Mapping[str, tf.Tensor]) -> Optional[DensePending]:
+        """A DensePending of zeros shaped as a step leaves one (None for a model without
+        dense variables, whose steps leave none)."""
+        create_step_variables(self.model, self.optimizer, x)  # the variables to shape it
+        variables = self.model.trainable_variables
+        if not variables:
+            return None
+        zeros = [tf.zeros(v.shape, v.dtype) for v in variables]
+        split = top_layers_split(variables)
+        return DensePending(zeros[:split], zeros[split:])
 
     def apply_pending(self, pending: Sequence[PendingUpdate]) -> list:
         """Applies a step's delayed row updates (one per lookup), in the traced step."""
@@ -236,9 +251,14 @@ class NestedPipeline:
     def _prefetch(self, x):
         return self.retrieve(self.route(x))
 
-    def _step(self, x, y, sample_weight, prepared, pending, next_x, dense_pending):
+    def _step(self, x, y, sample_weight, prepared, pending, next_x, dense_pending, has_dense):
         if dense_pending is not None:  # before this step reads the dense variables
-            self._apply_dense(dense_pending)
+            def apply() -> tf.Tensor:
+                # The update's tensors taken into the branch's graph: the optimizer's
+                # gradient aggregation needs them all in one graph with the AllReduce's.
+                self._apply_dense(tf.nest.map_structure(tf.identity, dense_pending))
+                return tf.constant(True)
+            tf.cond(has_dense, apply, lambda: tf.constant(False))
         carry = StepCarry(prepared, pending or (), next_x)
         out = run_step(self.model, x, y, self.loss, self.optimizer, sample_weight, self.plan,
                        carry, self.embeddings)

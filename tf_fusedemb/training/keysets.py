@@ -1,35 +1,15 @@
-"""Set operations on the owner's compact key sets (NestPipe: "a dedicated kernel computes
-the intersection of compact key sets between consecutive batches").
-
-Sorting the smaller side once and binary-searching the other is O((u + v) log v) with
-stock TF ops, on keys only (never on rows).
+"""Set operations on the owner's compact key sets: where a batch's keys occur in the next
+batch's (``find_keys``, one op of ``tf_fusedemb.ops``: NestPipe's "dedicated kernel
+computes the intersection of compact key sets between consecutive batches"), and the
+sum of gradient rows of equal keys (``coalesce``).
 """
 from typing import Tuple
 
 import tensorflow as tf
 
-from tf_fusedemb.ops.sorted_search import search_sorted
+from tf_fusedemb.ops.find_keys import find_keys
 
-def find_keys(keys: tf.Tensor, table_keys: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
-    """Where each of ``keys`` occurs in ``table_keys`` (whose entries are unique).
-
-    Args:
-      keys: int64[k].  table_keys: int64[v], unique.
-    Returns:
-      found: bool[k]; index: int32[k], the position in ``table_keys`` where found (0
-      elsewhere, a valid index only when ``v > 0``).
-    """
-    keys = tf.convert_to_tensor(keys, tf.int64)
-    table_keys = tf.convert_to_tensor(table_keys, tf.int64)
-    order = tf.argsort(table_keys, stable=True)
-    sorted_keys = tf.gather(table_keys, order)
-    size = tf.size(sorted_keys)
-    pos = search_sorted(sorted_keys, keys, side="left", out_type=tf.int32)
-    pos = tf.clip_by_value(pos, 0, tf.maximum(size - 1, 0))
-    found = tf.logical_and(size > 0, tf.equal(
-        tf.gather(tf.concat([sorted_keys, tf.zeros([1], tf.int64)], 0), pos), keys))
-    index = tf.gather(tf.concat([order, tf.zeros([1], tf.int32)], 0), pos)
-    return found, tf.where(found, index, tf.zeros_like(index))
+__all__ = ["coalesce", "find_keys"]
 
 
 def coalesce(keys: tf.Tensor, grads: tf.Tensor,
