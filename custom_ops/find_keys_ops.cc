@@ -24,7 +24,7 @@ REGISTER_OP("FusedEmb>FindKeys")
       return absl::OkStatus();
     })
     .Doc(R"doc(
-Where each key occurs in table_keys, in one op (it was about 37 graph ops per call).
+Where each key occurs in table_keys, in one op.
 
 keys: [k] the keys looked for.
 table_keys: [v] the keys looked in; of equal entries, the first one's position is given.

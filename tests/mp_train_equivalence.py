@@ -29,7 +29,7 @@ import equivalence_model as em  # noqa: E402
 from tf_fusedemb.comm import get_communicator  # noqa: E402
 from tf_fusedemb.layers import FusedEmbedding  # noqa: E402
 from tf_fusedemb.models import FusedModel, train_step  # noqa: E402
-from tf_fusedemb.training import create_step_variables  # noqa: E402
+from tf_fusedemb.training.step_variables import step_variables_first  # noqa: E402
 from tf_fusedemb.training.tracing import RankInvariantFunction  # noqa: E402
 
 
@@ -126,7 +126,7 @@ def train(argv, comm, index=0):
     # running different traces never meet in their collectives).
     step = RankInvariantFunction(
         lambda x, y: train_step(model, x, y, em.bce, dense_opt, communicator=comm).loss,
-        before_trace=lambda x, y: create_step_variables(model, dense_opt, x))
+        before_trace=step_variables_first(model, dense_opt))
 
     if args.keras_fit:
         model.compile(optimizer=dense_opt, loss=em.bce)

@@ -52,7 +52,6 @@ from tf_fusedemb.pipeline.options import PipelineOptions
 from tf_fusedemb.training import keysets
 from tf_fusedemb.training.loop import TrainLoop
 from tf_fusedemb.training.micro_batches import micro_batch_parts, rows_of
-from tf_fusedemb.training.replicas import replicas_of
 from tf_fusedemb.training.loss import LossLike
 from tf_fusedemb.training.step import DENSE_GRADS, as_keras_loss, run_step, top_layers_split
 from tf_fusedemb.training.step_variables import create_step_variables, step_variables_first
@@ -129,9 +128,8 @@ class NestedPipeline:
         self._prepared = None  # prefetch buffer of the next step
         self._pending = None  # delayed row updates of the last step
         self._dense_pending = None  # the last step's dense gradients, not yet applied
-        replicas_of(model)  # its variables before the first trace (one trace, not two)
-        # The model's and optimizer's variables before each trace: a deferred dense update
-        # is applied in a later trace, where TensorFlow forbids creating variables.
+        # The step's variables (model, replicas, optimizer) before each trace: a deferred
+        # dense update is applied in a later trace, where TensorFlow forbids creating them.
         self._step_fn = RankInvariantFunction(
             self._step, before_trace=step_variables_first(model, optimizer))
         self._prefetch_fn = RankInvariantFunction(self._prefetch)

@@ -22,7 +22,6 @@ import tf_keras
 from tf_fusedemb.comm import Communicator
 
 from tf_fusedemb.training.loss import LossLike
-from tf_fusedemb.training.replicas import replicas_of
 from tf_fusedemb.training.step import StepResult, as_keras_loss, train_step
 from tf_fusedemb.training.step_variables import step_variables_first
 from tf_fusedemb.training.tracing import RankInvariantFunction
@@ -121,7 +120,6 @@ class SynchronousStep:
                  communicator: Optional[Communicator] = None):
         self.model, self.optimizer, self.comm = model, optimizer, communicator
         self.loss = as_keras_loss(loss, model)
-        replicas_of(model)  # the dense-state broadcast's variables, before the trace
         # No AutoGraph (RankInvariantFunction): the step has no tensor-dependent Python
         # control flow, and converting all of tf_keras under it slows the first trace ~10x.
         self._step_fn = RankInvariantFunction(
