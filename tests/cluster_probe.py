@@ -2,18 +2,34 @@
 
     python tests/cluster_probe.py MB_PER_PEER
 
-Prints one JSON line per rank: its topology as Horovod sees it, an allreduce result, and
-the seconds one alltoall of MB_PER_PEER megabytes to every peer took (after a warm-up, so
-connection setup is not timed). Exits 1 if the alltoall returned wrong values.
+Prints one JSON line per rank: its topology as Horovod sees it, an allreduce result, the
+seconds one alltoall of MB_PER_PEER megabytes to every peer took (after a warm-up, so
+connection setup is not timed), and the host it runs in (its cores, Gloo's interface
+address, the network devices /sys shows, its /etc/hosts). Exits 1 if the alltoall returned
+wrong values.
 """
 import json
 import os
 import sys
 import time
 
+PRELOADED = "tensorflow" in sys.modules  # forked from a fork server, not started bare
+
 import numpy as np
+import psutil
 import tensorflow as tf
 import horovod.tensorflow as hvd
+
+
+def host() -> dict:
+    """What tells the emulated host a rank runs in from another: its address on Gloo's
+    interface, the devices of its network namespace in /sys, its /etc/hosts."""
+    iface = os.environ.get("HOROVOD_GLOO_IFACE", "")
+    with open("/etc/hosts") as f:
+        hosts = f.read()
+    return {"address": [a.address for a in psutil.net_if_addrs().get(iface, [])
+                        if a.family == 2],  # AF_INET
+            "sys_class_net": sorted(os.listdir("/sys/class/net")), "etc_hosts": hosts}
 
 
 def main() -> int:
@@ -36,7 +52,8 @@ def main() -> int:
                       "cross_rank": hvd.cross_rank(), "allreduce": float(total),
                       "alltoall_ok": ok, "alltoall_s": seconds, "mb_per_peer": mb_per_peer,
                       "cpus": sorted(os.sched_getaffinity(0)),
-                      "intra_op_threads": os.environ.get("TF_NUM_INTRAOP_THREADS")}), flush=True)
+                      "intra_op_threads": os.environ.get("TF_NUM_INTRAOP_THREADS"),
+                      "host": host(), "preloaded": PRELOADED}), flush=True)
     return 0 if ok else 1
 
 

@@ -15,6 +15,7 @@ from conftest import REPO_ROOT
 from tf_fusedemb.testing.cluster import (ClusterTimeout, ClusterUnavailable, EmulatedCluster,
                                          check_available, network, unavailable_reason)
 from tf_fusedemb.testing.cluster import __main__ as cluster_main
+from tf_fusedemb.testing.cluster.forkserver import ForkServers
 
 _UNAVAILABLE = unavailable_reason()
 needs_cluster = pytest.mark.skipif(_UNAVAILABLE is not None,
@@ -33,29 +34,47 @@ def _rank_cmd(code):
             + code]
 
 
+def _probe_reports(cluster, mb_per_peer):
+    rc = cluster.run([sys.executable, PROBE, str(mb_per_peer)], timeout=240, echo=False)
+    result = cluster.last_result
+    assert rc == 0, result.text(result.failed_rank or 0, "stderr")[-3000:]
+    return [json.loads(result.text(r).strip().splitlines()[-1]) for r in range(cluster.size)]
+
+
 @needs_cluster
 @pytest.mark.timeout(300)
 def test_horovod_topology_allreduce_and_link_rate():
+    """Ranks started with ``ip netns exec`` and ranks forked from fork servers (the
+    project's tests' way) see the same topology, cores, host and link limit."""
     mb_per_peer, mbit = 2.0, 50.0
-    with EmulatedCluster(hosts=2, ranks_per_host=2, link_mbit=mbit) as cluster:
-        rc = cluster.run([sys.executable, PROBE, str(mb_per_peer)], timeout=240, echo=False)
-        result = cluster.last_result
-    assert rc == 0, result.text(result.failed_rank or 0, "stderr")[-3000:]
-    reports = [json.loads(result.text(r).strip().splitlines()[-1]) for r in range(4)]
-    for r, rep in enumerate(reports):
-        assert (rep["rank"], rep["size"], rep["local_size"], rep["cross_size"]) == (r, 4, 2, 2)
-        assert (rep["local_rank"], rep["cross_rank"]) == (r % 2, r // 2)
-        assert rep["allreduce"] == 1 + 2 + 3 + 4
-        assert rep["alltoall_ok"]
-        assert rep["intra_op_threads"] == str(len(rep["cpus"]))
-    if len(os.sched_getaffinity(0)) >= 2:  # the two ranks of a host run on different cores
-        assert reports[0]["cpus"] != reports[1]["cpus"]
-    # Each host sends 2 ranks x 2 remote peers x 2 MB = 8 MB through its 50 Mbit/s link.
-    theoretical_s = 2 * 2 * mb_per_peer * 8 / mbit
-    slowest = max(rep["alltoall_s"] for rep in reports)
-    print(f"alltoall of {mb_per_peer} MB/peer at {mbit} Mbit/s: {slowest:.3f} s "
-          f"(link-limited minimum {theoretical_s:.3f} s)")
-    assert slowest >= 0.5 * theoretical_s, "the link limit is not in effect"
+    pool = ForkServers(max_rank=4, max_servers=4)
+    try:
+        with EmulatedCluster(hosts=2, ranks_per_host=2, link_mbit=mbit) as cluster:
+            fresh = _probe_reports(cluster, mb_per_peer)
+            cluster.fork_servers = pool
+            forked = _probe_reports(cluster, mb_per_peer)
+    finally:
+        pool.close()
+    for reports in (fresh, forked):
+        for r, rep in enumerate(reports):
+            assert (rep["rank"], rep["size"], rep["local_size"], rep["cross_size"]) == (r, 4, 2, 2)
+            assert (rep["local_rank"], rep["cross_rank"]) == (r % 2, r // 2)
+            assert rep["allreduce"] == 1 + 2 + 3 + 4
+            assert rep["alltoall_ok"]
+            assert rep["intra_op_threads"] == str(len(rep["cpus"]))
+        if len(os.sched_getaffinity(0)) >= 2:  # the two ranks of a host run on different cores
+            assert reports[0]["cpus"] != reports[1]["cpus"]
+        assert reports[0]["host"]["address"] != reports[2]["host"]["address"]
+        # Each host sends 2 ranks x 2 remote peers x 2 MB = 8 MB through its 50 Mbit/s link.
+        theoretical_s = 2 * 2 * mb_per_peer * 8 / mbit
+        slowest = max(rep["alltoall_s"] for rep in reports)
+        print(f"alltoall of {mb_per_peer} MB/peer at {mbit} Mbit/s: {slowest:.3f} s "
+              f"(link-limited minimum {theoretical_s:.3f} s)")
+        assert slowest >= 0.5 * theoretical_s, "the link limit is not in effect"
+    assert [r["preloaded"] for r in fresh + forked] == [False] * 4 + [True] * 4
+    for want, got in zip(fresh, forked):
+        assert (got["cpus"], got["intra_op_threads"], got["host"]) == \
+            (want["cpus"], want["intra_op_threads"], want["host"])
 
 
 @needs_cluster

@@ -36,6 +36,7 @@ from test_fused_embedding_equivalence import SCRIPT, assert_equivalent, parse_re
 from test_multihost import reference
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.testing.cluster import ClusterTimeout, ClusterUnavailable, EmulatedCluster
+from tf_fusedemb.testing.cluster.forkserver import SHARED_FORK_SERVERS
 
 HOSTS, RANKS_PER_HOST, WORLD = 2, 2, 4
 FLAT_ROUNDS, HIER_ROUNDS = 3, 6  # AlltoAll rounds per step and group: (keys, rows, grads) x stages
@@ -54,8 +55,8 @@ def with_exchange(args):
 def run_job():
     """``run(args) -> rank 0's stdout`` on the 2 x 2 cluster (or 4 local ranks as 2 x 2)."""
     try:
-        cluster = EmulatedCluster(hosts=HOSTS, ranks_per_host=RANKS_PER_HOST,
-                                  link_mbit=1000).start()
+        cluster = EmulatedCluster(hosts=HOSTS, ranks_per_host=RANKS_PER_HOST, link_mbit=1000,
+                                  fork_servers=SHARED_FORK_SERVERS).start()
     except ClusterUnavailable:
         cluster = None
 

@@ -30,6 +30,7 @@ from horovod_launch import horovodrun
 from mp_train_equivalence import EACH
 from test_fused_embedding_equivalence import SCRIPT, parse_result, parse_results
 from tf_fusedemb.testing.cluster import ClusterTimeout, ClusterUnavailable, EmulatedCluster
+from tf_fusedemb.testing.cluster.forkserver import SHARED_FORK_SERVERS
 
 HOSTS, RANKS_PER_HOST, LINK_MBIT = 2, 2, 1000.0
 WORLD = HOSTS * RANKS_PER_HOST
@@ -45,7 +46,7 @@ def cluster():
     """One 2 x 2 cluster for the module's library-launched jobs, removed at the end."""
     try:
         built = EmulatedCluster(hosts=HOSTS, ranks_per_host=RANKS_PER_HOST,
-                                link_mbit=LINK_MBIT).start()
+                                link_mbit=LINK_MBIT, fork_servers=SHARED_FORK_SERVERS).start()
     except ClusterUnavailable as e:
         pytest.skip(f"no emulated cluster on this machine: {e}")
     try:

@@ -25,6 +25,7 @@ import tf_keras
 
 from tf_fusedemb.comm import get_communicator
 from tf_fusedemb.testing.cluster.errors import ClusterTimeout
+from tf_fusedemb.testing.cluster.forkserver import SHARED_FORK_SERVERS, ForkServers
 from tf_fusedemb.testing.cluster.launcher import run_local_job
 
 __all__ = ["BatchLosses", "DistributedTestCase", "fit_on_this_rank", "rank_bounds",
@@ -99,11 +100,13 @@ def _rank_fit(model_fn, data_fn, batch_size, epochs):
 
 
 def run_local_ranks(command: Sequence[str], num_ranks: int, timeout: float,
-                    env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None) -> str:
+                    env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
+                    fork_servers: Optional[ForkServers] = SHARED_FORK_SERVERS) -> str:
     """Runs ``command`` on ``num_ranks`` Gloo ranks of this host (``run_local_job``, as
     ``horovodrun -np N --gloo -H localhost:N`` would) with ``RANK_ENV``, C++ logs at level 2
     and tf_keras, under ``env`` (which wins); returns their output, prefixed as horovodrun
-    prefixes it.
+    prefixes it. Ranks of a Python command are forked from ``fork_servers``' interpreters
+    where their environment allows (None: each rank a fresh process).
 
     Raises:
       AssertionError: a rank failed, or the job ran past ``timeout`` seconds (every rank
@@ -114,7 +117,7 @@ def run_local_ranks(command: Sequence[str], num_ranks: int, timeout: float,
                 **(env or {})}
     try:
         result = run_local_job(command, num_ranks, env=full_env, cwd=cwd, timeout=timeout,
-                               output=output)
+                               output=output, fork_servers=fork_servers)
     except ClusterTimeout:
         raise AssertionError(f"{num_ranks}-rank job timed out after {timeout}s (a collective "
                              f"that never met?); output:\n{output.getvalue()[-6000:]}") from None

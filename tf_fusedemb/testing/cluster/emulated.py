@@ -17,6 +17,7 @@ from typing import List, Mapping, Optional, Sequence
 
 from tf_fusedemb.testing.cluster import network
 from tf_fusedemb.testing.cluster.errors import ClusterTimeout, ClusterUnavailable
+from tf_fusedemb.testing.cluster.forkserver import ForkServers
 from tf_fusedemb.testing.cluster.launcher import JobResult, TextSink, run_job
 from tf_fusedemb.testing.cluster.placement import assign_cpus
 
@@ -41,6 +42,10 @@ class EmulatedCluster:
         cpus: the cores to spread ranks over (default: this process's affinity).
         inter_op_threads: int or None, TF_NUM_INTEROP_THREADS of each rank.
         sweep_stale: bool, remove default-named clusters of dead processes before building.
+        fork_servers: ranks are forked from these servers where one runs the command, in
+            their host's namespace and on their cores (:mod:`.forkserver`: no import of
+            TensorFlow per rank, for tests); None (default): each rank a process of its
+            own, started with ``ip netns exec``.
 
     Raises (from start / ``with``):
         ClusterUnavailable: the machine cannot build it (nothing is left behind).
@@ -50,7 +55,7 @@ class EmulatedCluster:
                  slow_host_mbit: Optional[float] = None, name: Optional[str] = None,
                  subnet: Optional[str] = None, pin: bool = True,
                  cpus: Optional[Sequence[int]] = None, inter_op_threads: Optional[int] = None,
-                 sweep_stale: bool = True):
+                 sweep_stale: bool = True, fork_servers: Optional[ForkServers] = None):
         if ranks_per_host < 1:
             raise ValueError(f"ranks_per_host must be >= 1, got {ranks_per_host}")
         self._own_name = name is None
@@ -66,6 +71,7 @@ class EmulatedCluster:
         self._cpus = cpus
         self.inter_op_threads = inter_op_threads
         self.sweep_stale = sweep_stale
+        self.fork_servers = fork_servers
         self.last_result: Optional[JobResult] = None
         self._started = False
 
@@ -167,7 +173,8 @@ class EmulatedCluster:
                              cpus=cpus, env=extra, cwd=cwd, timeout=timeout,
                              stdout=(stdout or sys.stdout) if echo else None,
                              stderr=(stderr or sys.stderr) if echo else None,
-                             inter_op_threads=self.inter_op_threads, grace_s=grace_s)
+                             inter_op_threads=self.inter_op_threads, grace_s=grace_s,
+                             fork_servers=self.fork_servers)
         except ClusterTimeout as e:
             self.last_result = e.result
             raise

@@ -19,9 +19,10 @@ import signal
 import subprocess
 import threading
 import time
-from typing import IO, Any, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
+from typing import IO, Any, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
 from tf_fusedemb.testing.cluster.errors import ClusterTimeout, ClusterUnavailable
+from tf_fusedemb.testing.cluster.forkserver import ForkedProcess, ForkServers
 from tf_fusedemb.testing.cluster.network import HOST_IFACE
 from tf_fusedemb.testing.cluster.placement import thread_env
 
@@ -104,7 +105,10 @@ def _pump(pipe: IO[bytes], prefix: str, sink: Optional[TextSink], lines: List[st
     pipe.close()
 
 
-def _kill_all(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
+Process = Union[subprocess.Popen, ForkedProcess]  # a rank: pid, stdout, stderr, poll, wait
+
+
+def _kill_all(procs: Sequence[Process], grace_s: float) -> None:
     """SIGTERM to every rank's process group, SIGKILL to what is left after ``grace_s``.
     Whole groups, because a rank's command may have started children of its own."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -119,11 +123,17 @@ def _kill_all(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
             p.wait(timeout=grace_s)
 
 
+def _returncode(proc: Process) -> int:
+    code = proc.poll()
+    assert code is not None, "only an exited rank has a status"
+    return code
+
+
 def _status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _start_pumps(proc: subprocess.Popen, rank: int, sinks: Tuple[Optional[TextSink], ...],
+def _start_pumps(proc: Process, rank: int, sinks: Tuple[Optional[TextSink], ...],
                  lines: Tuple[List[str], ...], lock: threading.Lock) -> List[threading.Thread]:
     """Threads that copy the rank's stdout and stderr, line by line, into ``lines`` (and
     prefixed into ``sinks``, where not None), in that order."""
@@ -136,7 +146,7 @@ def _start_pumps(proc: subprocess.Popen, rank: int, sinks: Tuple[Optional[TextSi
     return pumps
 
 
-def _wait(procs: Sequence[subprocess.Popen], start: float, timeout: Optional[float],
+def _wait(procs: Sequence[Process], start: float, timeout: Optional[float],
           exited_at: Dict[int, float]) -> Tuple[Optional[int], Optional[List[int]]]:
     """Polls the ranks until one fails, all exit or ``timeout`` (seconds after ``start``)
     runs out, noting each rank's exit time in ``exited_at``. Returns (the lowest failed
@@ -158,21 +168,31 @@ def _wait(procs: Sequence[subprocess.Popen], start: float, timeout: Optional[flo
 class _Ranks:
     """A job's rank processes, the threads that copy their output, and that output."""
 
-    def __init__(self, sinks: Tuple[Optional[TextSink], Optional[TextSink]]):
-        self.procs: List[subprocess.Popen] = []  # in the order started (run_job: by rank)
+    def __init__(self, sinks: Tuple[Optional[TextSink], Optional[TextSink]],
+                 fork_servers: Optional[ForkServers] = None):
+        self.procs: List[Process] = []  # in the order started (run_job: by rank)
+        self._fork_servers = fork_servers
         self.stdout: Dict[int, List[str]] = {}
         self.stderr: Dict[int, List[str]] = {}
         self._sinks = sinks  # where prefixed stdout and stderr lines go (None: nowhere)
         self._pumps: List[threading.Thread] = []
         self._lock = threading.Lock()  # one prefixed line at a time into a shared sink
 
-    def start(self, rank: int, argv: List[str], env: Mapping[str, str],
-              cwd: Optional[str]) -> None:
+    def start(self, rank: int, command: List[str], env: Mapping[str, str],
+              cwd: Optional[str], host: Optional[str], cpus: Optional[Tuple[int, ...]]) -> None:
         """Starts ``rank``'s process in a session of its own (so that it is stopped with
-        its children) and the threads that copy its output."""
-        p = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             start_new_session=True)
+        its children), in network namespace ``host`` (None: this one) pinned to ``cpus``
+        (None: unpinned), and the threads that copy its output. It is forked from a fork
+        server where one runs the command (``fork_servers``), else ``ip netns exec`` and
+        ``taskset`` start it as a process of its own."""
+        server = self._fork_servers and self._fork_servers.server_for(rank, command, env)
+        p: Process
+        if server:
+            p = server.spawn(command, env, cwd, netns=host, cpus=cpus)
+        else:
+            p = subprocess.Popen(_host_argv(host, cpus) + command, env=env, cwd=cwd,
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, start_new_session=True)
         self.procs.append(p)
         self.stdout[rank], self.stderr[rank] = [], []
         self._pumps += _start_pumps(p, rank, self._sinks, (self.stdout[rank], self.stderr[rank]),
@@ -186,12 +206,12 @@ class _Ranks:
             t.join(timeout=5)
 
 
-def _slot_argv(slot, cpus: Optional[Sequence[Tuple[int, ...]]], on_this_host: bool) -> List[str]:
-    """The argv prefix that runs a command in ``slot``'s host (its namespace; nothing with
-    ``on_this_host``), pinned to its rank's cores when ``cpus`` is given."""
-    argv = [] if on_this_host else ["ip", "netns", "exec", slot.hostname]
+def _host_argv(host: Optional[str], cpus: Optional[Tuple[int, ...]]) -> List[str]:
+    """The argv prefix that runs a command in namespace ``host`` (None: none) pinned to
+    ``cpus`` (None: unpinned)."""
+    argv = [] if host is None else ["ip", "netns", "exec", host]
     if cpus is not None:
-        argv += ["taskset", "-c", ",".join(str(c) for c in cpus[slot.rank])]
+        argv += ["taskset", "-c", ",".join(str(c) for c in cpus)]
     return argv
 
 
@@ -220,7 +240,8 @@ def run_job(command: Sequence[str], plan: Sequence, rendezvous_address: str,
             cwd: Optional[str] = None, timeout: Optional[float] = None,
             stdout: Optional[TextSink] = None, stderr: Optional[TextSink] = None,
             inter_op_threads: Optional[int] = None, grace_s: float = 3.0,
-            on_this_host: bool = False) -> JobResult:
+            on_this_host: bool = False, fork_servers: Optional[ForkServers] = None
+            ) -> JobResult:
     """Runs ``command`` once per slot of ``plan``, each in its slot's host, and waits.
 
     Args:
@@ -239,6 +260,9 @@ def run_job(command: Sequence[str], plan: Sequence, rendezvous_address: str,
         grace_s: seconds between SIGTERM and SIGKILL when ranks are stopped.
         on_this_host: run every rank here, not in its slot's namespace, with Gloo on the
             loopback device (:func:`run_local_job`).
+        fork_servers: the ranks whose command a server runs are forked from it, in their
+            host's namespace and on their cores (:mod:`.forkserver`: no import of
+            TensorFlow per rank); None: every rank is a process of its own.
 
     Returns:
         JobResult; returncode != 0 when a rank failed (the others were killed).
@@ -254,7 +278,7 @@ def run_job(command: Sequence[str], plan: Sequence, rendezvous_address: str,
     base = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}
     server = _rendezvous_server(rendezvous_address)
     port = server.start()
-    ranks = _Ranks((stdout, stderr))
+    ranks = _Ranks((stdout, stderr), fork_servers)
     start = time.monotonic()
     exited_at: Dict[int, float] = {}
     try:
@@ -262,8 +286,10 @@ def run_job(command: Sequence[str], plan: Sequence, rendezvous_address: str,
         iface = LOOPBACK_IFACE if on_this_host else HOST_IFACE
         run_env = create_run_env_vars(rendezvous_address, [iface], port)
         for slot in plan:
-            ranks.start(slot.rank, _slot_argv(slot, cpus, on_this_host) + list(command),
-                        _slot_env(slot, base, run_env, cpus, inter_op_threads, env), cwd)
+            ranks.start(slot.rank, list(command),
+                        _slot_env(slot, base, run_env, cpus, inter_op_threads, env), cwd,
+                        None if on_this_host else slot.hostname,
+                        None if cpus is None else tuple(cpus[slot.rank]))
         failed, timed_out = _wait(ranks.procs, start, timeout, exited_at)
     finally:
         ranks.stop(grace_s)  # ranks left after a failure, a timeout, an exception, a signal
@@ -273,13 +299,14 @@ def run_job(command: Sequence[str], plan: Sequence, rendezvous_address: str,
         raise ClusterTimeout(f"job timed out after {timeout:g} s with ranks {timed_out} still "
                              f"running; every rank was killed: {list(command)}",
                              JobResult(124, None, seconds, ranks.stdout, ranks.stderr, exited_at))
-    code = 0 if failed is None else _status(ranks.procs[failed].returncode)
+    code = 0 if failed is None else _status(_returncode(ranks.procs[failed]))
     return JobResult(code, failed, seconds, ranks.stdout, ranks.stderr, exited_at)
 
 
 def run_local_job(command: Sequence[str], num_ranks: int, env: Optional[Mapping[str, str]] = None,
                   cwd: Optional[str] = None, timeout: Optional[float] = None,
-                  output: Optional[TextSink] = None) -> JobResult:
+                  output: Optional[TextSink] = None,
+                  fork_servers: Optional[ForkServers] = None) -> JobResult:
     """Runs ``command`` on ``num_ranks`` Gloo ranks of this host and waits: what
     ``horovodrun -np N --gloo -H localhost:N COMMAND`` does (the same slots, rendezvous
     and environment), less its start-up check; the first rank that fails gets the others
@@ -292,6 +319,7 @@ def run_local_job(command: Sequence[str], num_ranks: int, env: Optional[Mapping[
         output: where every rank's stdout and stderr lines go, prefixed as horovodrun
             prefixes them (``[1]<stderr>:``), in the order they arrive (None: only recorded
             in the result).
+        fork_servers: as for :func:`run_job` (None: every rank a process of its own).
 
     Returns:
         JobResult; returncode != 0 when a rank failed.
@@ -307,4 +335,4 @@ def run_local_job(command: Sequence[str], num_ranks: int, env: Optional[Mapping[
         get_host_assignments, parse_hosts)
     plan = get_host_assignments(parse_hosts(f"localhost:{int(num_ranks)}"), int(num_ranks))
     return run_job(command, plan, LOOPBACK_ADDRESS, env=env, cwd=cwd, timeout=timeout,
-                   stdout=output, stderr=output, on_this_host=True)
+                   stdout=output, stderr=output, on_this_host=True, fork_servers=fork_servers)
