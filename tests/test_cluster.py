@@ -34,8 +34,9 @@ def _rank_cmd(code):
             + code]
 
 
-def _probe_reports(cluster, mb_per_peer):
-    rc = cluster.run([sys.executable, PROBE, str(mb_per_peer)], timeout=240, echo=False)
+def _probe_reports(cluster, mb_per_peer, fork_servers=None):
+    rc = cluster.run([sys.executable, PROBE, str(mb_per_peer)], timeout=240, echo=False,
+                     fork_servers=fork_servers)
     result = cluster.last_result
     assert rc == 0, result.text(result.failed_rank or 0, "stderr")[-3000:]
     return [json.loads(result.text(r).strip().splitlines()[-1]) for r in range(cluster.size)]
@@ -51,8 +52,7 @@ def test_horovod_topology_allreduce_and_link_rate():
     try:
         with EmulatedCluster(hosts=2, ranks_per_host=2, link_mbit=mbit) as cluster:
             fresh = _probe_reports(cluster, mb_per_peer)
-            cluster.fork_servers = pool
-            forked = _probe_reports(cluster, mb_per_peer)
+            forked = _probe_reports(cluster, mb_per_peer, pool)
     finally:
         pool.close()
     for reports in (fresh, forked):

@@ -55,15 +55,16 @@ def with_exchange(args):
 def run_job():
     """``run(args) -> rank 0's stdout`` on the 2 x 2 cluster (or 4 local ranks as 2 x 2)."""
     try:
-        cluster = EmulatedCluster(hosts=HOSTS, ranks_per_host=RANKS_PER_HOST, link_mbit=1000,
-                                  fork_servers=SHARED_FORK_SERVERS).start()
+        cluster = EmulatedCluster(hosts=HOSTS, ranks_per_host=RANKS_PER_HOST,
+                                  link_mbit=1000).start()
     except ClusterUnavailable:
         cluster = None
 
     def on_cluster(args):
         try:
             rc = cluster.run([sys.executable, *with_exchange(args)], timeout=RUN_TIMEOUT_S,
-                             env=ENV, cwd=str(REPO_ROOT), echo=False)
+                             env=ENV, cwd=str(REPO_ROOT), echo=False,
+                             fork_servers=SHARED_FORK_SERVERS)
         except ClusterTimeout as e:
             pytest.fail(str(e))
         result = cluster.last_result

@@ -46,7 +46,7 @@ def cluster():
     """One 2 x 2 cluster for the module's library-launched jobs, removed at the end."""
     try:
         built = EmulatedCluster(hosts=HOSTS, ranks_per_host=RANKS_PER_HOST,
-                                link_mbit=LINK_MBIT, fork_servers=SHARED_FORK_SERVERS).start()
+                                link_mbit=LINK_MBIT).start()
     except ClusterUnavailable as e:
         pytest.skip(f"no emulated cluster on this machine: {e}")
     try:
@@ -60,7 +60,7 @@ def run_on_cluster(cluster, args, timeout=RUN_TIMEOUT_S):
     non-zero exit or a timeout, with the failing rank's output)."""
     try:
         rc = cluster.run([sys.executable, *args], timeout=timeout, env=ENV, cwd=str(REPO_ROOT),
-                         echo=False)
+                         echo=False, fork_servers=SHARED_FORK_SERVERS)
     except ClusterTimeout as e:
         tails = {r: e.result.text(r, "stderr")[-1500:] for r in e.result.stderr} if e.result else {}
         pytest.fail(f"{e}\n{tails}")

@@ -42,10 +42,6 @@ class EmulatedCluster:
         cpus: the cores to spread ranks over (default: this process's affinity).
         inter_op_threads: int or None, TF_NUM_INTEROP_THREADS of each rank.
         sweep_stale: bool, remove default-named clusters of dead processes before building.
-        fork_servers: ranks are forked from these servers where one runs the command, in
-            their host's namespace and on their cores (:mod:`.forkserver`: no import of
-            TensorFlow per rank, for tests); None (default): each rank a process of its
-            own, started with ``ip netns exec``.
 
     Raises (from start / ``with``):
         ClusterUnavailable: the machine cannot build it (nothing is left behind).
@@ -55,7 +51,7 @@ class EmulatedCluster:
                  slow_host_mbit: Optional[float] = None, name: Optional[str] = None,
                  subnet: Optional[str] = None, pin: bool = True,
                  cpus: Optional[Sequence[int]] = None, inter_op_threads: Optional[int] = None,
-                 sweep_stale: bool = True, fork_servers: Optional[ForkServers] = None):
+                 sweep_stale: bool = True):
         if ranks_per_host < 1:
             raise ValueError(f"ranks_per_host must be >= 1, got {ranks_per_host}")
         self._own_name = name is None
@@ -71,7 +67,6 @@ class EmulatedCluster:
         self._cpus = cpus
         self.inter_op_threads = inter_op_threads
         self.sweep_stale = sweep_stale
-        self.fork_servers = fork_servers
         self.last_result: Optional[JobResult] = None
         self._started = False
 
@@ -145,7 +140,8 @@ class EmulatedCluster:
     def run(self, command: Sequence[str], timeout: Optional[float] = None,
             env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
             echo: bool = True, stdout: Optional[TextSink] = None,
-            stderr: Optional[TextSink] = None, grace_s: float = 3.0) -> int:
+            stderr: Optional[TextSink] = None, grace_s: float = 3.0,
+            fork_servers: Optional[ForkServers] = None) -> int:
         """Runs ``command`` on every rank and returns the job's exit status.
 
         Output is kept in :attr:`last_result` (a JobResult) and, with ``echo``, written line
@@ -158,6 +154,10 @@ class EmulatedCluster:
             timeout: seconds or None.
             env: extra environment of the ranks.
             cwd: working directory of the ranks.
+            fork_servers: ranks are forked from these servers where one runs the command,
+                in their host's namespace and on their cores (:mod:`.forkserver`: no
+                import of TensorFlow per rank, for tests); None: each rank a process of
+                its own, started with ``ip netns exec``.
         Raises:
             ClusterTimeout: past ``timeout``, after killing every rank (its output up to
                 then is in :attr:`last_result` and the exception's ``result``).
@@ -174,7 +174,7 @@ class EmulatedCluster:
                              stdout=(stdout or sys.stdout) if echo else None,
                              stderr=(stderr or sys.stderr) if echo else None,
                              inter_op_threads=self.inter_op_threads, grace_s=grace_s,
-                             fork_servers=self.fork_servers)
+                             fork_servers=fork_servers)
         except ClusterTimeout as e:
             self.last_result = e.result
             raise

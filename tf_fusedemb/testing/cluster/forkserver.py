@@ -63,8 +63,9 @@ IMPORT_ENV = ("TF_USE_LEGACY_KERAS", "TF_CPP_MIN_LOG_LEVEL", "TF_CPP_MAX_VLOG_LE
 _NETNS_RUN, _NETNS_ETC = "/run/netns", "/etc/netns"  # where `ip netns` keeps them
 _MS_BIND, _MS_REC, _MS_SLAVE, _MNT_DETACH = 0x1000, 0x4000, 0x80000, 2  # <sys/mount.h>
 _CLONE_NEWNS, _CLONE_NEWNET = 0x20000, 0x40000000  # <sched.h>
+_LIBC = ctypes.CDLL(None, use_errno=True)  # setns, unshare, mount (os.setns: Python 3.12+)
 _READY = b"ready"
-_PID = struct.Struct("q")
+_INT64 = struct.Struct("q")  # a pid, or a wait status
 _POLL_S = 0.05
 _MAX_REQUEST = 1 << 20
 
@@ -88,10 +89,11 @@ class ForkedProcess:
             return self.returncode
         if not select.select([self._status_fd], [], [], 0)[0]:
             return None
-        chunk = os.read(self._status_fd, 8)
+        chunk = os.read(self._status_fd, _INT64.size)
         self._status += chunk
-        if len(self._status) >= 8:
-            self.returncode = os.waitstatus_to_exitcode(_PID.unpack(self._status[:8])[0])
+        if len(self._status) >= _INT64.size:
+            status = _INT64.unpack(self._status[:_INT64.size])[0]
+            self.returncode = os.waitstatus_to_exitcode(status)
         elif not chunk:  # the server died before it could reap this process
             if _alive(self.pid):
                 return None
@@ -117,8 +119,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, another user's
+        pass
     return True
 
 
@@ -184,7 +186,7 @@ class ForkServer:
         status_r, status_w = os.pipe()
         try:
             socket.send_fds(self._sock, [pickle.dumps(request)], [out_w, err_w, status_w])
-            pid = _PID.unpack(self._sock.recv(_PID.size))[0]
+            pid = _INT64.unpack(self._sock.recv(_INT64.size))[0]
         finally:
             for fd in (out_w, err_w, status_w):
                 os.close(fd)
@@ -254,7 +256,7 @@ def _reap(status_fds: Dict[int, int]) -> None:
         fd = status_fds.pop(pid, None)
         if fd is not None:
             with contextlib.suppress(OSError):
-                os.write(fd, _PID.pack(status))
+                os.write(fd, _INT64.pack(status))
             os.close(fd)
 
 
@@ -272,8 +274,7 @@ def _check(result: int, what: str) -> None:
 
 
 def _mount(source: Optional[str], target: str, fstype: Optional[str], flags: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    _check(libc.mount(None if source is None else source.encode(), target.encode(),
+    _check(_LIBC.mount(None if source is None else source.encode(), target.encode(),
                       None if fstype is None else fstype.encode(), flags, None),
            f"mount {source} on {target}")
 
@@ -287,15 +288,14 @@ def _enter_host(netns: Optional[str], cpus: Optional[Tuple[int, ...]]) -> None:
         os.sched_setaffinity(0, cpus)
     if netns is None:
         return
-    libc = ctypes.CDLL(None, use_errno=True)  # os.setns and os.unshare: Python 3.12 only
     fd = os.open(os.path.join(_NETNS_RUN, netns), os.O_RDONLY)
     try:
-        _check(libc.setns(fd, _CLONE_NEWNET), f"setns {netns}")
+        _check(_LIBC.setns(fd, _CLONE_NEWNET), f"setns {netns}")
     finally:
         os.close(fd)
-    _check(libc.unshare(_CLONE_NEWNS), "unshare the mount namespace")
+    _check(_LIBC.unshare(_CLONE_NEWNS), "unshare the mount namespace")
     _mount(None, "/", None, _MS_REC | _MS_SLAVE)  # nothing mounted here leaks out
-    libc.umount2(b"/sys", _MNT_DETACH)
+    _LIBC.umount2(b"/sys", _MNT_DETACH)
     _mount(netns, "/sys", "sysfs", 0)
     etc = os.path.join(_NETNS_ETC, netns)
     for name in sorted(os.listdir(etc)) if os.path.isdir(etc) else ():
@@ -370,7 +370,7 @@ def _serve(sock: socket.socket) -> None:
         os.close(fds[0])
         os.close(fds[1])
         status_fds[pid] = fds[2]
-        sock.sendall(_PID.pack(pid))
+        sock.sendall(_INT64.pack(pid))
 
 
 if __name__ == "__main__":
