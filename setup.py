@@ -7,10 +7,19 @@ one version does not load in another, and the two stacks (docs/guide/stacks.md) 
 work tree; their objects are kept apart for the same reason. Install without build
 isolation so that TensorFlow is the one that will load the library:  pip install --no-build-isolation -e .
 Set TF_FUSEDEMB_JOBS to change the number of parallel compile jobs (default: CPU count).
+
+A library built once is kept in a cache of this machine ($XDG_CACHE_HOME or ~/.cache, under
+tf_fusedemb/ops) under a key of everything the build reads: the sources and headers of
+custom_ops/, this file, the compiler's version, TensorFlow's version and flags, RocksDB's
+version. A later build with the same key (a fresh clone, CI, the other checkout) copies it
+instead of compiling for a minute; any change to what it reads compiles anew.
 """
 import glob
+import hashlib
 import os
+import shutil
 import subprocess
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import Extension, find_packages, setup
@@ -29,6 +38,29 @@ def _tf_flags():
             "tf_fusedemb compiles its ops against the installed TensorFlow; install "
             "a stack first (`make setup`) and build with --no-build-isolation") from e
     return tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()
+
+
+def _ops_cache_dir():
+    """Where built libraries are kept ($XDG_CACHE_HOME or ~/.cache, then tf_fusedemb/ops)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "tf_fusedemb", "ops")
+
+
+def _build_key(cxx, compile_flags, link_flags):
+    """A hash of everything the library's build reads. TensorFlow's flags name its folder
+    in this checkout's venv: that folder is left out, its version stands for it."""
+    import tensorflow as tf
+    site = os.path.dirname(os.path.dirname(tf.__file__))
+    digest = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join("custom_ops", "*"))) + [__file__]:
+        with open(path, "rb") as f:
+            digest.update(os.path.basename(path).encode() + b"\0" + f.read() + b"\0")
+    compiler = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True)
+    flags = [f.replace(site, "SITE") for f in compile_flags + link_flags]
+    rocksdb = "/usr/include/rocksdb/version.h"
+    digest.update(repr((compiler.stdout, flags, tf.__version__, tf.version.GIT_VERSION,
+                        open(rocksdb).read() if os.path.exists(rocksdb) else None)).encode())
+    return digest.hexdigest()[:16]
 
 
 def _tf_tag():
@@ -52,6 +84,16 @@ class BuildTfOps(build_ext):
         obj_dir = os.path.join(self.build_temp, "custom_ops-" + _tf_tag())
         os.makedirs(obj_dir, exist_ok=True)
         cxx = os.environ.get("CXX", "g++")
+        cached = os.path.join(_ops_cache_dir(), _build_key(cxx, compile_flags, link_flags),
+                              os.path.basename(out))
+        if os.path.exists(cached):
+            shutil.copyfile(cached, out)
+            print(f"op library: copied the one built earlier ({cached})")
+            return
+        self._compile(ext, out, obj_dir, cxx, compile_flags, link_flags)
+        _keep(out, cached)
+
+    def _compile(self, ext, out, obj_dir, cxx, compile_flags, link_flags):
         # -DNDEBUG as TensorFlow's own release build: without it the inlined absl hash
         # tables run their debug checks (AssertIsFull and the like) on every probe.
         base = [cxx, "-fPIC", "-O3", "-DNDEBUG", "-std=c++17", "-Wall", "-Wno-sign-compare",
@@ -87,21 +129,37 @@ class BuildTfOps(build_ext):
                        check=True)
 
 
-setup(
-    name="tf_fusedemb",
-    version="0.1.0",
-    description="Fused, Horovod-sharded embedding tables for TensorFlow recommenders",
-    long_description=open("README.md").read() if os.path.exists("README.md") else "",
-    long_description_content_type="text/markdown",
-    license="Apache-2.0",
-    python_requires=">=3.9",
-    packages=find_packages(include=["tf_fusedemb", "tf_fusedemb.*"]),
-    package_data={"tf_fusedemb": ["_fusedemb_ops-tf*.so"], "tf_fusedemb.data": ["*.json"]},
-    ext_modules=[Extension(LIB_NAME, sources=SOURCES)],
-    cmdclass={"build_ext": BuildTfOps},
-    # The two stacks of docs/guide/stacks.md (requirements.txt, requirements-tf216.txt).
-    install_requires=["tensorflow>=2.16.2,<2.22", "tf_keras>=2.16,<2.22", "numpy>=1.26,<2"],
-    extras_require={"tfra": ["tensorflow-recommenders-addons==0.8.1"],
-                    "test": ["pytest>=7", "pytest-timeout>=2.1"]},
-    zip_safe=False,
-)
+def _keep(built, cached):
+    """Copies ``built`` into the cache whole or not at all (a temporary name, then a rename);
+    a cache that cannot be written leaves the build as it is."""
+    try:
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(cached))
+        os.close(fd)
+        shutil.copyfile(built, tmp)
+        os.replace(tmp, cached)
+    except OSError as e:
+        print(f"op library: not cached ({e})")
+
+
+
+# Imported (tests/test_ops_build_cache.py) it builds nothing; pip runs it as __main__.
+if __name__ == "__main__":
+    setup(
+        name="tf_fusedemb",
+        version="0.1.0",
+        description="Fused, Horovod-sharded embedding tables for TensorFlow recommenders",
+        long_description=open("README.md").read() if os.path.exists("README.md") else "",
+        long_description_content_type="text/markdown",
+        license="Apache-2.0",
+        python_requires=">=3.9",
+        packages=find_packages(include=["tf_fusedemb", "tf_fusedemb.*"]),
+        package_data={"tf_fusedemb": ["_fusedemb_ops-tf*.so"], "tf_fusedemb.data": ["*.json"]},
+        ext_modules=[Extension(LIB_NAME, sources=SOURCES)],
+        cmdclass={"build_ext": BuildTfOps},
+        # The two stacks of docs/guide/stacks.md (requirements.txt, requirements-tf216.txt).
+        install_requires=["tensorflow>=2.16.2,<2.22", "tf_keras>=2.16,<2.22", "numpy>=1.26,<2"],
+        extras_require={"tfra": ["tensorflow-recommenders-addons==0.8.1"],
+                        "test": ["pytest>=7", "pytest-timeout>=2.1"]},
+        zip_safe=False,
+    )

@@ -3,7 +3,8 @@ command started as a fresh interpreter (the reference: ``subprocess.run``), in w
 (argv, working directory, environment, ``sys.path[0]``, ``__name__``), in its output and in
 its exit status (an exit code, an exception, a signal), and runs its atexit handlers. Forks
 of two rank servers differ in str hash seed, and two forks of one server in numpy's global
-random state; commands a server cannot run get None; a server that cannot start says why.
+random state; commands a server cannot run get None (and its spawn refuses them); a server
+that cannot start says why.
 """
 import json
 import os
@@ -128,6 +129,9 @@ def test_commands_a_server_cannot_run_get_none(servers, script, tmp_path):
     env = _env(tmp_path)
     assert servers.server_for(0, ["/bin/echo", "x"], env) is None  # not this interpreter
     assert servers.server_for(0, [sys.executable, "-c", "pass"], env) is None
+    server = servers.server_for(0, [sys.executable, str(script)], env)
+    with pytest.raises(ValueError, match=r"(?s)SCRIPT\.py.*'-c', 'pass'"):
+        server.spawn([sys.executable, "-c", "pass"], env)  # spawn checks the command itself
     assert servers.server_for(2, [sys.executable, str(script)], env) is None  # rank >= max
     bare = {k: v for k, v in env.items() if k != "TF_USE_LEGACY_KERAS"}
     assert servers.server_for(0, [sys.executable, str(script)], bare) is None  # no default

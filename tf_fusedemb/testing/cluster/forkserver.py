@@ -175,7 +175,10 @@ class ForkServer:
         """Forks a process running ``argv`` (:func:`python_command`) under ``env`` in
         ``cwd`` (default: this process's working directory), in network namespace
         ``netns`` (as ``ip netns exec NETNS`` would; None: the server's) pinned to ``cpus``
-        (as ``taskset -c``; None: unpinned)."""
+        (as ``taskset -c``; None: unpinned). Raises ValueError for any other command."""
+        if not python_command(argv):
+            raise ValueError(f"a fork server runs `{sys.executable} -m MODULE ...` or "
+                             f"`{sys.executable} SCRIPT.py ...`, not {list(argv)}")
         with self._lock:
             self._wait_ready()
             return self._spawn((list(argv), dict(env), cwd or os.getcwd(), netns, cpus))
