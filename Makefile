@@ -187,12 +187,8 @@ docs: $(DOCS_STAMP)
 # of the README and the guides: the docs requirements are installed first.
 # The tests that need TFRA (marked `tfra`, registered in tests/conftest.py) run on the tf216
 # stack only, the one that has TFRA: on the default stack, `make test` runs the suite
-# without them (deselected by the marker, not skipped) and, beside it, exactly them on tf216
-# (the pytest-tfra target, one process: their output is kept in build/tfra-tests.log and
-# printed after the suite's). `make test STACK=tf216` runs the whole suite on tf216. The
-# suite keeps both cores busy to its end, so the TFRA tests beside it cost their CPU time
-# only; run after it, on three workers of their own, they took 170 CPU-s and 88 s (130 CPU-s
-# in one process).
+# without them (deselected by the marker, not skipped), then exactly them on tf216 (the
+# pytest-tfra target). `make test STACK=tf216` runs the whole suite on tf216.
 # Three pytest-xdist workers on two cores: most tests spend their time in one Python
 # thread (tracing, process start-up) or waiting (on ranks, on a deadline a test checks), so
 # two workers left an eighth of two cores idle; a third fills it (the default suite on a
@@ -204,16 +200,8 @@ TEST_WORKERS ?= 3
 PYTEST_RUN = $(PY) -m pytest -q -rs --timeout=900 -n $(TEST_WORKERS) --dist loadgroup --durations=60
 test:
 	$(MAKE) --no-print-directory test-setup
-ifeq ($(STACK),tf216)
 	$(PYTEST_RUN) $(TEST_SELECT) tests
-else
-	@mkdir -p build; echo "the TFRA tests run on tf216 beside the suite (build/tfra-tests.log)"; \
-	$(MAKE) --no-print-directory STACK=tf216 TEST_WORKERS=0 pytest-tfra \
-		> build/tfra-tests.log 2>&1 & tfra=$$!; \
-	$(PYTEST_RUN) $(TEST_SELECT) tests; mine=$$?; wait $$tfra; theirs=$$?; \
-	echo "--- the TFRA tests on tf216 (build/tfra-tests.log) ---"; cat build/tfra-tests.log; \
-	exit $$(( mine || theirs ))
-endif
+	$(if $(filter tf216,$(STACK)),,$(MAKE) STACK=tf216 pytest-tfra)
 
 # Everything the suite needs: the type check (it fails the run before the long suite), the
 # docs requirements and this stack's setup, one after another; on the default stack, the
@@ -239,8 +227,8 @@ system-packages: netns-tools mpi-tools rocksdb-lib
 # The TF 2.16 stack's share of CI: the tests marked `tfra` (the TFRA backend, the
 # benchmarks' TFRA baselines, the checkpoint round trip between the two backends, and the
 # 2-rank TFRA save restored onto 1 rank of tests/test_checkpoint.py, the 2-rank job): 48
-# tests, about a minute and a half on 2 cores alone, after its setup. Always on tf216
-# whatever STACK says.
+# tests, about a minute and a half on 2 cores, after its setup. Always on tf216 whatever
+# STACK says.
 .PHONY: test-tf216 pytest-tfra
 test-tf216:
 	$(MAKE) STACK=tf216 setup

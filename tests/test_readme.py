@@ -151,8 +151,8 @@ SHELL: Dict[str, tuple] = {
         "the suite's own (`-o setup`); tests/test_main_job.py trains --wide-ids under a "
         "budget against the all-DRAM job, and tests/test_memory_limit.py runs the cgroup"),
     ".venv/bin/python -m tf_fusedemb.testing.module_graph --local": ("run",),
-    "make test                 # TF 2.21: the whole suite less the tests marked `tfra`, and "
-    "beside it those on tf216": (
+    "make test                 # TF 2.21: the whole suite less the tests marked `tfra`, then "
+    "make test-tf216": (
         "skip",
         "the suite itself (CI runs `make test`) and the other stack's setup and suite (tens "
         "of minutes: the TF 2.16 venv and its Horovod build)"),
