@@ -142,7 +142,6 @@ def _keep(built, cached):
         print(f"op library: not cached ({e})")
 
 
-
 # Imported (tests/test_ops_build_cache.py) it builds nothing; pip runs it as __main__.
 if __name__ == "__main__":
     setup(

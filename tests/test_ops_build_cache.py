@@ -47,9 +47,7 @@ def test_a_cached_library_is_copied_instead_of_compiled(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
     _, build = _key(checkout, monkeypatch)
-    import tensorflow as tf  # the build's own flags and tag, as build_ext computes them
-    key = build["_build_key"]("g++", tf.sysconfig.get_compile_flags(),
-                              tf.sysconfig.get_link_flags())
+    key = build["_build_key"]("g++", *build["_tf_flags"]())  # as build_ext computes it
     name = f"_fusedemb_ops-{build['_tf_tag']()}.so"
     entry = cache / "tf_fusedemb" / "ops" / key / name
     entry.parent.mkdir(parents=True)
