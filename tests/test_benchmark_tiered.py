@@ -73,3 +73,13 @@ def test_structure(tmp_path):
         budgets = tiered_run["budget_bytes"]
         assert sorted(budgets) == ["C12", "C21", "C3"] and all(b > 0 for b in budgets.values())
     assert sum(dlrm["tiered_rows"].values()) < dlrm["fit"]["1.0"]["fit"]["rows"]
+
+
+def test_a_failed_worker_leaves_no_store(tmp_path):
+    """Each worker spills into a directory of its own that the benchmark removes however
+    the worker ends: one killed for memory cannot remove its store itself, and a store of a
+    50M-row table is 8 GB."""
+    from tf_fusedemb.benchmarks.tiered import run_worker
+    with pytest.raises(RuntimeError, match="--fit-worker bogus"):
+        run_worker(["--worker", "0.1", "--fit-worker", "bogus"], str(tmp_path))
+    assert os.listdir(tmp_path) == []

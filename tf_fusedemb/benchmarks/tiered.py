@@ -177,10 +177,20 @@ def checkpoint_s(t: TieredTable, parent: str) -> float:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def run_worker(args: List[str], limit_bytes: Optional[int] = None) -> dict:
-    """Runs one worker of this module with ``args``; its JSON result. With
+def run_worker(args: List[str], spill_parent: str, limit_bytes: Optional[int] = None) -> dict:
+    """Runs one worker of this module with ``args``, spilling into a fresh directory under
+    ``spill_parent`` that is removed when the worker ends, however it ends (a worker
+    killed for memory cannot remove its own store); its JSON result. With
     ``limit_bytes``, inside a memory cgroup of that limit (``testing.memory_limit``), its
     peak charge and OOM kills added under ``cgroup``."""
+    spill_dir = tempfile.mkdtemp(prefix="tiered_worker_", dir=spill_parent)
+    try:
+        return _run_worker(args + ["--spill-dir", spill_dir], limit_bytes)
+    finally:
+        shutil.rmtree(spill_dir, ignore_errors=True)
+
+
+def _run_worker(args: List[str], limit_bytes: Optional[int]) -> dict:
     cmd = [sys.executable, "-m", "tf_fusedemb.benchmarks.tiered", *args]
     if limit_bytes is None:
         out = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -200,11 +210,11 @@ def run_worker(args: List[str], limit_bytes: Optional[int] = None) -> dict:
     return result
 
 
-def fit_runs(fractions: List[str], worker_args: List[str], limit_bytes: Optional[int]
-             ) -> Dict[str, Dict[str, dict]]:
+def fit_runs(fractions: List[str], worker_args: List[str], spill_parent: str,
+             limit_bytes: Optional[int]) -> Dict[str, Dict[str, dict]]:
     """{fraction: {mode: fit worker result}}: one worker per budget and mode, the tiered
     ones inside ``limit_bytes`` (None: no limit; the all-DRAM run never has one)."""
-    return {f: {m: run_worker(["--worker", f, "--fit-worker", m] + worker_args,
+    return {f: {m: run_worker(["--worker", f, "--fit-worker", m] + worker_args, spill_parent,
                               None if f == "1.0" else limit_bytes)
                 for m in MODES}
             for f in fractions}
@@ -214,9 +224,8 @@ def dlrm_result(fractions: List[str], args: argparse.Namespace, spill_dir: str,
                 limit_bytes: Optional[int]) -> dict:
     """The DLRM workload's figures (``tiered_dlrm``), keyed as the engine workload's."""
     worker_args = ["--workload", "dlrm", "--dlrm-batch", str(args.dlrm_batch),
-                   "--dlrm-growth", str(args.dlrm_growth), "--steps", str(args.steps),
-                   "--spill-dir", spill_dir]
-    fit = fit_runs(fractions, worker_args, limit_bytes)
+                   "--dlrm-growth", str(args.dlrm_growth), "--steps", str(args.steps)]
+    fit = fit_runs(fractions, worker_args, spill_dir, limit_bytes)
     return {"batch": args.dlrm_batch, "ranks": 1, "tiered_tables": list(tiered_dlrm.TIERED),
             "tiered_rows": fit["1.0"]["fit"]["tiered_rows"],
             "keys": {"generator": "generate_criteo_like", "profile": "criteo",
@@ -306,14 +315,13 @@ def main(argv=None):
     if args.worker:
         print(json.dumps(worker(args.worker, args.rows, args.batch, args.steps, spill_dir)))
         return
-    common = ["--rows", str(args.rows), "--batch", str(args.batch), "--steps", str(args.steps),
-              "--spill-dir", spill_dir]
+    common = ["--rows", str(args.rows), "--batch", str(args.batch), "--steps", str(args.steps)]
     fractions = ["1.0"] + [f for f in args.fractions if f != "1.0"]
     result: Dict[str, Any] = {"rows": args.rows, "batch": args.batch, "dim": DIM,
                               "optimizer": "adagrad"}
     if "engine" in args.workloads:
-        per = {f: run_worker(["--worker", f] + common) for f in fractions}
-        fit = fit_runs(fractions, common, limit)
+        per = {f: run_worker(["--worker", f] + common, spill_dir) for f in fractions}
+        fit = fit_runs(fractions, common, spill_dir, limit)
         result.update({"keys": {"generator": "ZipfKeys", "exponent": ZipfKeys(1).exponent,
                                 "timed_new_fraction": NEW_FRACTION, "seed": 3},
                        "budgets": per, **summary(per), "fit": fit, **fit_summary(fit)})
