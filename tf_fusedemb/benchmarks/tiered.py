@@ -183,24 +183,19 @@ def run_worker(args: List[str], spill_parent: str, limit_bytes: Optional[int] = 
     killed for memory cannot remove its own store); its JSON result. With
     ``limit_bytes``, inside a memory cgroup of that limit (``testing.memory_limit``), its
     peak charge and OOM kills added under ``cgroup``."""
-    spill_dir = tempfile.mkdtemp(prefix="tiered_worker_", dir=spill_parent)
-    try:
-        return _run_worker(args + ["--spill-dir", spill_dir], limit_bytes)
-    finally:
-        shutil.rmtree(spill_dir, ignore_errors=True)
-
-
-def _run_worker(args: List[str], limit_bytes: Optional[int]) -> dict:
-    cmd = [sys.executable, "-m", "tf_fusedemb.benchmarks.tiered", *args]
-    if limit_bytes is None:
-        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        returncode, stdout, stderr, cgroup = out.returncode, out.stdout, out.stderr, None
-    else:
-        with MemoryLimit(limit_bytes) as limit:
-            run = limit.run(cmd, timeout=WORKER_TIMEOUT_S)
-        returncode, stdout, stderr = run.returncode, run.stdout, run.stderr
-        cgroup = {"limit_bytes": limit_bytes, "peak_bytes": run.peak_bytes,
-                  "oom_kills": run.oom_kills}
+    with tempfile.TemporaryDirectory(prefix="tiered_worker_", dir=spill_parent,
+                                     ignore_cleanup_errors=True) as spill_dir:
+        cmd = [sys.executable, "-m", "tf_fusedemb.benchmarks.tiered", *args,
+               "--spill-dir", spill_dir]
+        if limit_bytes is None:
+            out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            returncode, stdout, stderr, cgroup = out.returncode, out.stdout, out.stderr, None
+        else:
+            with MemoryLimit(limit_bytes) as limit:
+                run = limit.run(cmd, timeout=WORKER_TIMEOUT_S)
+            returncode, stdout, stderr = run.returncode, run.stdout, run.stderr
+            cgroup = {"limit_bytes": limit_bytes, "peak_bytes": run.peak_bytes,
+                      "oom_kills": run.oom_kills}
     if returncode != 0:
         killed = f" (OOM kills in its memory cgroup: {cgroup})" if cgroup else ""
         raise RuntimeError(f"worker {' '.join(args)} failed{killed}:\n{stderr[-3000:]}")
