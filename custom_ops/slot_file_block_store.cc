@@ -34,7 +34,7 @@
 //    the engine and the file, before any block is written. A file truncated or
 //    overwritten under the store fails the read in one line (fstat per batch, each slot's
 //    length and key checked), never with a SIGBUS or another key's block.
-//  * Key -> slot lives in DRAM (slot_table.h, 15-23 bytes per cold key), in kStripes
+//  * Key -> slot lives in DRAM (slot_table.h, 14-18 bytes per cold key), in kStripes
 //    tables each under its own lock: the engine's shards call the store in parallel, each
 //    for its own keys, and a key's slot is changed only by its shard's calls, except in
 //    Clean, which excludes every other call (layout_mu_). A key's table is chosen by the
