@@ -22,8 +22,9 @@
 //    read call per block (a pread of a slot cost 0.6-0.7 us of CPU, the copy 0.04-0.07
 //    us), after one POSIX_FADV_WILLNEED pass over the batch's pages (ReadAhead) when a
 //    sample of them is not all cached, so the pages the page cache lacks are read at the
-//    disk's queue depth, not one fault at a time. The kernel's page cache holds the file's pages (reclaimable memory, not the
-//    process's anonymous memory); they are written only with pwrite: writing through a
+//    disk's queue depth, not one fault at a time. The kernel's page cache holds the
+//    file's pages (reclaimable memory, not the process's anonymous memory); they are
+//    written only with pwrite: writing through a
 //    writable shared mapping kept dirty pages mapped into the process, which a memory
 //    cgroup reclaims far slower (a table 31x its budget in a limit of budget + overhead +
 //    10% thrashed past its test's timeout). ForEach and Checkpoint pass the stored blocks
@@ -80,6 +81,7 @@ constexpr uint32_t kSegmentSlots = 256;               // slots per segment (see 
 constexpr uint32_t kNoSegment = UINT32_MAX;
 constexpr size_t kCleanSlack = 4;                     // segments in use beyond 2x, before Clean
 constexpr size_t kAhead = 8;                          // keys or blocks prefetched ahead
+constexpr off_t kPageBytes = 4096;                    // the page cache's unit of the file
 
 class SlotFileBlockStore : public BlockStore {
  public:
@@ -212,6 +214,8 @@ class SlotFileBlockStore : public BlockStore {
   };
 
   off_t Offset(uint32_t slot) const { return static_cast<off_t>(slot) * static_cast<off_t>(stride_); }
+  // The offset of the page holding byte `offset` of the file (the mapping starts on a page).
+  static off_t PageStart(off_t offset) { return offset & ~(kPageBytes - 1); }
 
   // Whether the page cache lacks the first page of any of a sample of the slots `at`, one
   // in 16 and at most 32, spread over them (mincore, 0.36 us a call against 0.14 for
@@ -221,9 +225,10 @@ class SlotFileBlockStore : public BlockStore {
     const size_t samples = std::clamp<size_t>(at.size() / 16, 1, 32);
     const size_t step = std::max<size_t>(1, at.size() / samples);
     for (size_t j = 0; j < at.size(); j += step) {
-      const uintptr_t page = reinterpret_cast<uintptr_t>(base_ + Offset(at[j].first)) & ~uintptr_t{4095};
       unsigned char resident = 0;
-      if (mincore(reinterpret_cast<void*>(page), 1, &resident) != 0 || !(resident & 1)) return true;
+      if (mincore(base_ + PageStart(Offset(at[j].first)), 1, &resident) != 0 || !(resident & 1)) {
+        return true;
+      }
     }
     return false;
   }
@@ -236,11 +241,10 @@ class SlotFileBlockStore : public BlockStore {
   // page costs the call about 0.26 us, hence SomeUncached first. Adjacent slots' pages go
   // in one call.
   void ReadAhead(const std::vector<std::pair<uint32_t, uint32_t>>& at) const {
-    constexpr off_t kPage = 4096;
     off_t begin = 0, end = 0;  // the pending range of pages, [begin, end)
     for (const auto& [slot, i] : at) {
-      const off_t first = Offset(slot) & ~(kPage - 1);
-      const off_t last = (Offset(slot) + static_cast<off_t>(stride_) + kPage - 1) & ~(kPage - 1);
+      const off_t first = PageStart(Offset(slot));
+      const off_t last = PageStart(Offset(slot) + static_cast<off_t>(stride_) + kPageBytes - 1);
       if (first > end) {
         if (end > begin) posix_fadvise(fd_, begin, end - begin, POSIX_FADV_WILLNEED);
         begin = first;
