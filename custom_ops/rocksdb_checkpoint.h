@@ -21,6 +21,28 @@ namespace engine {
 // its key (Engine::WriteDelta). Errors name `dir`.
 std::string WriteBlockCheckpoint(const std::string& dir, std::vector<BlockRef> blocks);
 
+// Writes the same checkpoint from parts of the blocks, for a table larger than memory:
+// each part (its keys unique across every part) is sorted by key and written as an SST
+// file of its own when it is added, and Finish ingests them all at once, so the blocks
+// pass in the order their store reads fastest and only one part's BlockRefs are held at
+// a time. The parts' key ranges may overlap: RocksDB places such files in level 0 and
+// merges them in key order on reading. A part's blocks need stay readable only until its
+// Add returns. Errors name `dir`; after one, Add and Finish return it again.
+class BlockCheckpointWriter {
+ public:
+  explicit BlockCheckpointWriter(std::string dir);  // creates the database at `dir`
+  ~BlockCheckpointWriter();
+  std::string Add(std::vector<BlockRef> part);
+  std::string Finish();  // ingests the parts' files and closes the database
+
+ private:
+  struct Database;
+  std::string dir_;
+  std::unique_ptr<Database> db_;
+  std::vector<std::string> files_;
+  std::string error_;
+};
+
 // Calls f(key, data, size) for every block of the checkpoint at `dir` (as
 // BlockStore::Checkpoint or WriteBlockCheckpoint wrote it), in key order, read-only;
 // size 0: a delta's deletion. Errors name `dir`.

@@ -211,6 +211,30 @@ def test_a_large_untiered_checkpoint_is_written_in_parallel_and_reads_back(tmp_p
     assert_same_export(plain, fresh)
 
 
+def test_a_tiered_checkpoint_larger_than_one_part_reads_back(tmp_path):
+    """400,000 blocks, over 262,144 of them on SSD: the SSD tier writes its checkpoint in
+    parts of its file (262,144 slots each), each its own SST file, with the DRAM tier's
+    blocks as one more; the parts' key ranges overlap and the database merges them. Read
+    back into an untiered engine, every block equals the engine that never left DRAM."""
+    plain, tiered = engines(2_000_000)
+    keys = np.random.default_rng(5).permutation(400_000).astype(np.int64) * 7919
+    grads = np.random.default_rng(6).standard_normal((len(keys), DIM)).astype(np.float32)
+    for lo in range(0, len(keys), 20_000):
+        k, g = keys[lo:lo + 20_000], grads[lo:lo + 20_000]
+        for e in (plain, tiered):
+            e.record(k, k % 3, k, np.ones(len(k), np.int64), 1, True)
+            e.apply_gradients(k, k, g, 1, [1, 1, 1])
+    block_bytes = int(plain.size().bytes_held) // len(keys)  # every block holds a row
+    on_ssd = int(tiered.size().ssd_bytes) // (block_bytes + 4)  # a slot: length, block
+    assert on_ssd > 262_144, on_ssd
+    ckpt = str(tmp_path / "ckpt")
+    tiered.write_checkpoint(ckpt)
+    assert len([f for f in os.listdir(ckpt) if f.endswith(".sst")]) >= 3  # DRAM + 2 parts
+    fresh = engines(None)[0]
+    assert int(fresh.read_checkpoint([ckpt], 0, 1)) == len(keys)
+    assert_same_export(plain, fresh)
+
+
 def test_tiered_checkpoint_errors_name_what_is_wrong(tmp_path):
     plain, tiered = trained_engines(budget=ENGINE_BUDGET)
     ckpt = str(tmp_path / "ckpt")
