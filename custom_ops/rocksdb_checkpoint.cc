@@ -134,6 +134,10 @@ rocksdb::Status WriteCheckpointBlocks(const std::string& dir, std::vector<BlockR
   return IngestAndClose(db.get(), files);
 }
 
+std::string WriteFailure(const std::string& dir, const rocksdb::Status& s) {
+  return "cannot write the checkpoint at " + dir + ": " + s.ToString();
+}
+
 // Calls f for every block of `db` in key order.
 rocksdb::Status Scan(rocksdb::DB* db, const std::function<void(int64_t, const char*, size_t)>& f) {
   rocksdb::ReadOptions ro;
@@ -149,7 +153,7 @@ rocksdb::Status Scan(rocksdb::DB* db, const std::function<void(int64_t, const ch
 
 std::string WriteBlockCheckpoint(const std::string& dir, std::vector<BlockRef> blocks) {
   const rocksdb::Status s = WriteCheckpointBlocks(dir, std::move(blocks));
-  return s.ok() ? "" : "cannot write the checkpoint at " + dir + ": " + s.ToString();
+  return s.ok() ? "" : WriteFailure(dir, s);
 }
 
 struct BlockCheckpointWriter::Database {
@@ -159,7 +163,7 @@ struct BlockCheckpointWriter::Database {
 BlockCheckpointWriter::BlockCheckpointWriter(std::string dir)
     : dir_(std::move(dir)), db_(std::make_unique<Database>()) {
   const rocksdb::Status s = OpenCheckpoint(dir_, &db_->db);
-  if (!s.ok()) error_ = "cannot write the checkpoint at " + dir_ + ": " + s.ToString();
+  if (!s.ok()) error_ = WriteFailure(dir_, s);
 }
 
 BlockCheckpointWriter::~BlockCheckpointWriter() = default;
@@ -169,7 +173,7 @@ std::string BlockCheckpointWriter::Add(std::vector<BlockRef> part) {
   SortByKey(&part);
   const std::string file = dir_ + "/blocks-" + std::to_string(files_.size()) + ".sst";
   const rocksdb::Status s = WriteSstFile(CheckpointOptions(), file, part, 0, part.size());
-  if (!s.ok()) error_ = "cannot write the checkpoint at " + dir_ + ": " + s.ToString();
+  if (!s.ok()) error_ = WriteFailure(dir_, s);
   files_.push_back(file);
   return error_;
 }
@@ -177,7 +181,7 @@ std::string BlockCheckpointWriter::Add(std::vector<BlockRef> part) {
 std::string BlockCheckpointWriter::Finish() {
   if (!error_.empty()) return error_;
   const rocksdb::Status s = IngestAndClose(db_->db.get(), files_);
-  if (!s.ok()) error_ = "cannot write the checkpoint at " + dir_ + ": " + s.ToString();
+  if (!s.ok()) error_ = WriteFailure(dir_, s);
   return error_;
 }
 

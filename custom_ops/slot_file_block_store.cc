@@ -189,12 +189,7 @@ class SlotFileBlockStore : public BlockStore {
     in_dram.reserve(extra.size());
     for (const BlockRef& b : extra) in_dram.insert(b.key);
     std::shared_lock<std::shared_mutex> layout(layout_mu_);  // no Clean moves them meanwhile
-    std::vector<bool> free;
-    {
-      std::lock_guard<std::mutex> lock(alloc_mu_);
-      free.assign(segments_, false);
-      for (uint32_t seg : free_segments_) free[seg] = true;
-    }
+    const std::vector<bool> free = FreeSegments();
     const uint32_t segments = static_cast<uint32_t>(free.size());
     struct stat st;
     if (segments > 0 && (fstat(fd_, &st) != 0 || st.st_size < Offset(segments * kSegmentSlots))) {
@@ -203,20 +198,17 @@ class SlotFileBlockStore : public BlockStore {
     }
     BlockCheckpointWriter writer(dir);
     std::string error = writer.Add(std::move(extra));
-    std::vector<BlockRef> live;
     for (uint32_t first = 0; error.empty() && first < segments; first += kCheckpointSegments) {
       const uint32_t end = std::min(segments, first + kCheckpointSegments);
       posix_fadvise(fd_, Offset(first * kSegmentSlots),
                     Offset(end * kSegmentSlots) - Offset(first * kSegmentSlots), POSIX_FADV_WILLNEED);
-      live.clear();
-      for (uint32_t seg = first; seg < end; ++seg) {
-        if (!free[seg]) LiveBlocks(seg, &live);
-      }
       std::vector<BlockRef> part;
-      part.reserve(live.size());
-      for (const BlockRef& b : live) {
-        if (!in_dram.contains(b.key)) part.push_back(b);
+      for (uint32_t seg = first; seg < end; ++seg) {
+        if (!free[seg]) LiveBlocks(seg, &part);
       }
+      part.erase(std::remove_if(part.begin(), part.end(),
+                                [&](const BlockRef& b) { return in_dram.contains(b.key); }),
+                 part.end());
       error = writer.Add(std::move(part));
     }
     return error.empty() ? writer.Finish() : error;
@@ -454,9 +446,8 @@ class SlotFileBlockStore : public BlockStore {
     std::vector<std::pair<uint32_t, uint32_t>> by_live;  // (live slots, segment)
     size_t used, target;
     {
+      const std::vector<bool> free = FreeSegments();
       std::lock_guard<std::mutex> lock(alloc_mu_);
-      std::vector<bool> free(segments_, false);
-      for (uint32_t seg : free_segments_) free[seg] = true;
       for (uint32_t seg = 0; seg < segments_; ++seg) {
         if (!free[seg] && seg != open_) by_live.emplace_back(live_[seg], seg);
       }
@@ -474,6 +465,14 @@ class SlotFileBlockStore : public BlockStore {
       used -= kSegmentSlots - moved.size();
     }
     return "";
+  }
+
+  // Whether each segment (all segments_ of them) holds no live slot.
+  std::vector<bool> FreeSegments() const {
+    std::lock_guard<std::mutex> lock(alloc_mu_);
+    std::vector<bool> free(segments_, false);
+    for (uint32_t seg : free_segments_) free[seg] = true;
+    return free;
   }
 
   // Appends segment `seg`'s live blocks to `live`, in no particular order, each pointing
