@@ -43,9 +43,10 @@ class BlockStore {
   virtual std::string Write(const std::vector<BlockRef>& puts,
                             const std::vector<int64_t>& deletes) = 0;
 
-  // Calls f(key, data, size) for every block (order unspecified).
+  // Calls f(key, data, size) for every block, in the order the store reads fastest (not
+  // by key); `data` stays valid until f returns. Not const: the walk may look its keys up.
   virtual std::string ForEach(
-      const std::function<void(int64_t, const char*, size_t)>& f) const = 0;
+      const std::function<void(int64_t, const char*, size_t)>& f) = 0;
 
   // Bytes of the blocks the store holds on disk.
   virtual int64_t DiskBytes() const = 0;

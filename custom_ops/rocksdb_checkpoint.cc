@@ -164,9 +164,15 @@ BlockCheckpointWriter::BlockCheckpointWriter(std::string dir)
     : dir_(std::move(dir)), db_(std::make_unique<Database>()) {
   const rocksdb::Status s = OpenCheckpoint(dir_, &db_->db);
   if (!s.ok()) error_ = WriteFailure(dir_, s);
+  created_ = s.ok();  // the directory is this writer's: it did not exist
 }
 
-BlockCheckpointWriter::~BlockCheckpointWriter() = default;
+BlockCheckpointWriter::~BlockCheckpointWriter() {
+  if (!created_ || finished_) return;
+  db_->db.reset();  // closes the database before its files go
+  std::error_code ignored;
+  std::filesystem::remove_all(dir_, ignored);  // never left half-written
+}
 
 std::string BlockCheckpointWriter::Add(std::vector<BlockRef> part) {
   if (!error_.empty() || part.empty()) return error_;
@@ -182,6 +188,7 @@ std::string BlockCheckpointWriter::Finish() {
   if (!error_.empty()) return error_;
   const rocksdb::Status s = IngestAndClose(db_->db.get(), files_);
   if (!s.ok()) error_ = WriteFailure(dir_, s);
+  finished_ = s.ok();
   return error_;
 }
 

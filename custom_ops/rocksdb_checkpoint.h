@@ -27,7 +27,9 @@ std::string WriteBlockCheckpoint(const std::string& dir, std::vector<BlockRef> b
 // pass in the order their store reads fastest and only one part's BlockRefs are held at
 // a time. The parts' key ranges may overlap: RocksDB places such files in level 0 and
 // merges them in key order on reading. A part's blocks need stay readable only until its
-// Add returns. Errors name `dir`; after one, Add and Finish return it again.
+// Add returns. Errors name `dir`; after one, Add and Finish return it again. A writer
+// destroyed before a successful Finish removes the directory it created (a caller's
+// error between parts included), so none is left half-written.
 class BlockCheckpointWriter {
  public:
   explicit BlockCheckpointWriter(std::string dir);  // creates the database at `dir`
@@ -41,6 +43,7 @@ class BlockCheckpointWriter {
   std::unique_ptr<Database> db_;
   std::vector<std::string> files_;
   std::string error_;
+  bool created_ = false, finished_ = false;
 };
 
 // Calls f(key, data, size) for every block of the checkpoint at `dir` (as

@@ -27,9 +27,10 @@
 //    written only with pwrite: writing through a
 //    writable shared mapping kept dirty pages mapped into the process, which a memory
 //    cgroup reclaims far slower (a table 31x its budget in a limit of budget + overhead +
-//    10% thrashed past its test's timeout). ForEach and Checkpoint pass the stored blocks
-//    by pointer into the mapping, without a copy. Side by side with RocksDB (MultiGet,
-//    WriteBatch, compaction) on the tiered benchmark: docs/guide/tables-larger-than-memory.md.
+//    10% thrashed past its test's timeout). ForEach and Checkpoint walk the file in order,
+//    a part at a time, and pass the stored blocks by pointer into the mapping, without a
+//    copy. Side by side with RocksDB (MultiGet, WriteBatch, compaction) on the tiered
+//    benchmark: docs/guide/tables-larger-than-memory.md.
 //  * Space is reserved with posix_fallocate before a slot past the reserved end is
 //    written, a quarter more at a time: a full disk fails that call with an error naming
 //    the engine and the file, before any block is written. A file truncated or
@@ -82,7 +83,8 @@ constexpr uint32_t kNoSegment = UINT32_MAX;
 constexpr size_t kCleanSlack = 4;                     // segments in use beyond 2x, before Clean
 constexpr size_t kAhead = 8;                          // keys or blocks prefetched ahead
 constexpr off_t kPageBytes = 4096;                    // the page cache's unit of the file
-constexpr uint32_t kCheckpointSegments = 1024;        // segments per checkpoint part (Checkpoint)
+constexpr uint32_t kPartSegments = 1024;              // segments per part of a walk (ForEachPart)
+constexpr off_t kWillNeedBytes = off_t{512} << 10;    // bytes per POSIX_FADV_WILLNEED (WillNeed)
 
 class SlotFileBlockStore : public BlockStore {
  public:
@@ -164,52 +166,42 @@ class SlotFileBlockStore : public BlockStore {
     return error;
   }
 
-  std::string ForEach(const std::function<void(int64_t, const char*, size_t)>& f) const override {
-    for (const Stripe& st : stripes_) {
-      std::lock_guard<std::mutex> lock(st.mu);
-      st.table.ForEach([&](int64_t key, uint32_t slot) {
-        const char* at = base_ + slot * stride_;
-        Length length;
-        std::memcpy(&length, at, sizeof(length));
-        f(key, at + sizeof(length), length);
-      });
-    }
-    return "";
+  // In file order, a part at a time (ForEachPart): a walk in key order reads the file at
+  // random, one fault per block where the page cache does not hold it.
+  std::string ForEach(const std::function<void(int64_t, const char*, size_t)>& f) override {
+    std::shared_lock<std::shared_mutex> layout(layout_mu_);  // no Clean moves them meanwhile
+    std::vector<bool> free;
+    const std::string error = UsedSegments(&free);
+    if (!error.empty()) return error;
+    return ForEachPart(free, [&](std::vector<BlockRef>& part) {
+      for (const BlockRef& b : part) f(b.key, b.data, b.size);
+      return std::string();
+    });
   }
 
   // The checkpoint is the format every engine writes (rocksdb_checkpoint.h): the DRAM
   // tier's blocks (`extra`), then the stored blocks not among them, read straight out of
-  // the mapping in file order, kCheckpointSegments segments a part, each part's pages
-  // read ahead first and its live blocks written as a file of their own. Why in parts in
-  // file order: a list of every block costs 24 bytes a block (1.2 GB at 50 M rows, more
-  // than the SSD tier's index), and its walk in key order reads the file at random, one
-  // fault per block where the page cache does not hold the file.
+  // the mapping in file order, each part (ForEachPart) written as a file of its own. Why
+  // in parts in file order: a list of every block costs 24 bytes a block (1.2 GB at 50 M
+  // rows, more than the SSD tier's index), and its walk in key order reads the file at
+  // random. A damaged file fails before the checkpoint's directory is created.
   std::string Checkpoint(const std::string& dir, std::vector<BlockRef> extra) override {
     absl::flat_hash_set<int64_t> in_dram;
     in_dram.reserve(extra.size());
     for (const BlockRef& b : extra) in_dram.insert(b.key);
     std::shared_lock<std::shared_mutex> layout(layout_mu_);  // no Clean moves them meanwhile
-    const std::vector<bool> free = FreeSegments();
-    const uint32_t segments = static_cast<uint32_t>(free.size());
-    struct stat st;
-    if (segments > 0 && (fstat(fd_, &st) != 0 || st.st_size < Offset(segments * kSegmentSlots))) {
-      return Failure(file_ + " is truncated or cannot be read: its blocks need " +
-                     std::to_string(Offset(segments * kSegmentSlots)) + " bytes");
-    }
+    std::vector<bool> free;
+    std::string error = UsedSegments(&free);
+    if (!error.empty()) return error;
     BlockCheckpointWriter writer(dir);
-    std::string error = writer.Add(std::move(extra));
-    for (uint32_t first = 0; error.empty() && first < segments; first += kCheckpointSegments) {
-      const uint32_t end = std::min(segments, first + kCheckpointSegments);
-      posix_fadvise(fd_, Offset(first * kSegmentSlots),
-                    Offset(end * kSegmentSlots) - Offset(first * kSegmentSlots), POSIX_FADV_WILLNEED);
-      std::vector<BlockRef> part;
-      for (uint32_t seg = first; seg < end; ++seg) {
-        if (!free[seg]) LiveBlocks(seg, &part);
-      }
-      part.erase(std::remove_if(part.begin(), part.end(),
-                                [&](const BlockRef& b) { return in_dram.contains(b.key); }),
-                 part.end());
-      error = writer.Add(std::move(part));
+    error = writer.Add(std::move(extra));
+    if (error.empty()) {
+      error = ForEachPart(free, [&](std::vector<BlockRef>& part) {
+        part.erase(std::remove_if(part.begin(), part.end(),
+                                  [&](const BlockRef& b) { return in_dram.contains(b.key); }),
+                   part.end());
+        return writer.Add(std::move(part));
+      });
     }
     return error.empty() ? writer.Finish() : error;
   }
@@ -270,12 +262,23 @@ class SlotFileBlockStore : public BlockStore {
       const off_t first = PageStart(Offset(slot));
       const off_t last = PageStart(Offset(slot) + static_cast<off_t>(stride_) + kPageBytes - 1);
       if (first > end) {
-        if (end > begin) posix_fadvise(fd_, begin, end - begin, POSIX_FADV_WILLNEED);
+        WillNeed(begin, end);
         begin = first;
       }
       end = std::max(end, last);
     }
-    if (end > begin) posix_fadvise(fd_, begin, end - begin, POSIX_FADV_WILLNEED);
+    WillNeed(begin, end);
+  }
+
+  // Asks the kernel to read bytes [begin, end) of the file into the page cache, in the
+  // background, kWillNeedBytes a call: Linux reads at most max(read_ahead_kb,
+  // max_sectors_kb) of one call and drops the rest of it silently (force_page_cache_ra).
+  // On this VM's disk (8 MB) one call over a 42 MB part left four fifths of its pages to
+  // one fault each.
+  void WillNeed(off_t begin, off_t end) const {
+    for (off_t at = begin; at < end; at += kWillNeedBytes) {
+      posix_fadvise(fd_, at, std::min(kWillNeedBytes, end - at), POSIX_FADV_WILLNEED);
+    }
   }
 
   // The stripe of a key: the top bits of Fmix64(key), which also name the engine's shard
@@ -459,12 +462,50 @@ class SlotFileBlockStore : public BlockStore {
     for (const auto& [live, seg] : by_live) {
       if (used <= target) break;
       moved.clear();
-      LiveBlocks(seg, &moved);
-      const std::string error = WriteFresh(moved);  // frees `seg` once they are moved
+      std::string error = LiveBlocks(seg, &moved);
+      if (error.empty()) error = WriteFresh(moved);  // frees `seg` once they are moved
       if (!error.empty()) return error;
       used -= kSegmentSlots - moved.size();
     }
     return "";
+  }
+
+  // Whether each segment (all segments_ of them) holds no live slot, into `free`; fails
+  // when the file is too short to hold them all (a walk over it would fault on the
+  // mapping past the file's end: SIGBUS).
+  std::string UsedSegments(std::vector<bool>* free) const {
+    *free = FreeSegments();
+    const uint32_t slots = static_cast<uint32_t>(free->size()) * kSegmentSlots;
+    struct stat st;
+    if (slots > 0 && (fstat(fd_, &st) != 0 || st.st_size < Offset(slots))) {
+      return Failure(file_ + " is truncated or cannot be read: its blocks need " +
+                     std::to_string(Offset(slots)) + " bytes");
+    }
+    return "";
+  }
+
+  // Calls each_part(blocks) for the live blocks of the segments not `free`, kPartSegments
+  // segments a part, in file order, the next part's pages read ahead while this one is
+  // walked; the blocks point into the mapping and stay valid until each_part
+  // returns. Stops at the first error, each_part's or the file's. The caller holds the
+  // layout lock. Only one part's BlockRefs are held at a time.
+  std::string ForEachPart(const std::vector<bool>& free,
+                          const std::function<std::string(std::vector<BlockRef>&)>& each_part) {
+    const uint32_t segments = static_cast<uint32_t>(free.size());
+    const auto part_end = [&](uint32_t first) { return std::min(segments, first + kPartSegments); };
+    std::string error;
+    std::vector<BlockRef> part;
+    WillNeed(Offset(0), Offset(part_end(0) * kSegmentSlots));
+    for (uint32_t first = 0; error.empty() && first < segments; first += kPartSegments) {
+      const uint32_t end = part_end(first);
+      if (end < segments) WillNeed(Offset(end * kSegmentSlots), Offset(part_end(end) * kSegmentSlots));
+      part.clear();
+      for (uint32_t seg = first; error.empty() && seg < end; ++seg) {
+        if (!free[seg]) error = LiveBlocks(seg, &part);
+      }
+      if (error.empty()) error = each_part(part);
+    }
+    return error;
   }
 
   // Whether each segment (all segments_ of them) holds no live slot.
@@ -479,8 +520,10 @@ class SlotFileBlockStore : public BlockStore {
   // into the mapping. A live slot is one its block's key points to (a stale copy's key
   // points to another; a slot never written holds no valid length). The keys' slots are
   // found in a batch like MultiGet's: a Find per slot read was a cache miss each, nearly
-  // all of Write's CPU when it cleaned.
-  void LiveBlocks(uint32_t seg, std::vector<BlockRef>* live) {
+  // all of Write's CPU when it cleaned. Fails, naming the segment, when it finds fewer
+  // live blocks than the segment holds: the file was overwritten under the store, and a
+  // walk over it would drop blocks silently.
+  std::string LiveBlocks(uint32_t seg, std::vector<BlockRef>* live) {
     std::vector<BlockRef> held;
     std::vector<int64_t> keys;
     std::vector<uint32_t> slots;
@@ -495,9 +538,16 @@ class SlotFileBlockStore : public BlockStore {
       keys.push_back(key);
       slots.push_back(slot);
     }
+    const size_t before = live->size();
     FindEach(keys.data(), keys.size(), [&](size_t i, uint32_t slot) {
       if (slot == slots[i]) live->push_back(held[i]);
     });
+    const size_t found = live->size() - before;
+    std::lock_guard<std::mutex> lock(alloc_mu_);
+    if (found == live_[seg]) return "";
+    return Failure(file_ + " is corrupt: segment " + std::to_string(seg) + " holds " +
+                   std::to_string(found) + " of its " + std::to_string(live_[seg]) +
+                   " live blocks");
   }
 
   std::string Failure(const std::string& what) const {

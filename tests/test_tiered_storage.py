@@ -215,7 +215,9 @@ def test_a_tiered_checkpoint_larger_than_one_part_reads_back(tmp_path):
     """400,000 blocks, over 262,144 of them on SSD: the SSD tier writes its checkpoint in
     parts of its file (262,144 slots each), each its own SST file, with the DRAM tier's
     blocks as one more; the parts' key ranges overlap and the database merges them. Read
-    back into an untiered engine, every block equals the engine that never left DRAM."""
+    back into an untiered engine, every block equals the engine that never left DRAM, as
+    do the tiered engine's own export and stored keys, walked over its file in the same
+    parts."""
     plain, tiered = engines(2_000_000)
     keys = np.random.default_rng(5).permutation(400_000).astype(np.int64) * 7919
     grads = np.random.default_rng(6).standard_normal((len(keys), DIM)).astype(np.float32)
@@ -233,6 +235,8 @@ def test_a_tiered_checkpoint_larger_than_one_part_reads_back(tmp_path):
     fresh = engines(None)[0]
     assert int(fresh.read_checkpoint([ckpt], 0, 1)) == len(keys)
     assert_same_export(plain, fresh)
+    assert_same_export(plain, tiered)  # an export walks the file in the same parts
+    np.testing.assert_array_equal(tiered.stored_keys().numpy(), np.sort(keys))
 
 
 def test_tiered_checkpoint_errors_name_what_is_wrong(tmp_path):
@@ -383,9 +387,11 @@ def spilled_engine(name):
 
 @pytest.mark.parametrize("damage", ["truncated", "corrupt"])
 def test_a_damaged_slot_file_fails_in_one_line_naming_engine_and_path(damage):
-    """A store file cut short or overwritten under the engine fails the call that reads it
-    back in one line naming the engine and the file (no SIGBUS from the mapping, no block
-    of another key adopted); a checkpoint written before still holds every block."""
+    """A store file cut short or overwritten under the engine fails each call that reads it
+    (a lookup reading blocks back, an export, the stored keys, a checkpoint) in one line
+    naming the engine and the file: no SIGBUS from the mapping, no block of another key
+    adopted, none dropped from a walk over the file. A checkpoint written before still
+    holds every block."""
     plain, tiered, file = spilled_engine("damaged")
     ckpt = os.path.join(tempfile.gettempdir(), "ckpt")
     tiered.write_checkpoint(ckpt)
@@ -394,11 +400,18 @@ def test_a_damaged_slot_file_fails_in_one_line_naming_engine_and_path(damage):
     else:
         with open(file, "r+b") as f:
             f.write(b"\x07" * os.path.getsize(file))
-    with pytest.raises(tf.errors.OpError) as err:
-        tiered.lookup(np.arange(10, dtype=np.int64), np.arange(10, dtype=np.int64))
-    message = err.value.message
-    assert "\n" not in message and "damaged' at" in message and file in message
-    assert ("is truncated" if damage == "truncated" else "is corrupt") in message
+    calls = {"lookup": lambda: tiered.lookup(np.arange(10, dtype=np.int64),
+                                            np.arange(10, dtype=np.int64)),
+             "export": lambda: tiered.export(False, True),
+             "stored_keys": tiered.stored_keys,
+             "checkpoint": lambda: tiered.write_checkpoint(ckpt + "2")}
+    for call, run in calls.items():
+        with pytest.raises(tf.errors.OpError) as err:
+            run()
+        message = err.value.message
+        assert "\n" not in message and "damaged' at" in message and file in message, call
+        assert ("is truncated" if damage == "truncated" else "is corrupt") in message, call
+    assert not os.path.exists(ckpt + "2")  # failed before its directory was made
     fresh = EmbeddingEngine("fresh", DIM, INIT, initializers._params(INIT),  # pylint: disable=protected-access
                             OPTIMIZER)
     assert int(fresh.read_checkpoint([ckpt], 0, 1)) == 100
