@@ -339,7 +339,7 @@ SAN_LIB := $(SAN_DIR)/_fusedemb_ops_asan_ubsan.so
 SAN_TESTS ?= tests/test_segment_unique.py tests/test_rankwise_sort.py tests/test_category_hash.py \
 	tests/test_key_messages.py \
 	tests/test_recovery.py tests/test_ops_loading.py tests/test_hostile_ops.py \
-	tests/test_engine.py tests/test_engine_stress.py
+	tests/test_engine.py tests/test_engine_stress.py tests/test_tiered_storage.py
 # -U__SANITIZE_ADDRESS__: absl (the storage engine's hash index) comes from TensorFlow's
 # libtensorflow_framework.so.2, built without sanitizers; under ASan absl's headers add
 # "generation" bytes to every swiss table, a layout that copy does not have (a null

@@ -317,7 +317,9 @@ class EngineHandleOp : public OpKernel {
  private:
   // A new engine, with its SSD tier when it has a memory budget.
   Status CreateEngine(EngineResource** out) const {
-    std::unique_ptr<EngineResource> r(new EngineResource(config_));
+    // Unref'd, not deleted, if the store cannot open: a resource is deleted by its last
+    // Unref (~RefCounted checks that no reference is left).
+    core::RefCountPtr<EngineResource> r(new EngineResource(config_));
     if (budget_ >= 0) {
       std::string error;
       std::unique_ptr<engine::BlockStore> store = engine::OpenSlotFileBlockStore(
