@@ -486,9 +486,9 @@ class SlotFileBlockStore : public BlockStore {
 
   // Calls each_part(blocks) for the live blocks of the segments not `free`, kPartSegments
   // segments a part, in file order, the next part's pages read ahead while this one is
-  // walked; the blocks point into the mapping and stay valid until each_part
-  // returns, when the part's pages are unmapped. Stops at the first error, each_part's or the file's. The caller holds the
-  // layout lock. Only one part's BlockRefs are held at a time.
+  // walked; the blocks point into the mapping and stay valid until each_part returns,
+  // when the part's pages are unmapped. Stops at the first error, each_part's or the
+  // file's. The caller holds the layout lock. Only one part's BlockRefs are held at a time.
   std::string ForEachPart(const std::vector<bool>& free,
                           const std::function<std::string(std::vector<BlockRef>&)>& each_part) {
     const uint32_t segments = static_cast<uint32_t>(free.size());

@@ -411,7 +411,7 @@ def test_a_damaged_slot_file_fails_in_one_line_naming_engine_and_path(damage):
         message = err.value.message
         assert "\n" not in message and "damaged' at" in message and file in message, call
         assert ("is truncated" if damage == "truncated" else "is corrupt") in message, call
-    assert not os.path.exists(ckpt + "2")  # failed before its directory was made
+    assert not os.path.exists(ckpt + "2")  # the failed checkpoint left no directory
     fresh = EmbeddingEngine("fresh", DIM, INIT, initializers._params(INIT),  # pylint: disable=protected-access
                             OPTIMIZER)
     assert int(fresh.read_checkpoint([ckpt], 0, 1)) == 100
