@@ -18,12 +18,13 @@ namespace engine {
 // Writes `blocks` as a new checkpoint at `dir` (which must not exist; its parent must),
 // in the format BlockStore::Checkpoint writes: the checkpoint of an engine without an SSD
 // tier. A block of size 0 is written as an empty value: a delta checkpoint's deletion of
-// its key (Engine::WriteDelta). Errors name `dir`.
+// its key (Engine::WriteDelta). Errors name `dir`; a write that fails removes the
+// directory it created (BlockCheckpointWriter).
 std::string WriteBlockCheckpoint(const std::string& dir, std::vector<BlockRef> blocks);
 
 // Writes the same checkpoint from parts of the blocks, for a table larger than memory:
-// each part (its keys unique across every part) is sorted by key and written as an SST
-// file of its own when it is added, and Finish ingests them all at once, so the blocks
+// each part (its keys unique across every part) is sorted by key and written as SST
+// files of its own (one key range per thread) when it is added, and Finish ingests them all at once, so the blocks
 // pass in the order their store reads fastest and only one part's BlockRefs are held at
 // a time. The parts' key ranges may overlap: RocksDB places such files in level 0 and
 // merges them in key order on reading. A part's blocks need stay readable only until its

@@ -54,6 +54,9 @@ def test_structure(tmp_path):
         assert fit["0.1"][mode]["rereads_per_step"] == 0, mode
     assert sorted(result["per_block_us"]) == ["0.1"]
     assert 8 <= result["dram_bytes_per_cold_key"]["0.1"] <= 24  # the SSD tier's key index
+    assert sorted(result["disk_pages_per_block_read"]) == ["0.1"]
+    assert result["disk_pages_per_block_read"]["0.1"] >= 0  # from /proc/self/io
+    assert fit["0.1"]["fit"]["disk_read_bytes_per_step"] >= 0
     assert result["keys"]["generator"] == "ZipfKeys" and result["keys"]["exponent"] > 1
     assert os.path.exists(result["plot"])
     assert os.listdir(tmp_path) == ["tiered.png"]  # the workers' stores removed

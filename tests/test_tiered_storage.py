@@ -340,6 +340,34 @@ def test_a_full_disk_fails_in_one_line_naming_engine_and_path_and_loses_no_check
     gc.collect()  # the store's file unmapped and removed before the unmount
 
 
+@pytest.mark.parametrize("budget", [None, 0], ids=["untiered", "tiered"])
+def test_a_checkpoint_onto_a_full_disk_fails_naming_its_path_and_leaves_no_directory(
+        tmp_path, small_disk, budget):
+    """A checkpoint larger than the disk fails in one line naming its directory, removes
+    the directory it created (no half-written checkpoint is left to be restored), and the
+    engine writes a whole one elsewhere afterwards."""
+    params = initializers._params(INIT)  # pylint: disable=protected-access
+    tier = {} if budget is None else dict(memory_budget_bytes=budget,
+                                          spill_path=str(tmp_path / "store"))
+    engine = EmbeddingEngine("e", DIM, INIT, params, OPTIMIZER, **tier)
+    keys = np.arange(40_000, dtype=np.int64)  # 40,000 blocks of 60 bytes: 2.4 MB
+    for at in range(0, len(keys), 400):  # calls within the tiered engine's budget of 0
+        part = keys[at:at + 400]
+        engine.record(part, part % 3, part, np.ones(len(part), np.int64), 1, True)
+        engine.apply_gradients(part, part, np.ones((len(part), DIM), np.float32), 1)
+    ckpt = small_disk / "ckpt"
+    with pytest.raises(tf.errors.OpError) as err:
+        engine.write_checkpoint(str(ckpt))
+    message = err.value.message
+    assert "\n" not in message and str(ckpt) in message and "No space left" in message
+    assert not ckpt.exists()
+    whole = str(tmp_path / "whole")
+    engine.write_checkpoint(whole)
+    fresh = EmbeddingEngine("fresh", DIM, INIT, params, OPTIMIZER)
+    assert int(fresh.read_checkpoint([whole], 0, 1)) == len(keys)
+    assert_same_export(engine, fresh)
+
+
 def test_a_budget_below_one_batch_fails_in_one_line_naming_engine_and_sizes():
     """An update whose blocks exceed the budget fails (pinned, they could never be
     spilled: every step would read its blocks back at every call), in one line naming the

@@ -32,9 +32,10 @@ Then the whole step as a user runs it (``benchmarks.tiered_fit``): per budget, o
 reported under ``fit`` and summed up as ``fit_ratio_vs_dram``, ``pipelined_ratio_vs_dram``
 (against the faster all-DRAM mode), ``per_block_us`` (the machine's extra CPU per block
 read back or spilled), ``hit_rate`` (of the plain fit's stored keys),
-``fit_rss_ratio_vs_dram``, ``anon_rss_ratio_vs_dram`` and ``dram_bytes_per_cold_key``
-(the SSD tier's DRAM index per key it holds); ``keys`` names the key
-generator's parameters.
+``fit_rss_ratio_vs_dram``, ``anon_rss_ratio_vs_dram``, ``dram_bytes_per_cold_key``
+(the SSD tier's DRAM index per key it holds) and ``disk_pages_per_block_read`` (4 KiB
+pages the process read from the disk per block read back: the share of the SSD tier's
+reads that missed the page cache); ``keys`` names the key generator's parameters.
 
 The DLRM workload (``--workloads dlrm``, ``benchmarks.tiered_dlrm``): the lookup
 benchmark's model (26 features, batch ``--dlrm-batch`` = 4096 on one rank), its largest

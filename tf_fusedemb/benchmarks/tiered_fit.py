@@ -58,6 +58,17 @@ def machine_busy_s() -> float:
     return busy / os.sysconf("SC_CLK_TCK")
 
 
+def disk_read_bytes() -> int:
+    """Bytes this process has had read from storage since it started (/proc/self/io's
+    read_bytes: page faults, read calls and the read-ahead they ask for; page-cache hits
+    not counted)."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    raise RuntimeError("/proc/self/io has no read_bytes line")
+
+
 def hit_rate(blocks_read: float, stored_keys: int) -> Tuple[Optional[float], float]:
     """(DRAM hit rate, re-reads) of ``blocks_read`` blocks read back from the SSD tier for
     ``stored_keys`` keys found stored (over the same steps): the rate is the share of those
@@ -166,9 +177,9 @@ def timed_fit(model: Any, layer: Any, timed: Any, steps: int, stored_keys: int,
     stored before their step (new keys left out of the hit rate), ``base`` the memory
     before the table grew."""
     before = FitMemory.of(layer)
-    busy = machine_busy_s()
+    busy, read = machine_busy_s(), disk_read_bytes()
     ends = fit_batches(model, timed)
-    busy = machine_busy_s() - busy
+    busy, read = machine_busy_s() - busy, disk_read_bytes() - read
     after = FitMemory.of(layer)
     memory = ProcessMemory.now()
     # The first two steps (the pipeline's fill, a first timed step) are not timed; the
@@ -182,6 +193,7 @@ def timed_fit(model: Any, layer: Any, timed: Any, steps: int, stored_keys: int,
             "cpu_s_per_step": busy / (steps + 2),
             "blocks_read_per_step": blocks_read / (steps + 2),
             "blocks_spilled_per_step": blocks_spilled / (steps + 2),
+            "disk_read_bytes_per_step": read / (steps + 2),
             "hit_rate": None if hits is None else round(hits, 4),
             "rereads_per_step": rereads / (steps + 2),
             "anon_rss_growth_bytes": memory.anon - base.anon,
@@ -223,7 +235,8 @@ def fit_summary(per: Dict[str, Dict[str, Dict[str, Any]]]) -> Dict[str, Any]:
     fastest_dram = min(dram[m]["step_ms"] for m in MODES)
     out: Dict[str, Any] = {"fit_ratio_vs_dram": {}, "pipelined_ratio_vs_dram": {},
                            "per_block_us": {}, "hit_rate": {}, "fit_rss_ratio_vs_dram": {},
-                           "anon_rss_ratio_vs_dram": {}, "dram_bytes_per_cold_key": {}}
+                           "anon_rss_ratio_vs_dram": {}, "dram_bytes_per_cold_key": {},
+                           "disk_pages_per_block_read": {}}
     for f, r in per.items():
         out["fit_ratio_vs_dram"][f] = round(r["fit"]["step_ms"] / dram["fit"]["step_ms"], 3)
         out["pipelined_ratio_vs_dram"][f] = round(r["pipelined"]["step_ms"] / fastest_dram, 3)
@@ -236,6 +249,9 @@ def fit_summary(per: Dict[str, Dict[str, Dict[str, Any]]]) -> Dict[str, Any]:
             moved = r["fit"]["blocks_read_per_step"] + r["fit"]["blocks_spilled_per_step"]
             extra_cpu = r["fit"]["cpu_s_per_step"] - dram["fit"]["cpu_s_per_step"]
             out["per_block_us"][f] = round(1e6 * extra_cpu / moved, 3) if moved else None
+            read = r["fit"]["blocks_read_per_step"]
+            out["disk_pages_per_block_read"][f] = (  # 4 KiB pages: page-cache misses
+                round(r["fit"]["disk_read_bytes_per_step"] / 4096 / read, 3) if read else None)
             cold = r["fit"]["cold_keys"]
             out["dram_bytes_per_cold_key"][f] = (
                 round(r["fit"]["ssd_index_bytes"] / cold, 2) if cold else None)
