@@ -413,7 +413,38 @@ def spilled_engine(name):
     return plain, tiered, os.path.join(tiered.spill_path, "blocks.slots")
 
 
-@pytest.mark.parametrize("damage", ["truncated", "corrupt"])
+def drop_from_page_cache(file):
+    """Writes ``file``'s pages to disk and drops them from the page cache, so the next read
+    of the store comes from the disk (the read path of pages the cache lacks)."""
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def disk_read_bytes():
+    """Bytes this process has had read from storage (/proc/self/io)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+
+
+def test_blocks_read_back_from_pages_the_page_cache_lacks_equal_the_untiered_rows():
+    """A lookup whose blocks' pages are not in the page cache reads them from the disk
+    (with a read call per block, not through the mapping) and returns the same rows."""
+    plain, tiered, file = spilled_engine("uncached")
+    keys = np.arange(100, dtype=np.int64)[::-1].copy()
+    drop_from_page_cache(file)
+    read = disk_read_bytes()
+    got = tiered.lookup(keys, keys)
+    if disk_read_bytes() == read:
+        pytest.skip(f"the file system of {file} keeps its pages (tmpfs?): no read from disk")
+    np.testing.assert_array_equal(got, plain.lookup(keys, keys))
+    assert_same_export(plain, tiered)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupt", "corrupt on disk"])
 def test_a_damaged_slot_file_fails_in_one_line_naming_engine_and_path(damage):
     """A store file cut short or overwritten under the engine fails each call that reads it
     (a lookup reading blocks back, an export, the stored keys, a checkpoint) in one line
@@ -428,6 +459,8 @@ def test_a_damaged_slot_file_fails_in_one_line_naming_engine_and_path(damage):
     else:
         with open(file, "r+b") as f:
             f.write(b"\x07" * os.path.getsize(file))
+        if damage == "corrupt on disk":  # the lookup reads it with pread, not the mapping
+            drop_from_page_cache(file)
     calls = {"lookup": lambda: tiered.lookup(np.arange(10, dtype=np.int64),
                                             np.arange(10, dtype=np.int64)),
              "export": lambda: tiered.export(False, True),
