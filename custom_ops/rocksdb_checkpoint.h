@@ -24,13 +24,13 @@ std::string WriteBlockCheckpoint(const std::string& dir, std::vector<BlockRef> b
 
 // Writes the same checkpoint from parts of the blocks, for a table larger than memory:
 // each part (its keys unique across every part) is sorted by key and written as SST
-// files of its own (one key range per thread) when it is added, and Finish ingests them all at once, so the blocks
-// pass in the order their store reads fastest and only one part's BlockRefs are held at
-// a time. The parts' key ranges may overlap: RocksDB places such files in level 0 and
-// merges them in key order on reading. A part's blocks need stay readable only until its
-// Add returns. Errors name `dir`; after one, Add and Finish return it again. A writer
-// destroyed before a successful Finish removes the directory it created (a caller's
-// error between parts included), so none is left half-written.
+// files of its own (one key range per thread) when it is added, and Finish ingests them
+// all at once, so the blocks pass in the order their store reads fastest and only one
+// part's BlockRefs are held at a time. The parts' key ranges may overlap: RocksDB places
+// such files in level 0 and merges them in key order on reading. A part's blocks need
+// stay readable only until its Add returns. Errors name `dir`; after one, Add and Finish
+// return it again. A writer destroyed before a successful Finish removes the directory
+// it created (a caller's error between parts included), so none is left half-written.
 class BlockCheckpointWriter {
  public:
   explicit BlockCheckpointWriter(std::string dir);  // creates the database at `dir`

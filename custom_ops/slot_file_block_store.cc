@@ -33,10 +33,10 @@
 //    memory); they are written only with pwrite: writing through a writable shared
 //    mapping kept dirty pages mapped into the process, which a memory cgroup reclaims far
 //    slower (a table 31x its budget in a limit of budget + overhead + 10% thrashed past
-//    its test's timeout). ForEach and Checkpoint walk the file in order,
-//    a part at a time, and pass the stored blocks by pointer into the mapping, without a
-//    copy. Side by side with RocksDB (MultiGet, WriteBatch, compaction) on the tiered
-//    benchmark: docs/guide/tables-larger-than-memory.md.
+//    its test's timeout). ForEach and Checkpoint walk the file in order, a part at a
+//    time, and pass the stored blocks by pointer into the mapping, without a copy. Side
+//    by side with RocksDB (MultiGet, WriteBatch, compaction) on the tiered benchmark:
+//    docs/guide/tables-larger-than-memory.md.
 //  * Space is reserved with posix_fallocate before a slot past the reserved end is
 //    written, a quarter more at a time: a full disk fails that call with an error naming
 //    the engine and the file, before any block is written. A file truncated or
