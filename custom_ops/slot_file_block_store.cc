@@ -130,7 +130,7 @@ class SlotFileBlockStore : public BlockStore {
     }
     const bool uncached = SomeUncached(at);
     if (uncached) ReadAhead(at);
-    std::unique_ptr<char[]> read(new char[stride_]);  // a slot read with pread
+    std::unique_ptr<char[]> read(uncached ? new char[stride_] : nullptr);  // a slot, pread
     for (size_t j = 0; j < at.size(); ++j) {
       const auto [slot, i] = at[j];
       const char* block = base_ + Offset(slot);

@@ -19,6 +19,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
+from tf_fusedemb.benchmarks.tiered_fit import disk_read_bytes
 from tf_fusedemb.ops import hashing
 from tf_fusedemb.ops.embedding_engine import EmbeddingEngine
 from tf_fusedemb.specs import (AdmissionPolicy, EvictionPolicy, FeatureSpec, FusionPlan,
@@ -422,12 +423,6 @@ def drop_from_page_cache(file):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-
-
-def disk_read_bytes():
-    """Bytes this process has had read from storage (/proc/self/io)."""
-    with open("/proc/self/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
 
 
 def test_blocks_read_back_from_pages_the_page_cache_lacks_equal_the_untiered_rows():
