@@ -170,7 +170,7 @@ class TwoRankParityTest(DistributedTestCase):
 
 def test_auto_micro_batches_choose_by_measurement_and_equal_keras():
     """micro_batches="auto" trains its measuring steps exactly too, then keeps one N."""
-    x, y, sw = kp.data(32 * 23, 0)  # 20 measuring steps (4 candidates x 5), then 3 more
+    x, y, sw = kp.data(32 * 51, 0)  # 48 measuring steps (4 candidates x 4 blocks of 3), 3 more
     plain = kp.plain_model()
     fused = kp.fused_twin(plain, "adagrad")
     want = kp.train(plain, kp.keras_optimizer("adagrad"), kp.LOSSES["bce_object"](), x, y, 32,

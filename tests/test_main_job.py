@@ -107,6 +107,22 @@ def test_pipelined_main_job_equals_synchronous(tmp_path):
 
 
 @pytest.mark.timeout(900)
+def test_measured_pipeline_reports_the_schedule_it_kept():
+    """``--pipeline dbp,fwp=auto`` (one worker, 50 steps: 48 measuring the candidates, then
+    the one kept) trains like the synchronous job, to float tolerance (micro-batches sum
+    gradients in another order), and its RESULT names the schedule kept; a job with a
+    fixed schedule names none."""
+    base = ["-m", "tf_fusedemb.train", "--steps", "50", "--batch-size", "64", "--rows", "4000",
+            "--eval-rows", "512"]
+    sync = parse(horovodrun(base, 1, timeout=800))
+    auto = parse(horovodrun(base + ["--pipeline", "dbp,fwp=auto"], 1, timeout=800))
+    assert sync["pipeline_chosen"] is None
+    assert auto["pipeline_chosen"] in ("sync", "dbp", "dbp,fwp=2", "dbp,fwp=4"), auto
+    assert auto["final_loss"] == pytest.approx(sync["final_loss"], rel=1e-5)
+    assert auto["eval_logloss"] == pytest.approx(sync["eval_logloss"], rel=1e-5)
+
+
+@pytest.mark.timeout(900)
 def test_main_job_with_a_memory_budget_equals_the_untiered_job(tmp_path):
     """``--memory-budget-mb`` a quarter of the table (2 workers, the synthetic main job;
     the budget over the blocks a step pins, about 224 KB per rank): the blocks beyond the

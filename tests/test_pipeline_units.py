@@ -9,7 +9,7 @@ import tf_keras
 from tf_fusedemb.layers import FusedEmbedding
 from tf_fusedemb.models import train_step
 from tf_fusedemb.pipeline import NestedPipeline, PipelineOptions, make_pipeline
-from tf_fusedemb.pipeline.auto import candidate_options
+from tf_fusedemb.pipeline.auto import AutoPipeline, candidate_options, measuring_plan
 from tf_fusedemb.training import keysets
 from tf_fusedemb.training.micro_batches import (micro_batch_parts, micro_batch_slices,
                                                 slice_rows)
@@ -139,16 +139,34 @@ def test_auto_candidates_cover_schedules_and_exchanges():
     assert labels == ["dbp,exchange=flat"]  # one node: nothing to choose
 
 
+def test_measuring_plan_interleaves_candidates_and_times_each_blocks_middle_step():
+    """An untimed block of 3 per candidate, then rounds of one block of each, the order
+    rotated each round, each block's middle step timed; one candidate: no measuring."""
+    plan = measuring_plan(["sync", "dbp"], rounds=2)
+    assert [(p.label, p.position, p.timed) for p in plan] == [
+        ("sync", 0, False), ("sync", 1, False), ("sync", 2, False),
+        ("dbp", 0, False), ("dbp", 1, False), ("dbp", 2, False),
+        ("sync", 0, False), ("sync", 1, True), ("sync", 2, False),
+        ("dbp", 0, False), ("dbp", 1, True), ("dbp", 2, False),
+        ("dbp", 0, False), ("dbp", 1, True), ("dbp", 2, False),
+        ("sync", 0, False), ("sync", 1, True), ("sync", 2, False)]
+    assert measuring_plan(["exchange=flat"]) == []
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        AutoPipeline(_Net(), _loss, tf_keras.optimizers.SGD(0.1),
+                     PipelineOptions(micro_batches="auto"), rounds=0)
+
+
 def test_measured_exchange_on_one_node_keeps_flat_and_trains_like_train_step():
-    """exchange="auto" on one rank: the one candidate (flat) is measured and kept, and
-    the steps equal plain train_step's; a hierarchical request names the topology."""
+    """exchange="auto" on one rank: the one candidate (flat) is kept from the first step,
+    unmeasured, and the steps equal plain train_step's; a hierarchical request names the
+    topology."""
     data = _batches(7)
     ref, ref_opt = _Net(), tf_keras.optimizers.SGD(0.1)
     ref_losses = [float(train_step(ref, x, y, _loss, ref_opt).loss) for x, y in data]
     net = _Net()
     pipe = make_pipeline(net, _loss, tf_keras.optimizers.SGD(0.1), PipelineOptions(exchange="auto"))
     losses = [float(loss) for loss, _ in pipe.run(data)]
-    assert pipe.chosen == "exchange=flat" and list(pipe.timings) == ["exchange=flat"]
+    assert pipe.chosen == "exchange=flat" and pipe.timings == {}
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for k, want in _rows(ref).items():
         np.testing.assert_allclose(_rows(net)[k], want, rtol=1e-5, atol=1e-7)

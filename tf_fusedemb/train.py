@@ -40,7 +40,8 @@ from tf_fusedemb.comm import Communicator, get_communicator  # noqa: E402
 from tf_fusedemb.inference import export_saved_model  # noqa: E402
 from tf_fusedemb.inference.row_codec import ROW_DTYPES  # noqa: E402
 from tf_fusedemb.models import fused_embedding_layers  # noqa: E402
-from tf_fusedemb.pipeline import PipelineOptions, cluster_dataset, make_pipeline  # noqa: E402
+from tf_fusedemb.pipeline import (AutoPipeline, PipelineOptions, cluster_dataset,  # noqa: E402
+                                  make_pipeline)
 from tf_fusedemb.training import KerasLoss  # noqa: E402
 from tf_fusedemb.training import faults  # noqa: E402
 from tf_fusedemb.training.checkpoint import CheckpointManager  # noqa: E402
@@ -246,7 +247,8 @@ def train(args: argparse.Namespace) -> Dict[str, Any]:
     # The loop flushed the steps after the last batch.
     if manager:
         manager.save(args.steps, {"data_position": args.steps})
-    result = _result(args, comm, start, progress, layers, counters_before, profiler)
+    chosen = steps.chosen if isinstance(steps, AutoPipeline) else None
+    result = _result(args, comm, start, progress, layers, counters_before, profiler, chosen)
     if profile_dir:
         shutil.rmtree(profile_dir, ignore_errors=True)
     with comm.watch("evaluation"):
@@ -349,12 +351,14 @@ class Progress:
 
 
 def _result(args: argparse.Namespace, comm: Communicator, start: int, progress: Progress,
-            layers: List[Any], counters_before: List[Any], profiler: StepProfiler
-            ) -> Dict[str, Any]:
-    """The RESULT fields of the training part (collectives with a budget or a profile)."""
+            layers: List[Any], counters_before: List[Any], profiler: StepProfiler,
+            chosen: Optional[str]) -> Dict[str, Any]:
+    """The RESULT fields of the training part (collectives with a budget or a profile);
+    ``chosen``: the schedule a measured pipeline kept (its label), else None."""
     counters = [layer.comm_counters() for layer in layers]
     result = {"model": args.model, "data": args.data, "world_size": comm.size,
               "pipeline": str(args.pipeline) if args.pipeline else "sync",
+              "pipeline_chosen": chosen,
               "steps": args.steps, "resumed_from_step": start,
               "batch_size_per_rank": args.batch_size,
               "train_samples_per_s": round(progress.samples_per_s, 1) if progress.timed_s

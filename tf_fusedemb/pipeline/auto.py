@@ -4,15 +4,25 @@ measuring them.
 FWP helps only when a micro-batch's communication can hide behind another's compute;
 with fast links or small batches its extra collectives and smaller kernels make the step
 slower, and DBP's buffer synchronisation costs more than it hides when the key routing
-is cheap. :class:`AutoPipeline` trains the first batches with each candidate schedule in
-turn (they are ordinary, exact training steps): N in ``candidates`` micro-batches with
-the requested prefetch, and the synchronous step itself when prefetch was requested. It
+is cheap. :class:`AutoPipeline` trains the first batches with the candidate schedules
+(they are ordinary, exact training steps): N in ``candidates`` micro-batches with the
+requested prefetch, and the synchronous step itself when prefetch was requested. It
 times them and keeps the fastest for the rest of training, so a user who turns
-pipelining on never gets a step slower than the synchronous one. A few timed steps on a
-shared machine are noisy, so a more pipelined candidate must win by ``margin`` (default
-3%): the first candidate (sync first, then fewer micro-batches) within that margin of
-the fastest is kept. Every rank takes the same decision (the slowest rank's time per
-candidate decides), so all ranks keep running the same graph.
+pipelining on never gets a step slower than the synchronous one.
+
+Each candidate runs in blocks of three steps: the first starts afresh, the middle one
+trains on a prefetched batch while it prefetches the next (the steady state of a
+pipelined run), the last prefetches nothing, so the next block starts clean. The first
+block of every candidate traces its steps and is not timed; then ``rounds`` rounds each
+run one block of every candidate, the order rotated each round, and time the middle
+steps. Interleaved rounds matter: a job's first steps are slower than its later ones (its
+tables still fill with new keys), and candidates timed one after another favoured
+whichever came last. A few timed steps on a shared machine are noisy, so a more
+pipelined candidate must win by ``margin`` (default 3%): the first candidate (sync
+first, then fewer micro-batches) within that margin of the fastest is kept. Every rank
+takes the same decision (the slowest rank's median per candidate decides), so all ranks
+keep running the same graph. With one candidate there is nothing to measure: it is kept
+from the first step.
 
 With ``exchange="auto"`` each schedule is tried with the flat and the hierarchical
 exchange (TawPipe), flat first: on a cluster of several nodes of several ranks the cost
@@ -23,7 +33,7 @@ rank per node, there is nothing to choose and the flat exchange is used.
 """
 import dataclasses
 import time
-from typing import Dict, List, Mapping, Optional, Sequence, Union
+from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import tensorflow as tf
@@ -39,6 +49,28 @@ from tf_fusedemb.training.step import StepResult
 
 CANDIDATES = (1, 2, 4)
 MARGIN = 0.03  # how much faster a more pipelined schedule must measure to be chosen
+BLOCK = 3  # steps of a candidate's block; the middle one is its steady state (module doc)
+ROUNDS = 3  # timed blocks per candidate
+
+
+class PlannedStep(NamedTuple):
+    """One measuring step: the candidate's label, its place in its block, whether timed."""
+    label: str
+    position: int
+    timed: bool
+
+
+def measuring_plan(labels: Sequence[str], rounds: int = ROUNDS) -> List[PlannedStep]:
+    """The measuring steps, in order: one untimed block of every candidate, then
+    ``rounds`` rounds of one block of every candidate (the order rotated by one each
+    round), each block's middle step timed. Nothing to measure for one candidate."""
+    if len(labels) < 2:
+        return []
+    plan = [PlannedStep(label, i, False) for label in labels for i in range(BLOCK)]
+    for r in range(rounds):
+        order = list(labels[r % len(labels):]) + list(labels[:r % len(labels)])
+        plan += [PlannedStep(label, i, i == BLOCK // 2) for label in order for i in range(BLOCK)]
+    return plan
 
 
 def candidate_options(options: PipelineOptions, micro_batches: Sequence[int] = CANDIDATES,
@@ -65,9 +97,9 @@ class AutoPipeline:
     """A NestedPipeline whose schedule is measured (see module doc).
 
     Args: as NestedPipeline; ``options.micro_batches`` or ``options.exchange`` is "auto".
-      candidates: the N tried. warmup, timed: steps per candidate (the first ``warmup``
-        include tracing and are not timed). margin: the first candidate whose time is
-        within ``(1 + margin)`` of the fastest is chosen.
+      candidates: the N tried. rounds: timed blocks per candidate (see module doc).
+        margin: the first candidate whose time is within ``(1 + margin)`` of the fastest
+        is chosen.
     Attributes:
       chosen: the chosen schedule's label (``PipelineOptions.label``, e.g. "sync" or
         "dbp,fwp=4"), None while measuring; ``chosen_options`` its PipelineOptions.
@@ -79,10 +111,12 @@ class AutoPipeline:
                  optimizer: tf_keras.optimizers.Optimizer,
                  options: PipelineOptions, communicator: Optional[Communicator] = None,
                  embeddings: Optional[ModelEmbeddings] = None,
-                 candidates: Sequence[int] = CANDIDATES, warmup: int = 2, timed: int = 3,
+                 candidates: Sequence[int] = CANDIDATES, rounds: int = ROUNDS,
                  margin: float = MARGIN):
         if margin < 0:
             raise ValueError(f"AutoPipeline: margin must be >= 0, got {margin}")
+        if rounds < 1:
+            raise ValueError(f"AutoPipeline: rounds must be >= 1, got {rounds}")
         embeddings = embeddings or ModelEmbeddings.of(model, communicator)
         self.comm = embeddings.communicator
         self.options, self.margin = options, margin
@@ -91,11 +125,12 @@ class AutoPipeline:
         self._pipelines = {label: NestedPipeline(model, loss, optimizer, o, self.comm,
                                                          embeddings)
                            for label, o in self.schedules.items()}
-        self._plan = [(label, i) for label in self.schedules for i in range(warmup + timed)]
-        self._warmup = warmup
+        self._plan = measuring_plan(list(self.schedules), rounds)
         self._times: Dict[str, List[float]] = {label: [] for label in self.schedules}
-        self.chosen: Optional[str] = None
-        self.chosen_options: Optional[PipelineOptions] = None
+        only = next(iter(self.schedules))  # kept unmeasured when it is the one candidate
+        self.chosen: Optional[str] = None if self._plan else only
+        self.chosen_options: Optional[PipelineOptions] = (None if self._plan
+                                                          else self.schedules[only])
         self.timings: Dict[str, float] = {}  # schedule label -> slowest rank's median step (s)
         self._done = 0
 
@@ -105,17 +140,16 @@ class AutoPipeline:
         """One training step (see NestedPipeline.step)."""
         if self.chosen is not None:
             return self._pipelines[self.chosen].step(x, y, next_x, sample_weight)
-        label, i = self._plan[self._done]
-        last_of_candidate = (self._done + 1 == len(self._plan)
-                             or self._plan[self._done + 1][0] != label)
-        pipeline = self._pipelines[label]
+        planned = self._plan[self._done]
+        last_of_block = planned.position == BLOCK - 1
+        pipeline = self._pipelines[planned.label]
         begin = time.perf_counter()
-        # A candidate's last step prefetches nothing: the next candidate starts afresh.
-        result = pipeline.step(x, y, None if last_of_candidate else next_x, sample_weight)
+        # A block's last step prefetches nothing: the next block starts afresh.
+        result = pipeline.step(x, y, None if last_of_block else next_x, sample_weight)
         float(result.loss)  # wait for the step
-        if i >= self._warmup:
-            self._times[label].append(time.perf_counter() - begin)
-        if last_of_candidate:
+        if planned.timed:
+            self._times[planned.label].append(time.perf_counter() - begin)
+        if last_of_block:
             pipeline.flush()
         self._done += 1
         if self._done == len(self._plan):
