@@ -31,7 +31,7 @@ Figures (last line, one JSON object):
   latency measured (``cost_model.measure_link_costs``, ``planner_links``) and the dedup
   ratio and unique keys counted on the first batches; ``measured_choice`` and
   ``measured_vs_best`` the same for the exchange that ``PipelineOptions(exchange="auto")``
-  keeps after training a fourth copy 5 steps with each (``measured_probe_ms``: its probe's
+  keeps after training a fourth copy 12 steps with each (``measured_probe_ms``: its probe's
   step times; ``tf_fusedemb.pipeline.auto``), before the timed rounds at that speed.
 * the top-level timing figures are those of ``link_mbit``: the fastest swept link at which
   the flat step spends >= 50% in collectives (else the largest share).
