@@ -188,6 +188,21 @@ def test_relaxed_spec_and_single_trace_per_structure():
     assert fn.tracing_count() == 1
 
 
+def test_rank_invariant_function_traces_again_for_what_its_signature_tells_apart():
+    fn = RankInvariantFunction(lambda x, extra: tf.reduce_sum(x["a"]) + (
+        0.0 if extra is None else tf.reduce_sum(tf.cast(extra, tf.float32))))
+    calls = [({"a": tf.ones([2, 3])}, None, 6.0),
+             ({"a": tf.ones([7, 3])}, None, 21.0),  # leading dim: same trace
+             ({"a": tf.ones([2, 4])}, None, 8.0),  # inner dim
+             ({"a": tf.ones([2])}, None, 2.0),  # rank
+             ({"a": tf.constant(5.0)}, None, 5.0),  # a scalar is not a vector
+             ({"a": tf.ones([2, 3], tf.float64)}, None, 6.0),  # dtype
+             ({"a": tf.ones([2, 3])}, tf.constant([1, 2]), 9.0),  # None vs a tensor
+             ({"a": tf.ones([3, 3])}, tf.constant([4]), 13.0)]
+    assert [float(fn(x, extra)) for x, extra, _ in calls] == [c[2] for c in calls]
+    assert fn.tracing_count() == 6
+
+
 def _specs():
     opt = OptimizerSpec.adam(0.05)
     init = InitializerSpec.uniform(-0.1, 0.1)
