@@ -51,7 +51,7 @@ from tf_fusedemb.ops.row_masks import masked_rows
 from tf_fusedemb.pipeline.options import PipelineOptions
 from tf_fusedemb.training import keysets
 from tf_fusedemb.training.loop import TrainLoop
-from tf_fusedemb.training.micro_batches import micro_batch_parts, rows_of
+from tf_fusedemb.training.micro_batches import micro_batch_parts, rows_of, slice_rows
 from tf_fusedemb.training.loss import LossLike
 from tf_fusedemb.training.step import DENSE_GRADS, as_keras_loss, run_step, top_layers_split
 from tf_fusedemb.training.step_variables import create_step_variables, step_variables_first
@@ -159,8 +159,13 @@ class NestedPipeline:
         # step skips, so the first step runs the trace of every step after it.
         has_dense = self._dense_pending is not None
         dense = self._dense_pending if has_dense else self._no_dense_pending(x)
+        # The last step prefetches an empty batch rather than none: it runs the trace of
+        # every step before it (a step without a next batch is a second trace, half a
+        # second at the end of the main job). Every key is then delayed, and flush()
+        # applies the rows with this step's optimizer step, as it applies any delayed row.
+        ahead = next_x if next_x is not None else slice_rows(x, 0, 0)
         result, prepared, self._pending, self._dense_pending = self._step_fn(
-            x, y, sample_weight, self._prepared, pending, next_x, dense, tf.constant(has_dense))
+            x, y, sample_weight, self._prepared, pending, ahead, dense, tf.constant(has_dense))
         self._prepared = prepared if next_x is not None else None
         return result
 
