@@ -119,7 +119,8 @@ def test_measured_pipeline_reports_the_schedule_it_kept():
             "--eval-rows", "512"]
     sync = parse(horovodrun(base, 1, timeout=800))
     auto = parse(horovodrun(base + ["--pipeline", "dbp,fwp=auto"], 1, timeout=800))
-    assert sync["pipeline_chosen"] is None
+    assert (sync["pipeline"], sync["pipeline_chosen"]) == ("sync", None)
+    assert auto["pipeline"] == "dbp,fwp=auto"  # the schedule asked for, as --pipeline takes it
     assert auto["pipeline_chosen"] in ("sync", "dbp", "dbp,fwp=2", "dbp,fwp=4"), auto
     assert auto["final_loss"] == pytest.approx(sync["final_loss"], rel=1e-5)
     assert auto["eval_logloss"] == pytest.approx(sync["eval_logloss"], rel=1e-5)

@@ -357,7 +357,7 @@ def _result(args: argparse.Namespace, comm: Communicator, start: int, progress: 
     ``chosen``: the schedule a measured pipeline kept (its label), else None."""
     counters = [layer.comm_counters() for layer in layers]
     result = {"model": args.model, "data": args.data, "world_size": comm.size,
-              "pipeline": str(args.pipeline) if args.pipeline else "sync",
+              "pipeline": args.pipeline.label if args.pipeline else "sync",
               "pipeline_chosen": chosen,
               "steps": args.steps, "resumed_from_step": start,
               "batch_size_per_rank": args.batch_size,
