@@ -12,17 +12,17 @@ pipelining on never gets a step slower than the synchronous one.
 
 Each candidate runs in blocks of three steps: the first starts afresh, the middle one
 trains on a prefetched batch while it prefetches the next (the steady state of a
-pipelined run), the last prefetches nothing, so the next block starts clean. The first
-block of every candidate traces its steps and is not timed; then ``rounds`` rounds each
-run one block of every candidate, the order rotated each round, and time the middle
-steps. Interleaved rounds matter: a job's first steps are slower than its later ones (its
-tables still fill with new keys), and candidates timed one after another favoured
-whichever came last. A few timed steps on a shared machine are noisy, so a more
-pipelined candidate must win by ``margin`` (default 3%): the first candidate (sync
-first, then fewer micro-batches) within that margin of the fastest is kept. Every rank
-takes the same decision (the slowest rank's median per candidate decides), so all ranks
-keep running the same graph. With one candidate there is nothing to measure: it is kept
-from the first step.
+pipelined run), the last is given no next batch (it prefetches an empty one), so the
+next block starts clean. The first block of every candidate traces its steps and is not
+timed; then ``rounds`` rounds each run one block of every candidate, the order rotated
+each round, and time the middle steps. Interleaved rounds matter: a job's first steps
+are slower than its later ones (its tables still fill with new keys), and candidates
+timed one after another favoured whichever came last. A few timed steps on a shared
+machine are noisy, so a more pipelined candidate must win by ``margin`` (default 3%):
+the first candidate (sync first, then fewer micro-batches) within that margin of the
+fastest is kept. Every rank takes the same decision (the slowest rank's median per
+candidate decides), so all ranks keep running the same graph. With one candidate there
+is nothing to measure: it is kept from the first step.
 
 With ``exchange="auto"`` each schedule is tried with the flat and the hierarchical
 exchange (TawPipe), flat first: on a cluster of several nodes of several ranks the cost
@@ -144,7 +144,7 @@ class AutoPipeline:
         last_of_block = planned.position == BLOCK - 1
         pipeline = self._pipelines[planned.label]
         begin = time.perf_counter()
-        # A block's last step prefetches nothing: the next block starts afresh.
+        # A block's last step is given no next batch: the next block starts afresh.
         result = pipeline.step(x, y, None if last_of_block else next_x, sample_weight)
         float(result.loss)  # wait for the step
         if planned.timed:
