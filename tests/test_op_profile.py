@@ -18,14 +18,20 @@ def test_categories_follow_op_type_and_scope():
     assert cat("IteratorGetNext", "IteratorGetNext") == "input"
 
 
-def test_gaps_ending_in_a_completion_are_waits():
+def test_gaps_are_waits_up_to_the_last_completion_inside_them():
     # µs: ops at 1000-2000, 1500-3000, 6000-7000 in a 0-10000 step
     gaps = op_profile._minus([(0.0, 1e4)], [(1e3, 2e3), (1.5e3, 3e3), (6e3, 7e3)])
     assert gaps == [(0.0, 1e3), (3e3, 6e3), (7e3, 1e4)]
-    completions = [5990.0, 20000.0]  # a collective's callback right where a gap ends
-    assert op_profile._ends_in((3e3, 6e3), completions)
-    assert not op_profile._ends_in((0.0, 1e3), completions)
-    assert not op_profile._ends_in((7e3, 1e4), completions)
+    # callbacks: 80 µs before the second gap's end (the executor slow to start the next
+    # op), two inside the third, one 30 µs after the first's end (its own record)
+    completions = [1030.0, 5920.0, 7500.0, 8200.0, 20000.0]
+    assert op_profile.split_gap((0.0, 1e3), completions) == ((0.0, 1e3), None)
+    assert op_profile.split_gap((3e3, 6e3), completions) == ((3e3, 5920.0), (5920.0, 6e3))
+    assert op_profile.split_gap((7e3, 1e4), completions) == ((7e3, 8200.0), (8200.0, 1e4))
+    # a gap without a callback in it, one whose only callback came before it began
+    assert op_profile.split_gap((10100.0, 19000.0), completions) == \
+        (None, (10100.0, 19000.0))
+    assert op_profile.split_gap((8200.0, 9000.0), [8200.0]) == (None, (8200.0, 9000.0))
 
 
 def test_a_profiled_step_is_read_back(tmp_path):

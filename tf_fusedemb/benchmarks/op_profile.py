@@ -13,13 +13,14 @@ Categories (``CATEGORIES``), from each op's type and name (the executor records 
 * ``embedding_other``: other ops inside the embedding layer's scope (reshapes, casts,
   concatenations of the lookup);
 * ``input``: reading the batch (iterator ops);
-* ``collective_wait``: the step's idle gaps (no op running) that end with an
-  asynchronous collective's completion callback (``ExecutorState::ProcessAsync::Done``
-  of a Horovod op): the step waiting on the other rank or on Gloo's transfer. (The
+* ``collective_wait``: the step's idle time (no op running) until an asynchronous
+  collective's completion callback (``ExecutorState::ProcessAsync::Done`` of a Horovod
+  op) inside the gap: the step waiting on the other rank or on Gloo's transfer. (The
   profiler records no launch event for Horovod's asynchronous kernels, so a wait is
-  known by how it ends.)
-* ``python_overhead``: the other idle gaps of the step's wall time (Python,
-  ``tf.function`` dispatch, the executor's scheduling).
+  known by the callback that ends it.)
+* ``python_overhead``: the rest of the idle time (Python, ``tf.function`` dispatch, the
+  executor's scheduling, including its time from a callback to the next op, which on
+  busy cores is often past 50 µs).
 
 Op times are unions of intervals per category (two ops of one category running at once
 on two threads count once), so the categories' sum can exceed the wall time where ops of
@@ -29,7 +30,7 @@ import bisect
 import contextlib
 import re
 import statistics
-from typing import Dict, Iterator, List, NamedTuple, Sequence, Tuple
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -178,9 +179,10 @@ def summarize(logdir: str, embedding_scope: str) -> StepProfile:
             spans[category(o, embedding_scope)].append((o.begin, min(o.end, hi)))
             by_type[o.op_type] = by_type.get(o.op_type, 0.0) + (o.end - o.begin) / 1e3
         all_ops = union([(o.begin, min(o.end, hi)) for o in mine])
-        gaps = _minus([(lo, hi)], all_ops)
-        spans["collective_wait"] = [g for g in gaps if _ends_in(g, completions)]
-        spans["python_overhead"] = [g for g in gaps if not _ends_in(g, completions)]
+        for gap in _minus([(lo, hi)], all_ops):
+            wait, rest = split_gap(gap, completions)
+            spans["collective_wait"] += [wait] if wait else []
+            spans["python_overhead"] += [rest] if rest else []
         for c in CATEGORIES:
             per_step[c].append(length(union(spans[c])) / 1e3)
         busy.append(length(all_ops) / 1e3)
@@ -195,10 +197,17 @@ def summarize(logdir: str, embedding_scope: str) -> StepProfile:
         top_ops_ms=[(t, round(ms / len(steps), 3)) for t, ms in top])
 
 
-def _ends_in(gap: Interval, completions: Sequence[float], slack_us: float = 50.0) -> bool:
-    """Whether a collective's completion callback starts at the end of ``gap``."""
-    i = bisect.bisect_left(completions, gap[1] - slack_us)
-    return i < len(completions) and completions[i] <= gap[1] + slack_us
+def split_gap(gap: Interval, completions: Sequence[float], slack_us: float = 50.0
+              ) -> Tuple[Optional[Interval], Optional[Interval]]:
+    """(the wait, the rest) of an idle ``gap``: the wait runs from its start to the last
+    collective completion callback that starts inside it (or within ``slack_us`` after
+    its end, the callback's own record), the rest from there to its end; (None, gap)
+    without such a callback. ``completions``: sorted callback starts, µs."""
+    i = bisect.bisect_right(completions, gap[1] + slack_us)
+    if i == 0 or completions[i - 1] <= gap[0]:
+        return None, gap
+    end = min(completions[i - 1], gap[1])
+    return (gap[0], end), ((end, gap[1]) if end < gap[1] else None)
 
 
 def _minus(spans: Sequence[Interval], holes: Sequence[Interval]) -> List[Interval]:
