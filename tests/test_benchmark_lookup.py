@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO_ROOT, STACK
+from tf_fusedemb.testing.cluster.placement import assign_cpus
 
 VARIANTS = ("fused", "fused_bf16", "fused_tfra_backend", "unfused", "tfra", "tfra_fused")
 # The variants without TFRA: all that runs on a stack without it (docs/guide/stacks.md).
@@ -62,6 +63,13 @@ def test_structure(result):
     for key in ("speedup_vs_tfra", "speedup_vs_tfra_fused", "speedup_vs_tfra_backend",
                 "fused_vs_unfused"):
         assert result[key] > 0, key
+
+
+@pytest.mark.timeout(900)
+def test_local_ranks_run_pinned_to_their_own_cores(result):
+    """By default each local rank runs on its share of the cores, as make train's do."""
+    assert result["network"]["pinned"] is True
+    assert result["environment"]["rank_cpus"] == [list(c) for c in assign_cpus(2)]
 
 
 @pytest.mark.timeout(900)

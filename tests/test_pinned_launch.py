@@ -22,6 +22,18 @@ def test_ranks_get_disjoint_cores_and_matching_threads():
         assert not seen[0] & seen[1]
 
 
+def test_a_torchrun_rank_is_pinned_like_a_horovodrun_rank():
+    """The peer benchmark runs TorchRec's ranks through the same wrapper under torchrun,
+    whose slot variables are LOCAL_RANK and LOCAL_WORLD_SIZE."""
+    for rank in range(2):
+        torch_argv, torch_env = pinned_argv(["w"], {"LOCAL_RANK": str(rank),
+                                                    "LOCAL_WORLD_SIZE": "2"})
+        hvd_argv, hvd_env = pinned_argv(["w"], {"HOROVOD_LOCAL_RANK": str(rank),
+                                                "HOROVOD_LOCAL_SIZE": "2"})
+        assert torch_argv == hvd_argv and torch_env == hvd_env
+        assert torch_argv[2] == ",".join(map(str, assign_cpus(2)[rank]))
+
+
 def test_outside_horovodrun_the_command_is_unchanged():
     assert pinned_argv(["python", "x.py"], {}) == (["python", "x.py"], {})
 

@@ -98,7 +98,7 @@ def _job(argv: List[str], args) -> Dict[str, Any]:
     if args.hosts is not None:
         code, result = launch_cluster(MODULE, argv, MARKER, args)
     else:
-        code, result = launch_local(MODULE, args.np, argv, MARKER, args.timeout)
+        code, result = launch_local(MODULE, args.np, argv, MARKER, args.timeout, args.pin)
     if code != 0 or result is None:
         raise SystemExit(f"{MODULE} failed ({' '.join(argv)}): exit code {code}")
     return result

@@ -166,7 +166,7 @@ def _launch_bls(args, argv):
 def _launch_horovod(args, argv, max_delay_ms):
     code, result = launch_local(MODULE, args.np, [*argv, "--exchange", "horovod",
                                                   "--max-delay-ms", str(max_delay_ms)],
-                                MARKER, timeout=args.job_timeout)
+                                MARKER, timeout=args.job_timeout, pin=False)  # pins itself
     if code != 0 or result is None:
         raise SystemExit(f"Horovod baseline job failed (exit {code})")
     return result

@@ -14,7 +14,10 @@ re-launches the same module on Horovod workers and prints rank 0's result (the J
   communication figure is measured.
 * otherwise ``--np N``: N Gloo ranks on this host, started as ``horovodrun -np N --gloo -H
   localhost:N`` starts them (``tf_fusedemb.testing.cluster.launcher.run_local_job``):
-  collectives over loopback.
+  collectives over loopback. Each rank is pinned to its share of the host's cores, with
+  TensorFlow's thread counts to match (``tf_fusedemb.testing.cluster.pinned``), as ``make
+  train`` runs the main job; ``--no-pin`` leaves them unpinned (a machine shared with
+  other work, where a pinned rank waits for its core).
 
 Workers' output goes to stderr prefixed ``[rank]<stdout>:`` / ``[rank]<stderr>:``. With
 ``TF_FUSEDEMB_BENCH_NICE=-15`` (root) the workers run at that priority, their sessions'
@@ -47,6 +50,7 @@ from tf_fusedemb.testing.cluster.launcher import run_local_job
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 LINK_RATE_MARKER = "FUSEDEMB_LINK_RATE "
 LINK_CONTROL_ENV = "TF_FUSEDEMB_LINK_CONTROL_DIR"  # set by the launcher for its workers
+PIN_MODULE = "tf_fusedemb.testing.cluster.pinned"  # pins a local worker to its cores
 EXIT_UNAVAILABLE = 69  # like ``python -m tf_fusedemb.testing.cluster``
 BENCH_NICE_ENV = "TF_FUSEDEMB_BENCH_NICE"  # workers' priority, see _raise_priority
 COMM_NICE_ENV = "TF_FUSEDEMB_COMM_THREAD_NICE"  # their communication threads', ditto
@@ -62,6 +66,9 @@ def add_launch_args(parser):
     parser.add_argument("--np", type=int, default=2,
                         help="local Gloo workers (as horovodrun starts them) when --hosts is "
                              "not given")
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="local workers run unpinned (default: each pinned to its share "
+                             "of this host's cores, as make train runs the main job)")
     parser.add_argument("--hosts", type=int, default=None,
                         help="run on an emulated cluster of this many hosts (network "
                              "namespaces with rate-limited links; needs root)")
@@ -112,7 +119,7 @@ def network_description(args):
     """The JSON ``network`` entry of a result: where the workers ran."""
     if getattr(args, "hosts", None) is None:
         return {"kind": "loopback", "hosts": 1, "ranks_per_host": args.world_size,
-                "link_mbit": None}
+                "link_mbit": None, "pinned": args.pin}
     return {"kind": "emulated_cluster", "hosts": args.hosts,
             "ranks_per_host": args.ranks_per_host, "link_mbit": args.link_mbit,
             "slow_host_mbit": args.slow_host_mbit,
@@ -129,15 +136,19 @@ def _worker_env():
     return env
 
 
-def launch_local(module, num_proc, argv, marker, timeout=None):
+def launch_local(module, num_proc, argv, marker, timeout=None, pin=True):
     """Runs ``python -m module argv...`` on ``num_proc`` local Gloo workers (as
     ``horovodrun -np N --gloo -H localhost:N`` does: ``run_local_job``); their lines go
-    to stderr, prefixed with their rank.
+    to stderr, prefixed with their rank. With ``pin``, each worker runs pinned to its
+    share of the cores (``tf_fusedemb.testing.cluster.pinned``, which reads its slot from
+    the environment the launch gives it).
 
     Returns:
       (exit code, rank 0's result dict or None); 124 on timeout.
     """
     command = [sys.executable, "-m", module] + list(argv)
+    if pin:
+        command = [sys.executable, "-m", PIN_MODULE] + command
     print(f"launching {num_proc} local ranks: {' '.join(command)}", file=sys.stderr, flush=True)
     sink = _ClusterSink(None, marker, None)
     try:
@@ -243,7 +254,7 @@ def benchmark_main(module, worker_module, parse_args, marker, argv=None, finish=
     if args.hosts is not None:
         code, result = launch_cluster(module, argv, marker, args)
     else:
-        code, result = launch_local(module, args.np, argv, marker, args.timeout)
+        code, result = launch_local(module, args.np, argv, marker, args.timeout, args.pin)
     if code != 0 or result is None:
         print(f"{module} failed: exit code {code}, "
               f"{'no' if result is None else 'a'} result", file=sys.stderr)

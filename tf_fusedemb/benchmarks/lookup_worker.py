@@ -176,6 +176,7 @@ def run(args):
         return None
     keys_per_step = int(sum(int(tf.size(batches[0][0][c])) for c in lookup_data.CATEGORICAL))
     result = _description(args, comm.size, source, keys_per_step, timed.wall_s)
+    result["environment"]["rank_cpus"] = [e["cpus"] for e in timed.everyone]
     result["variants"] = {name: _variant_entry(v, timed, graphs, name, first_step_s[name])
                           for name, v in variants.items()}
     result.update(_comparisons(variants, result["variants"]))
@@ -258,6 +259,7 @@ def _timed(variants, batches, args, comm, log) -> Timed:
     raw = {n: {f: after[n][f] - before[n][f] for f in ("bytes_sent", "messages")}
            for n in variants}
     everyone = comm.allgather_object({"per_step": mine, "raw": raw, "profile": profiles,
+                                      "cpus": sorted(os.sched_getaffinity(0)),
                                       "step_ms": {n: step_stats(v.times_ms)["step_ms"]
                                                   for n, v in variants.items()}})
     return Timed(round_means, mine, everyone, profiles, steps, wall_s)

@@ -38,6 +38,7 @@ from typing import Dict, List, NamedTuple
 import numpy as np
 
 from tf_fusedemb.benchmarks import lookup_data, lookup_models, plots
+from tf_fusedemb.benchmarks.launcher import PIN_MODULE
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_PEER_PYTHON = REPO_ROOT / ".venv-peers" / "bin" / "python"
@@ -71,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--peer-python", default=str(DEFAULT_PEER_PYTHON),
                         help="the interpreter of the TorchRec environment")
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="both sides' ranks run unpinned (default: each rank of either "
+                             "side pinned to its share of the cores, as make train runs ours)")
     parser.add_argument("--plot", metavar="PATH", help="also write a PNG of the step times")
     args = parser.parse_args(argv)
     if min(args.np, args.batch_size, args.num_batches, args.rounds, args.steps) < 1:
@@ -139,6 +143,8 @@ def run_ours(args: argparse.Namespace) -> Dict[str, float]:
            "--variants", ",".join(OURS), "--batch-size", str(args.batch_size),
            "--num-batches", str(args.num_batches), "--steps", str(args.steps), "--rounds", "1",
            "--warmup", str(args.warmup), "--lr", str(args.lr), "--seed", str(args.seed)]
+    if not args.pin:
+        cmd.append("--no-pin")
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=True)
     variants = last_json(out.stdout)["variants"]
     return {v: float(variants[v]["step_ms"]) for v in OURS}
@@ -146,8 +152,11 @@ def run_ours(args: argparse.Namespace) -> Dict[str, float]:
 
 def run_peer(args: argparse.Namespace, config: PeerConfig, batches: str) -> float:
     """One TorchRec run of ``config``: its median step ms."""
+    # Pinned: torchrun starts our pinning wrapper, which reads the rank's slot from
+    # torchrun's environment and runs the worker under taskset (as make train does ours).
+    pin = ["--no-python", sys.executable, "-m", PIN_MODULE, args.peer_python] if args.pin else []
     cmd = [args.peer_python, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node", str(args.np), str(WORKER), "--batches", batches,
+           "--nproc_per_node", str(args.np), *pin, str(WORKER), "--batches", batches,
            "--sharding", config.sharding, "--warmup", str(args.warmup),
            "--steps", str(args.steps), "--lr", str(args.lr)] + (["--bf16"] if config.bf16 else [])
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -200,6 +209,7 @@ def main(argv=None) -> int:
               "samples_per_s": {k: args.np * args.batch_size * 1e3 / v for k, v in medians.items()},
               "environment": {"np": args.np, "batch_size_per_rank": args.batch_size,
                               "rounds": args.rounds, "steps_per_run": args.steps,
+                              "pinned": args.pin,
                               "cpu": cpu_model(), "cpus": os.cpu_count(),
                               "torch_torchrec": versions,
                               "table_rows": int(sum(table_sizes.values())),

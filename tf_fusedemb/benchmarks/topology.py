@@ -102,7 +102,7 @@ def _launch(argv, args):
     if args.hosts is not None:
         return launch_cluster(MODULE, argv, RESULT_MARKER, args)
     os.environ[TOPOLOGY_ENV] = args.topology
-    return launch_local(MODULE, args.np, argv, RESULT_MARKER, args.timeout)
+    return launch_local(MODULE, args.np, argv, RESULT_MARKER, args.timeout, args.pin)
 
 
 def plot_sweep(result, path):

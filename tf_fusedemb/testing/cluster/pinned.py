@@ -6,13 +6,14 @@ match: the placement the emulated-host launcher gives each rank, for ranks that
         python -m tf_fusedemb.train ...
 
 The rank's slot on its host comes from Horovod's ``HOROVOD_LOCAL_RANK`` and
-``HOROVOD_LOCAL_SIZE`` (set by horovodrun) or Open MPI's ``OMPI_COMM_WORLD_LOCAL_RANK``
-and ``OMPI_COMM_WORLD_LOCAL_SIZE`` (mpirun); the cores and thread counts from
+``HOROVOD_LOCAL_SIZE`` (set by horovodrun), Open MPI's ``OMPI_COMM_WORLD_LOCAL_RANK``
+and ``OMPI_COMM_WORLD_LOCAL_SIZE`` (mpirun) or torchrun's ``LOCAL_RANK`` and
+``LOCAL_WORLD_SIZE``; the cores and thread counts from
 :mod:`tf_fusedemb.testing.cluster.placement`. A program can also pin itself
 (:func:`pin_this_rank`, e.g. the inference benchmark: one core per rank). Unpinned, two
 ranks on two cores each run TensorFlow thread pools as wide as the machine and preempt
 each other's kernels (the main job ran at 34,775 samples/s unpinned on loopback, 40,295
-pinned on emulated hosts). Outside horovodrun and mpirun the command runs unchanged.
+pinned on emulated hosts). Outside those launchers the command runs unchanged.
 """
 import os
 import shutil
@@ -21,9 +22,11 @@ from typing import Mapping, Optional, Tuple
 
 from tf_fusedemb.testing.cluster.placement import assign_cpus, thread_env
 
-# (local rank, local size) variables of the launchers: horovodrun's, then mpirun's.
+# (local rank, local size) variables of the launchers: horovodrun's, mpirun's, then
+# torchrun's (the peer benchmark pins TorchRec's ranks as it pins ours).
 LOCAL_SLOT_VARS = (("HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
-                   ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"))
+                   ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+                   ("LOCAL_RANK", "LOCAL_WORLD_SIZE"))
 
 
 def rank_cpus(environ: Mapping[str, str]) -> Optional[Tuple[int, ...]]:
@@ -39,7 +42,7 @@ def rank_cpus(environ: Mapping[str, str]) -> Optional[Tuple[int, ...]]:
 
 def pinned_argv(argv, environ) -> tuple:
     """(argv, extra environment) that pin ``argv`` to the core(s) of the rank described
-    by ``environ`` (see :func:`rank_cpus`); unchanged outside horovodrun and mpirun."""
+    by ``environ`` (see :func:`rank_cpus`); unchanged outside those launchers."""
     cpus = rank_cpus(environ)
     if cpus is None or not shutil.which("taskset"):
         return list(argv), {}
@@ -51,7 +54,7 @@ def pin_this_rank(environ: Mapping[str, str] = os.environ,
     """Pins every thread of this process to its rank's cores (:func:`rank_cpus`; only
     the first ``cores`` of them when given), so threads started later (TensorFlow's
     pools, MPI's, Horovod's) run there too. Call it early, before the program sizes its
-    thread pools. Returns the cores; None (nothing done) outside horovodrun and mpirun."""
+    thread pools. Returns the cores; None (nothing done) outside those launchers."""
     cpus = rank_cpus(environ)
     if cpus is None:
         return None
