@@ -1,11 +1,16 @@
 """The peer benchmark's own parts (the TorchRec runs need its environment and are not in
 CI): the batches it dumps for TorchRec are the lookup benchmark's, each feature's IDs
 renumbered one-to-one; the speedups are the ratios the benchmark names; a missing TorchRec
-environment fails with one line naming the fix."""
+environment fails with one line naming the fix; TorchRec's ranks run pinned as ours do."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 from tf_fusedemb.benchmarks import lookup_data, peers
+from tf_fusedemb.testing.cluster.placement import assign_cpus
 
 
 def test_dumped_batches_are_the_lookup_benchmarks_renumbered_one_to_one(tmp_path):
@@ -51,3 +56,21 @@ def test_speedup_by_round_is_each_rounds_own_ratio():
 def test_a_missing_torchrec_environment_names_the_fix(tmp_path):
     with pytest.raises(SystemExit, match="make peers-env"):
         peers.check_peer_python(str(tmp_path / "no-python"))
+
+
+def test_torchrecs_ranks_run_through_the_pinning_wrapper_unless_told_not_to(tmp_path):
+    config = peers.PeerConfig("table_wise", False)
+    pinned = peers.peer_command(peers.parse_args([]), config, "B")
+    unpinned = peers.peer_command(peers.parse_args(["--no-pin"]), config, "B")
+    # pinned: torchrun runs the wrapper, which runs the worker with the peer interpreter
+    at = pinned.index("--no-python")
+    assert pinned[at + 1:at + 5] == [sys.executable, "-m", "tf_fusedemb.testing.cluster.pinned",
+                                     pinned[0]]
+    assert pinned[:at] + pinned[at + 5:] == unpinned
+    assert "--no-python" not in unpinned and str(peers.WORKER) in unpinned
+    # the wrapper's part of that command, run as torchrun's second rank would run it
+    env = dict(os.environ, LOCAL_RANK="1", LOCAL_WORLD_SIZE="2")
+    out = subprocess.run(pinned[at + 1:at + 4] + [sys.executable, "-c",
+                         "import os; print(sorted(os.sched_getaffinity(0)))"],
+                         env=env, capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == str(list(assign_cpus(2)[1]))

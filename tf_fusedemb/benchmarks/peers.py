@@ -150,17 +150,23 @@ def run_ours(args: argparse.Namespace) -> Dict[str, float]:
     return {v: float(variants[v]["step_ms"]) for v in OURS}
 
 
+def peer_command(args: argparse.Namespace, config: PeerConfig, batches: str) -> List[str]:
+    """The torchrun command of one TorchRec run of ``config`` on the batches dumped in
+    ``batches``. Pinned (``args.pin``), torchrun starts our pinning wrapper, which reads
+    the rank's slot from torchrun's environment and runs the worker under taskset, as
+    ``make train`` runs ours."""
+    pin = ["--no-python", sys.executable, "-m", PIN_MODULE, args.peer_python] if args.pin else []
+    return [args.peer_python, "-m", "torch.distributed.run", "--standalone",
+            "--nproc_per_node", str(args.np), *pin, str(WORKER), "--batches", batches,
+            "--sharding", config.sharding, "--warmup", str(args.warmup),
+            "--steps", str(args.steps), "--lr", str(args.lr)] + (["--bf16"] if config.bf16 else [])
+
+
 def run_peer(args: argparse.Namespace, config: PeerConfig, batches: str) -> float:
     """One TorchRec run of ``config``: its median step ms."""
-    # Pinned: torchrun starts our pinning wrapper, which reads the rank's slot from
-    # torchrun's environment and runs the worker under taskset (as make train does ours).
-    pin = ["--no-python", sys.executable, "-m", PIN_MODULE, args.peer_python] if args.pin else []
-    cmd = [args.peer_python, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node", str(args.np), *pin, str(WORKER), "--batches", batches,
-           "--sharding", config.sharding, "--warmup", str(args.warmup),
-           "--steps", str(args.steps), "--lr", str(args.lr)] + (["--bf16"] if config.bf16 else [])
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
+    out = subprocess.run(peer_command(args, config, batches), capture_output=True, text=True,
+                         timeout=1800, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"{config.label} failed ({out.returncode}):\n{out.stderr[-3000:]}")
     return float(last_json(out.stdout, "PEER_RESULT ")["step_ms"])
