@@ -57,6 +57,16 @@ def test_read_timeline_collectives(tmp_path):
     assert (merged[1]["tensors"], merged[1]["bytes"]) == (2, 64)
 
 
+def test_the_two_rank_dense_sum_is_dense_grads_too():
+    """With two ranks the dense gradients' sum is an allgather (comm's gather_sum), its
+    name under the collective's scope; the top layers' part too."""
+    def role(name):
+        return ts.Collective(name, "ALLGATHER", {}, 0.0, 1.0, 0.0, 4).role
+    assert role("fusedemb/dense_grads.0/gathered0") == "dense_grads"
+    assert role("fusedemb/dense_grads/top.3/gathered1") == "dense_grads"
+    assert role("fusedemb/g0_d16_adagrad/rows.0/fusedemb/g0_d16_adagrad/rows") == "g0/rows"
+
+
 def test_truncated_timeline_is_read(tmp_path):
     _timeline(tmp_path / "t.json")
     text = (tmp_path / "t.json").read_text()

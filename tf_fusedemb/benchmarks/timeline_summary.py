@@ -30,6 +30,9 @@ _DTYPE_BYTES = {"float32": 4, "int32": 4, "int64": 8, "float64": 8, "uint8": 1, 
                 "float16": 2, "bool": 1}
 # A part of a grouped AllReduce, under its collective scope (comm.collective_scope).
 _GROUPED = re.compile(r"(^|/)HorovodGroupedAllreduce_.*_(\d+)of(\d+)$")
+# The allgather of a list's sum over two ranks (comm.communicator.gather_sum), under its
+# collective scope: "<name>.<k>/gathered<j>".
+_GATHERED = re.compile(r"\.\d+/gathered\d+$")
 
 Interval = Tuple[float, float]
 
@@ -48,8 +51,9 @@ class Collective:
     @property
     def role(self) -> str:
         """The name without the model's scopes, e.g. "g0/rows/mb1_grad", "loss_stats";
-        the parts of the grouped dense-gradient AllReduce are "dense_grads"."""
-        if _GROUPED.search(self.name):
+        the parts of the grouped dense-gradient AllReduce, or with two ranks its allgather,
+        are "dense_grads"."""
+        if _GROUPED.search(self.name) or _GATHERED.search(self.name):
             return "dense_grads"
         # "<name>.<k>/<name>": the collective's scope (comm.collective_scope), then its name
         tail = self.name.rsplit("fusedemb/", 1)[-1]
