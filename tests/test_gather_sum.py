@@ -1,4 +1,4 @@
-"""The sum of a list over ranks as an allgather and a local sum (``gather_sum``, what
+"""The sum of a list over ranks as a grouped allgather and a local sum (``gather_sum``, what
 ``allreduce_sum_list`` does with two ranks): against numpy with simulated ranks, and on
 two real Horovod ranks bit for bit against Horovod's own grouped allreduce."""
 import numpy as np
@@ -16,22 +16,23 @@ def _rank_tensors(rank):
             np.array(rng.standard_normal(), np.float32)]
 
 
-def test_gather_sum_adds_every_ranks_tensors_in_their_shapes_one_collective_per_dtype():
+def test_gather_sum_adds_every_ranks_tensors_in_their_shapes_with_one_collective():
     ranks = 3
     mine = [tf.constant(t) for t in _rank_tensors(0)]
     calls = []
 
-    def allgather(rows, k):  # every rank's rows, as Horovod's allgather returns them
-        calls.append((k, rows.dtype, rows.shape.as_list()))
-        dtype_tensors = [[t for t in _rank_tensors(r) if t.dtype == rows.dtype.as_numpy_dtype]
-                         for r in range(ranks)]
-        return tf.constant(np.stack([np.concatenate([t.ravel() for t in ts])
-                                     for ts in dtype_tensors]))
+    def allgather(parts):  # every rank's parts, as Horovod's grouped allgather returns them
+        calls.append([(p.dtype, p.shape.as_list()) for p in parts])
+        return [tf.constant(np.concatenate([np.reshape(_rank_tensors(r)[i], p.shape)
+                                            for r in range(ranks)]))
+                for i, p in enumerate(parts)]
 
     got = gather_sum(mine, ranks, allgather)
     want = [np.sum([_rank_tensors(r)[i] for r in range(ranks)], axis=0, dtype=t.dtype)
             for i, t in enumerate(_rank_tensors(0))]
-    assert calls == [(0, tf.float32, [1, 12 + 5 + 1]), (1, tf.int32, [1, 2])]
+    # one collective for all; a scalar travels as a vector of one
+    assert calls == [[(tf.float32, [3, 4]), (tf.int32, [2]), (tf.float32, [5]),
+                      (tf.float32, [1])]]
     for g, w in zip(got, want):
         assert g.dtype.as_numpy_dtype == w.dtype and g.shape.as_list() == list(w.shape)
         np.testing.assert_allclose(g.numpy(), w, rtol=1e-6)

@@ -62,8 +62,8 @@ def test_the_two_rank_dense_sum_is_dense_grads_too():
     name under the collective's scope; the top layers' part too."""
     def role(name):
         return ts.Collective(name, "ALLGATHER", {}, 0.0, 1.0, 0.0, 4).role
-    assert role("fusedemb/dense_grads.0/gathered0") == "dense_grads"
-    assert role("fusedemb/dense_grads/top.3/gathered1") == "dense_grads"
+    assert role("fusedemb/dense_grads.0/gathered_1of4") == "dense_grads"
+    assert role("fusedemb/dense_grads/top.3/gathered_3of3") == "dense_grads"
     assert role("fusedemb/g0_d16_adagrad/rows.0/fusedemb/g0_d16_adagrad/rows") == "g0/rows"
 
 

@@ -30,9 +30,9 @@ _DTYPE_BYTES = {"float32": 4, "int32": 4, "int64": 8, "float64": 8, "uint8": 1, 
                 "float16": 2, "bool": 1}
 # A part of a grouped AllReduce, under its collective scope (comm.collective_scope).
 _GROUPED = re.compile(r"(^|/)HorovodGroupedAllreduce_.*_(\d+)of(\d+)$")
-# The allgather of a list's sum over two ranks (comm.communicator.gather_sum), under its
-# collective scope: "<name>.<k>/gathered<j>".
-_GATHERED = re.compile(r"\.\d+/gathered\d+$")
+# A part of the grouped allgather of a list's sum over two ranks
+# (comm.communicator.gather_sum), under its collective scope: "<name>.<k>/gathered_1of3".
+_GATHERED = re.compile(r"\.\d+/gathered(_\d+of\d+)?$")
 
 Interval = Tuple[float, float]
 

@@ -17,8 +17,7 @@ import contextlib
 import os
 import sys
 import weakref
-from typing import (Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence,
-                    Tuple)
+from typing import Any, Callable, ContextManager, Iterator, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -228,7 +227,7 @@ class HorovodCommunicator(Communicator):
             if self.size > GATHER_SUM_MAX_RANKS:
                 return self._hvd.grouped_allreduce(inputs, op=self._hvd.Sum)
             return gather_sum(inputs, self.size,
-                              lambda rows, k: self._hvd.allgather(rows, name=f"gathered{k}"))
+                              lambda parts: self._hvd.grouped_allgather(parts, name="gathered"))
 
     def allgather(self, tensor: tf.Tensor, name: str) -> tf.Tensor:
         with collective_scope(name):
@@ -250,28 +249,26 @@ class HorovodCommunicator(Communicator):
 # 1.8-2.0 ms. With two ranks each rank receives the same bytes either way (the ring's
 # 2(N-1)/N buffers are N-1 buffers only for N = 2) and a + b is the ring's sum bit for bit
 # (addition commutes); with more the ring moves fewer bytes and keeps Horovod's order.
+# The tensors must share a dtype, as for Horovod's grouped allreduce.
 GATHER_SUM_MAX_RANKS = 2
 
 
 def gather_sum(tensors: Sequence[tf.Tensor], ranks: int,
-               allgather: Callable[[tf.Tensor, int], tf.Tensor]) -> List[tf.Tensor]:
-    """Each of ``tensors`` summed over ``ranks`` ranks with one allgather per dtype:
-    this rank's tensors of a dtype flattened into one row (``rows``: [1, n]),
-    ``allgather(rows, k)`` (the k-th dtype's collective) giving every rank's rows in rank
-    order ([ranks, n]), added up in rank order and cut back into the tensors' shapes."""
-    by_dtype: Dict[tf.DType, List[int]] = collections.defaultdict(list)
-    for i, t in enumerate(tensors):
-        by_dtype[t.dtype].append(i)
-    out: List[tf.Tensor] = list(tensors)
-    for k, positions in enumerate(by_dtype.values()):
-        parts = [tensors[i] for i in positions]
-        gathered = allgather(tf.concat([tf.reshape(t, [-1]) for t in parts], 0)[None], k)
-        total = gathered[0]
-        for r in range(1, ranks):
-            total = total + gathered[r]
-        sizes = tf.stack([tf.size(t) for t in parts])
-        for i, t, piece in zip(positions, parts, tf.split(total, sizes, num=len(parts))):
-            out[i] = tf.reshape(piece, tf.shape(t))
+               allgather: Callable[[List[tf.Tensor]], List[tf.Tensor]]) -> List[tf.Tensor]:
+    """Each of ``tensors`` summed over ``ranks`` ranks with one grouped allgather:
+    ``allgather(parts)`` gives, for each part, every rank's part concatenated along the
+    first axis in rank order; the ``ranks`` slices of each are added up in rank order. A
+    scalar travels as a vector of one. Few ops: the step's graph holds each of them."""
+    parts = [tf.reshape(t, [1]) if t.shape.rank == 0 else t for t in tensors]
+    axis = tf.constant(0)
+    out = []
+    for t, part, gathered in zip(tensors, parts, allgather(parts)):
+        rows = tf.split(gathered, ranks, axis=axis)
+        total = rows[0]
+        for other in rows[1:]:
+            total = total + other
+        total.set_shape(part.shape)  # the gather's first axis is not static
+        out.append(tf.reshape(total, []) if t.shape.rank == 0 else total)
     return out
 
 
